@@ -1,0 +1,27 @@
+"""mmadapt: LLaVA-style vision-language models from registered parts, with checked image tokens.
+
+    import mmadapt
+    model = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5", preset="tiny")
+"""
+
+from mmadapt.backbones import BACKBONES, BackboneSpec, SpanTokens
+from mmadapt.config import ComponentConfig, ModelConfig
+from mmadapt.contract import ImageTokenContractError
+from mmadapt.encoders import ENCODERS, EncoderSpec, VisualTokens
+from mmadapt.model import VisionLanguageModel
+from mmadapt.projectors import PROJECTORS, ProjectorSpec
+from mmadapt.registry import Registry, UnknownComponentError
+
+__version__ = "0.1.0"
+
+
+def build_model(encoder: str, projector: str, backbone: str, *, preset: str | None = "tiny") -> VisionLanguageModel:
+    """Build a model from registry names; `preset` picks the encoder's and backbone's preset."""
+    return VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset)
+
+
+__all__ = [
+    "BACKBONES", "ENCODERS", "PROJECTORS", "BackboneSpec", "ComponentConfig", "EncoderSpec",
+    "ImageTokenContractError", "ModelConfig", "ProjectorSpec", "Registry", "SpanTokens",
+    "UnknownComponentError", "VisionLanguageModel", "VisualTokens", "build_model",
+]

@@ -1,0 +1,154 @@
+"""The image-token contract: every image becomes exactly its visual tokens in the LLM input.
+
+Built from the two injection steps (`locate`, then `scatter`) so the checker and the model
+can never disagree about where the images are. Checks run on every batch by default and
+cost a few small integer ops (one device sync), nothing per token beyond a comparison.
+
+Shapes: B batch, L tokens, S image spans, I images, N visual tokens, D LLM width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ImageTokenContractError(ValueError):
+    """Images and image tokens disagree. The message names the sample, expected vs found, cause and fix."""
+
+
+@dataclass(frozen=True)
+class ImageSpans:
+    """Runs of the image placeholder: `mask` (B, L) bool; per span (S,) sample, start, length."""
+
+    mask: torch.Tensor
+    sample: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+    num_tokens: int
+
+    @property
+    def num_spans(self) -> int:
+        return int(self.sample.numel())
+
+    def per_sample(self, batch_size: int) -> torch.Tensor:
+        return torch.bincount(self.sample, minlength=batch_size)
+
+
+def locate(input_ids: torch.Tensor, image_token_id: int) -> ImageSpans:
+    """Find every run of `image_token_id` in `input_ids` (B, L); spans come in batch order."""
+    mask = input_ids == image_token_id
+    previous = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
+    starts = mask & ~previous
+    sample, start = starts.nonzero(as_tuple=True)
+    run_id = starts.flatten().cumsum(0) - 1
+    length = torch.bincount(run_id[mask.flatten()], minlength=sample.numel())
+    return ImageSpans(mask, sample, start, length, num_tokens=int(length.sum()))
+
+
+def scatter(inputs_embeds: torch.Tensor, spans: ImageSpans, features: torch.Tensor) -> torch.Tensor:
+    """Write `features` (N, D) into the image positions of `inputs_embeds` (B, L, D), out of place."""
+    if features.shape[0] != spans.num_tokens or features.shape[-1] != inputs_embeds.shape[-1]:
+        raise ImageTokenContractError(
+            f"cannot inject {tuple(features.shape)} visual features into {spans.num_tokens} image positions "
+            f"of width {inputs_embeds.shape[-1]}"
+        )
+    return inputs_embeds.index_put((spans.mask,), features.to(inputs_embeds.dtype))
+
+
+def _fail(sample: int, what: str, cause: str, fix: str) -> ImageTokenContractError:
+    return ImageTokenContractError(f"sample {sample}: {what}. Likely cause: {cause}. Fix: {fix}.")
+
+
+def check_spans(
+    spans: ImageSpans,
+    tokens_per_image: torch.Tensor,
+    *,
+    batch_size: int,
+    images_per_sample: torch.Tensor | None = None,
+) -> None:
+    """Spans per sample == images per sample, and each span's length == its image's token count."""
+    found = spans.per_sample(batch_size)
+    num_images = int(tokens_per_image.numel())
+    if num_images == 0 and spans.num_spans:
+        s = int(spans.sample[0])
+        raise _fail(s, f"{int(found[s])} image span(s) but no images were given",
+                    "pixel_values missing from the batch", "pass the pixel_values (and image_grid_thw) "
+                    "the processor returned, or remove the image placeholders from text-only samples")
+    if num_images and not spans.num_spans:
+        s = 0 if images_per_sample is None else int(images_per_sample.nonzero()[0])
+        raise _fail(s, f"{num_images} image(s) given but no image placeholder tokens in any sample",
+                    "the chat template or truncation dropped the image spans",
+                    "render images with the backbone's image span and never truncate inside one")
+    if images_per_sample is not None:
+        bad = (found != images_per_sample.to(found.device)).nonzero()
+        if bad.numel():
+            s = int(bad[0])
+            raise _fail(s, f"expected {int(images_per_sample[s])} image span(s), found {int(found[s])}",
+                        "an <image> placeholder was lost (truncation) or duplicated in the text",
+                        "give every image exactly one placeholder and keep spans whole when truncating")
+    if spans.num_spans != num_images:
+        s = int(spans.sample[min(spans.num_spans, num_images) - 1])
+        raise _fail(s, f"the batch has {spans.num_spans} image span(s) (per sample {found.tolist()}) but "
+                    f"{num_images} image(s)", "placeholders and images are out of step",
+                    "give every image exactly one placeholder span, in the same order as the images")
+    bad = (spans.length != tokens_per_image.to(spans.length.device)).nonzero()
+    if bad.numel():
+        k = int(bad[0])
+        raise _fail(int(spans.sample[k]), f"image span at position {int(spans.start[k])} has "
+                    f"{int(spans.length[k])} tokens, but image {k} yields {int(tokens_per_image[k])} visual tokens",
+                    "preprocessing does not match the encoder (e.g. CLIP-style resizing before a "
+                    "dynamic-resolution ViT) or the span was expanded from a different image size",
+                    "expand each placeholder to the token count the encoder's processor reports for that image")
+
+
+def check_brackets(input_ids: torch.Tensor, spans: ImageSpans, start_id: int | None, end_id: int | None) -> None:
+    """Each span sits between the backbone's vision-start and vision-end tokens, when it has them."""
+    for token_id, position, name in ((start_id, spans.start - 1, "start"),
+                                     (end_id, spans.start + spans.length, "end")):
+        if token_id is None or not spans.num_spans:
+            continue
+        inside = (position >= 0) & (position < input_ids.shape[1])
+        found = input_ids[spans.sample, position.clamp(0, input_ids.shape[1] - 1)]
+        bad = (~inside | (found != token_id)).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            raise _fail(int(spans.sample[k]), f"image span at position {int(spans.start[k])} is not "
+                        f"bracketed by the vision-{name} token (id {token_id})",
+                        "the text was not rendered with this backbone's chat template",
+                        "render images as <vision_start> + image tokens + <vision_end>")
+
+
+def check_attention(spans: ImageSpans, attention_mask: torch.Tensor | None) -> None:
+    """No image position may be masked out: the LLM would never read those visual tokens."""
+    if attention_mask is None or not spans.num_spans:
+        return
+    hidden = (spans.mask & ~attention_mask).nonzero()
+    if hidden.numel():
+        s, pos = (int(v) for v in hidden[0])
+        raise _fail(s, f"image token at position {pos} has attention_mask == 0",
+                    "padding was written over an image span or the mask was built from the wrong lengths",
+                    "build attention_mask from each sample's true length (bool, True = attend)")
+
+
+def check_token_types(spans: ImageSpans, mm_token_type_ids: torch.Tensor) -> None:
+    """Given `mm_token_type_ids` (B, L) must mark exactly the image positions with 1."""
+    bad = ((mm_token_type_ids == 1) != spans.mask).nonzero()
+    if bad.numel():
+        s, pos = (int(v) for v in bad[0])
+        raise _fail(s, f"mm_token_type_ids[{s}, {pos}] = {int(mm_token_type_ids[s, pos])} disagrees with the "
+                    "image placeholder positions", "mm_token_type_ids came from a different tokenisation",
+                    "omit mm_token_type_ids (mmadapt derives it) or pass the processor's own")
+
+
+def check_injected(inputs_embeds: torch.Tensor, spans: ImageSpans, features: torch.Tensor) -> None:
+    """After injection every image position holds projector output, so no placeholder reaches the LLM."""
+    held = inputs_embeds[spans.mask]
+    same = (held == features.to(held.dtype)).all(-1)
+    if not bool(same.all()):
+        k = int((~same).nonzero()[0])
+        s, pos = (int(v) for v in spans.mask.nonzero()[k])
+        raise _fail(s, f"position {pos} still holds a non-visual embedding after injection",
+                    "something rewrote the embeddings after injection (a hook, or input_ids re-embedded)",
+                    "pass inputs_embeds, not input_ids, to the backbone and keep hooks out of the image positions")

@@ -1,0 +1,152 @@
+"""Checkpoints both ways between mmadapt and transformers' LLaVA and Qwen3.5-VL classes.
+
+Loading goes through transformers' own `from_pretrained` (it knows its on-disk layouts and
+shards), then parameters are renamed by prefix into mmadapt's modules; exporting builds the
+transformers model, loads the renamed weights strictly and calls its `save_pretrained`.
+Missing or unexpected keys are errors on both paths.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmadapt.backbones import BACKBONES
+from mmadapt.backbones.base import TOKEN_FIELDS as TOKEN_FIELDS_HINT
+from mmadapt.config import ComponentConfig, ModelConfig
+from mmadapt.encoders.base import hf_options
+from mmadapt.projectors import MLPProjector, QwenMergerProjector
+
+# transformers runtime parameter prefix -> mmadapt prefix; first match wins.
+LLAVA_KEYS = (("model.vision_tower.", "encoder.tower."), ("model.multi_modal_projector.", "projector."),
+              ("model.language_model.", "backbone.model."), ("lm_head.", "backbone.lm_head."))
+QWEN3_5_KEYS = (("model.visual.merger.", "projector."), ("model.visual.", "encoder.tower."),
+                ("model.language_model.", "backbone.model."), ("lm_head.", "backbone.lm_head."))
+LLAVA_ENCODERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_class: str
+    keys: tuple[tuple[str, str], ...]
+
+
+ARCHITECTURES = {
+    "llava": Architecture("LlavaForConditionalGeneration", LLAVA_KEYS),
+    "qwen3_5": Architecture("Qwen3_5ForConditionalGeneration", QWEN3_5_KEYS),
+}
+
+
+def rename(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        for old, new in rules:
+            if key.startswith(old):
+                out[new + key[len(old):]] = value
+                break
+        else:
+            raise ValueError(f"no mapping for parameter {key!r}; known prefixes: {[old for old, _ in rules]}")
+    return out
+
+
+def _backbone_for(model_type: str) -> str:
+    for name, spec in BACKBONES.items():
+        if spec.hf_model_type == model_type:
+            return name
+    known = sorted(spec.hf_model_type for _, spec in BACKBONES.items())
+    raise ValueError(f"no registered backbone wraps transformers model_type {model_type!r}; registered: {known}. "
+                     f"Register one (see README, 'A new backbone in a few lines').")
+
+
+def _model_config(hf_config: Any) -> ModelConfig:
+    """The mmadapt components equivalent to a transformers LLaVA / Qwen3.5 config."""
+    text = hf_options(hf_config.text_config)
+    if hf_config.model_type == "qwen3_5":
+        tokens = {k: getattr(hf_config, k) for k in TOKEN_FIELDS_HINT}
+        encoder = ComponentConfig(name="qwen3_5_vit", preset=None, options=hf_options(hf_config.vision_config))
+        projector = ComponentConfig(name="qwen_merger", preset=None,
+                                    options={"merge_size": hf_config.vision_config.spatial_merge_size})
+        return ModelConfig(encoder=encoder, projector=projector,
+                           backbone=ComponentConfig(name="qwen3_5", preset=None, options={**text, **tokens}))
+    vision_type = hf_config.vision_config.model_type
+    if vision_type not in LLAVA_ENCODERS:
+        raise ValueError(
+            f"LLaVA vision tower {vision_type!r} has no mmadapt encoder; supported: {sorted(LLAVA_ENCODERS)}"
+        )
+    if not isinstance(hf_config.vision_feature_layer, int):
+        raise ValueError("LLaVA configs with several vision_feature_layer values are not supported")
+    encoder = ComponentConfig(name=LLAVA_ENCODERS[vision_type], preset=None, options={
+        **hf_options(hf_config.vision_config), "feature_layer": hf_config.vision_feature_layer,
+        "drop_cls": hf_config.vision_feature_select_strategy == "default"})
+    projector = ComponentConfig(name="mlp2x_gelu", preset=None, options={
+        "act": hf_config.projector_hidden_act, "bias": hf_config.multimodal_projector_bias})
+    backbone = ComponentConfig(name=_backbone_for(hf_config.text_config.model_type), preset=None,
+                               options={**text, "image_token_id": hf_config.image_token_id})
+    return ModelConfig(encoder=encoder, projector=projector, backbone=backbone)
+
+
+def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, Any], *, strict: bool = True) -> Any:
+    model_type = saved.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{directory}: model_type {model_type!r} is neither an mmadapt directory nor a supported "
+                         f"transformers architecture ({sorted(ARCHITECTURES)})")
+    import transformers
+
+    from mmadapt.model import raise_on_key_mismatch
+
+    arch = ARCHITECTURES[model_type]
+    hf_model, info = getattr(transformers, arch.model_class).from_pretrained(directory, output_loading_info=True)
+    raise_on_key_mismatch(info["missing_keys"], info["unexpected_keys"], directory, strict)
+    model = cls(_model_config(hf_model.config))
+    missing, unexpected = model.load_state_dict(rename(hf_model.state_dict(), arch.keys), strict=False, assign=True)
+    raise_on_key_mismatch(missing, unexpected, directory, strict)
+    if getattr(model.backbone.config, "tie_word_embeddings", False):
+        model.backbone.tie_weights()
+    return model.to(hf_model.dtype)
+
+
+def _export_target(model: Any) -> tuple[str, Any]:
+    """Which transformers architecture this component combination is, with its config."""
+    import transformers
+
+    enc, proj, bb = model.config.encoder.name, model.config.projector.name, model.config.backbone.name
+    tokens, lm_config = model.tokens, model.backbone.config
+    if enc == "qwen3_5_vit" and isinstance(model.projector, QwenMergerProjector) and bb == "qwen3_5":
+        vision = {**model.encoder.options, "out_hidden_size": lm_config.hidden_size}
+        return "qwen3_5", transformers.Qwen3_5Config(
+            text_config=hf_options(lm_config), vision_config=vision, image_token_id=tokens.image_token_id,
+            vision_start_token_id=tokens.vision_start_token_id, vision_end_token_id=tokens.vision_end_token_id,
+            tie_word_embeddings=lm_config.tie_word_embeddings)
+    is_llava_mlp = isinstance(model.projector, MLPProjector) and model.projector.depth == 2
+    if enc in LLAVA_ENCODERS.values() and is_llava_mlp and model.backbone_spec.positions == "1d":
+        return "llava", transformers.LlavaConfig(
+            vision_config=model.encoder.tower.config.to_dict(), text_config=lm_config.to_dict(),
+            image_token_id=tokens.image_token_id, projector_hidden_act=model.projector.options["act"],
+            multimodal_projector_bias=model.projector.options["bias"],
+            vision_feature_layer=model.encoder.feature_layer,
+            vision_feature_select_strategy="default" if model.encoder.drop_cls else "full",
+            tie_word_embeddings=lm_config.tie_word_embeddings)
+    raise ValueError(
+        f"no transformers architecture is equivalent to encoder {enc!r} + projector {proj!r} + backbone {bb!r}. "
+        "Exportable: clip/siglip + mlp2x_gelu + a 1-D RoPE backbone (LlavaForConditionalGeneration), "
+        "qwen3_5_vit + qwen_merger + qwen3_5 (Qwen3_5ForConditionalGeneration). Save with format='mmadapt' instead."
+    )
+
+
+def save_transformers(model: Any, directory: str | os.PathLike) -> None:
+    import transformers
+
+    from mmadapt.model import raise_on_key_mismatch
+
+    model_type, hf_config = _export_target(model)
+    arch = ARCHITECTURES[model_type]
+    inverse = tuple((new, old) for old, new in arch.keys)
+    with torch.device("meta"):
+        hf_model = getattr(transformers, arch.model_class)(hf_config)
+    missing, unexpected = hf_model.load_state_dict(rename(model.state_dict(), inverse), strict=False, assign=True)
+    raise_on_key_mismatch(missing, unexpected, "the mmadapt model", strict=True)
+    hf_model.tie_weights()
+    hf_model.save_pretrained(directory)

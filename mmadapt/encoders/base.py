@@ -1,0 +1,163 @@
+"""What every vision encoder is and returns.
+
+An encoder turns pixels into a packed sequence of visual tokens and says, per image, the
+token grid they came from. Fixed-size encoders (CLIP, SigLIP, timm) report the same grid
+for every image; dynamic-resolution encoders (Qwen ViT) report one grid per image from
+`image_grid_thw`. Projectors and the model read only this contract.
+
+Shapes: I images, N visual tokens in all (sum over images of t*h*w), D encoder width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mmadapt.contract import ImageTokenContractError
+from mmadapt.registry import Registry, import_object
+
+
+@dataclass(frozen=True)
+class VisualTokens:
+    """Packed visual tokens: `features` (N, D), `grids` (I, 3) of (t, h, w) in token units.
+
+    `window` is the token order inside each image: 1 means row-major over (t, h, w);
+    m > 1 means m x m spatial windows are contiguous (Qwen's merge-window order).
+    """
+
+    features: torch.Tensor
+    grids: torch.Tensor
+    window: int = 1
+
+    @property
+    def tokens_per_image(self) -> torch.Tensor:
+        return self.grids.prod(-1)
+
+
+class VisionEncoder(nn.Module):
+    """Base class: `forward(pixel_values, image_grid_thw=None) -> VisualTokens`."""
+
+    dynamic: ClassVar[bool] = False
+    output_dim: int
+    patch_size: int
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.options = options
+
+    def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
+        raise NotImplementedError
+
+
+class FixedSizeEncoder(VisionEncoder):
+    """An encoder that takes (I, C, S, S) images and yields the same (1, h, w) grid for each."""
+
+    image_size: int
+    num_channels: int = 3
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        side = self.image_size // self.patch_size
+        return (1, side, side)
+
+    def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
+        expected = (self.num_channels, self.image_size, self.image_size)
+        if pixel_values.ndim == 2:
+            raise ImageTokenContractError(
+                f"{type(self).__name__} is a fixed-size encoder and expects pixel_values of shape "
+                f"(images, {', '.join(map(str, expected))}), but got flattened patches "
+                f"{tuple(pixel_values.shape)} (a dynamic-resolution processor's output). "
+                "Fix: preprocess with this encoder's own processor (resize/pad to "
+                f"{self.image_size} px), or pick a dynamic encoder such as 'qwen3_5_vit'."
+            )
+        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
+            raise ImageTokenContractError(
+                f"{type(self).__name__} expects pixel_values of shape (images, "
+                f"{', '.join(map(str, expected))}), got {tuple(pixel_values.shape)}. "
+                f"Fix: resize or pad every image to {self.image_size} x {self.image_size}."
+            )
+        if image_grid_thw is not None:
+            bad = (image_grid_thw != torch.tensor(self.grid, device=image_grid_thw.device)).any(-1)
+            if bad.any():
+                raise ImageTokenContractError(
+                    f"image_grid_thw row {int(bad.nonzero()[0])} is "
+                    f"{image_grid_thw[bad][0].tolist()}, but this fixed-size encoder always yields "
+                    f"{list(self.grid)}. Fix: drop image_grid_thw (fixed encoders do not need it)."
+                )
+
+    def grids_for(self, num_images: int, device: torch.device) -> torch.Tensor:
+        return torch.tensor([self.grid], device=device).expand(num_images, 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderSpec:
+    """A registered encoder: where its class lives and its presets (dicts of options)."""
+
+    name: str
+    description: str
+    factory: str
+    dynamic: bool
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def options(self, preset: str | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        return resolve_preset(self.presets, preset, overrides, kind=f"encoder {self.name!r}")
+
+    def build(self, preset: str | None = "tiny", **overrides: Any) -> VisionEncoder:
+        encoder = import_object(self.factory)(**self.options(preset, overrides))
+        if encoder.dynamic != self.dynamic:
+            raise TypeError(f"encoder {self.name!r} registered dynamic={self.dynamic} but built {encoder.dynamic}")
+        return encoder
+
+
+def resolve_preset(
+    presets: dict[str, dict[str, Any]], preset: str | None, overrides: dict[str, Any] | None, *, kind: str
+) -> dict[str, Any]:
+    """Preset options (a deep copy) updated by overrides; unknown presets list the known ones."""
+    if preset is None:
+        base: dict[str, Any] = {}
+    elif preset in presets:
+        base = presets[preset]
+    else:
+        raise ValueError(f"unknown preset {preset!r} for {kind}; known: {', '.join(sorted(presets)) or '(none)'}")
+    return deep_update(base, overrides or {})
+
+
+def deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = {k: (deep_update(v, {}) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in update.items():
+        out[key] = deep_update(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def hf_options(config: Any) -> dict[str, Any]:
+    """A transformers config as plain options that rebuild it (bookkeeping keys dropped)."""
+    drop = {"transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "model_type"}
+    return {k: v for k, v in config.to_dict().items() if k not in drop}
+
+
+ENCODERS: Registry[EncoderSpec] = Registry("encoder")
+
+
+def grid_coords(grids: torch.Tensor, window: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image index (N,) and (t, h, w) coordinates (3, N) of every token, in stored order.
+
+    Tokens of image i come in `window` x `window` spatial blocks (row-major over blocks and
+    inside each block); window 1 is plain row-major. Vectorised over all images.
+    """
+    sizes = grids.prod(-1)
+    image = torch.repeat_interleave(torch.arange(len(grids), device=grids.device), sizes)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    local = torch.arange(int(sizes.sum()), device=grids.device) - offsets[image]
+    h, w = grids[image, 1], grids[image, 2]
+    frame, rest = local // (h * w), local % (h * w)
+    block, inner = rest // (window * window), rest % (window * window)
+    blocks_per_row = w // window
+    rows = (block // blocks_per_row) * window + inner // window
+    cols = (block % blocks_per_row) * window + inner % window
+    return image, torch.stack([frame, rows, cols])

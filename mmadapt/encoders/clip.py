@@ -1,0 +1,58 @@
+"""CLIP vision tower, LLaVA-1.5 style: fixed resolution, features from layer -2, CLS dropped.
+
+Shapes: I images, S image side, P patch, h = w = S / P, D width.
+pixel_values (I, 3, S, S) -> hidden states (I, 1 + h*w, D) -> VisualTokens((I*h*w, D), grids (I, 3)).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from mmadapt.encoders.base import FixedSizeEncoder, VisualTokens, hf_options
+
+
+class ClipEncoder(FixedSizeEncoder):
+    """Wraps `transformers.CLIPVisionModel` as `self.tower` (weights load unchanged)."""
+
+    config_class: ClassVar[str] = "CLIPVisionConfig"
+    model_class: ClassVar[str] = "CLIPVisionModel"
+    has_cls: ClassVar[bool] = True
+
+    def __init__(self, *, feature_layer: int = -2, drop_cls: bool = True, **config: Any) -> None:
+        import transformers
+
+        hf_config = getattr(transformers, self.config_class)(**config)
+        super().__init__({"feature_layer": feature_layer, "drop_cls": drop_cls, **hf_options(hf_config)})
+        if drop_cls and not self.has_cls:
+            raise ValueError(f"{type(self).__name__} has no CLS token to drop; set drop_cls=False")
+        self.tower = getattr(transformers, self.model_class)(hf_config)
+        self.feature_layer = feature_layer
+        self.drop_cls = drop_cls
+        self.output_dim = hf_config.hidden_size
+        self.patch_size = hf_config.patch_size
+        self.image_size = hf_config.image_size
+        self.num_channels = hf_config.num_channels
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
+        self.check_pixels(pixel_values, image_grid_thw)
+        pixel_values = pixel_values.to(self.tower.dtype)
+        hidden = self.tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
+        if self.drop_cls:
+            hidden = hidden[:, 1:]
+        grids = self.grids_for(pixel_values.shape[0], pixel_values.device)
+        return VisualTokens(hidden.reshape(-1, hidden.shape[-1]), grids)
+
+
+CLIP_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        patch_size=8, image_size=32, projection_dim=32,
+    ),
+    # openai/clip-vit-large-patch14-336, LLaVA-1.5's vision tower.
+    "vit-l-14-336": dict(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+        patch_size=14, image_size=336, projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+    ),
+}

@@ -1,0 +1,97 @@
+"""Qwen3.5's dynamic-resolution ViT: the patch embedding and blocks, without the merger.
+
+The merger (2x2 spatial merge + MLP) is the `qwen_merger` projector, so any projector can
+follow this tower and the merger can follow any encoder.
+
+Shapes: I images, N = sum_i t_i*h_i*w_i patches, F = C*T*P*P flattened patch, D width.
+pixel_values (N, F) + image_grid_thw (I, 3) -> VisualTokens((N, D), grids = image_grid_thw,
+window = spatial_merge_size), patches arriving in merge-window order as Qwen's processor emits them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from mmadapt.contract import ImageTokenContractError
+from mmadapt.encoders.base import VisionEncoder, VisualTokens, hf_options
+
+
+class QwenViTEncoder(VisionEncoder):
+    dynamic: ClassVar[bool] = True
+
+    def __init__(self, **config: Any) -> None:
+        from transformers import Qwen3_5VisionConfig, Qwen3_5VisionModel
+
+        hf_config = Qwen3_5VisionConfig(**config)
+        super().__init__(hf_options(hf_config))
+        self.tower = Qwen3_5VisionModel(hf_config)
+        # The merger belongs to the projector (`qwen_merger`); the tower stops at the blocks.
+        self.tower.merger = nn.Identity()
+        self.output_dim = hf_config.hidden_size
+        self.patch_size = hf_config.patch_size
+        self.temporal_patch_size = hf_config.temporal_patch_size
+        self.merge_size = hf_config.spatial_merge_size
+        self.patch_dim = hf_config.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
+        if pixel_values.ndim != 2:
+            raise ImageTokenContractError(
+                f"qwen3_5_vit is a dynamic-resolution encoder and expects flattened patches "
+                f"(patches, {self.patch_dim}) plus image_grid_thw, but got pixel_values of shape "
+                f"{tuple(pixel_values.shape)} (a fixed-size processor's output). Fix: preprocess with the "
+                "Qwen processor (smart-resize to multiples of patch*merge, flattened patches, grid_thw)."
+            )
+        if image_grid_thw is None:
+            raise ImageTokenContractError(
+                "qwen3_5_vit needs image_grid_thw (images, 3) with each image's (t, h, w) patch grid; "
+                "it is missing. Fix: pass the image_grid_thw the Qwen processor returned."
+            )
+        if pixel_values.shape[1] != self.patch_dim:
+            raise ImageTokenContractError(
+                f"qwen3_5_vit expects {self.patch_dim} values per patch (channels*temporal*patch^2), got "
+                f"{pixel_values.shape[1]}. Fix: use a processor with patch_size={self.patch_size}, "
+                f"temporal_patch_size={self.temporal_patch_size}."
+            )
+        odd = (image_grid_thw[:, 1:] % self.merge_size != 0).any(-1)
+        if odd.any():
+            i = int(odd.nonzero()[0])
+            raise ImageTokenContractError(
+                f"image {i}: grid {image_grid_thw[i].tolist()} is not a multiple of the merge size "
+                f"{self.merge_size}. Fix: resize images to multiples of patch*merge = "
+                f"{self.patch_size * self.merge_size} px."
+            )
+        total = int(image_grid_thw.prod(-1).sum())
+        if total != pixel_values.shape[0]:
+            raise ImageTokenContractError(
+                f"image_grid_thw describes {total} patches but pixel_values holds {pixel_values.shape[0]}. "
+                "Fix: pass pixel_values and image_grid_thw from the same processor call, images in order."
+            )
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
+        self.check_pixels(pixel_values, image_grid_thw)
+        hidden = self.tower(pixel_values.to(self.tower.dtype), grid_thw=image_grid_thw).last_hidden_state
+        return VisualTokens(hidden, image_grid_thw, window=self.merge_size)
+
+
+def _preset(depth: int, hidden: int, intermediate: int, heads: int, out: int) -> dict[str, Any]:
+    return dict(
+        depth=depth, hidden_size=hidden, intermediate_size=intermediate, num_heads=heads, out_hidden_size=out,
+        patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+    )
+
+
+QWEN_VIT_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64,
+        patch_size=8, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+    ),
+    # Vision towers of the published Qwen3.5 checkpoints (config.json `vision_config`).
+    "qwen3.5-0.8b": _preset(12, 768, 3072, 12, 1024),
+    "qwen3.5-2b": _preset(24, 1024, 4096, 16, 2048),
+    "qwen3.5-4b": _preset(24, 1024, 4096, 16, 2560),
+    "qwen3.5-9b": _preset(27, 1152, 4304, 16, 4096),
+}

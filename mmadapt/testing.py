@@ -1,0 +1,80 @@
+"""Synthetic, well-formed batches for any component combination (tests, benchmarks, notebooks).
+
+The text is random token ids; each image span is expanded to exactly the token count the
+encoder + projector yield for that image, bracketed when the backbone uses start/end tokens.
+Rows are right-padded; `attention_mask` is bool; `labels` supervise the text after the images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mmadapt.encoders.base import FixedSizeEncoder
+
+
+def image_grid(model: Any, side: int) -> torch.Tensor:
+    """The encoder's patch grid for an image of `side` x `side` pixels (fixed encoders ignore `side`)."""
+    if isinstance(model.encoder, FixedSizeEncoder):
+        return torch.tensor(model.encoder.grid)
+    patches = side // model.encoder.patch_size
+    return torch.tensor([1, patches, patches])
+
+
+def random_pixels(model: Any, grids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if isinstance(model.encoder, FixedSizeEncoder):
+        size = model.encoder.image_size
+        return torch.randn(len(grids), model.encoder.num_channels, size, size, generator=generator)
+    return torch.randn(int(grids.prod(-1).sum()), model.encoder.patch_dim, generator=generator)
+
+
+def synthetic_batch(
+    model: Any,
+    images_per_sample: Sequence[int] = (1, 2),
+    *,
+    image_sides: Sequence[int] | None = None,
+    text_lengths: Sequence[int] | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A right-padded batch; `image_sides` (pixels, one per image) vary dynamic encoders' grids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = model.tokens
+    num_images = sum(images_per_sample)
+    merges = getattr(model.projector, "merge_size", 1) * getattr(model.encoder, "merge_size", 1)
+    step = model.encoder.patch_size * merges
+    sides = list(image_sides) if image_sides is not None else [step * (2 + i % 2) for i in range(num_images)]
+    grids = torch.stack([image_grid(model, s) for s in sides]) if num_images else torch.zeros(0, 3, dtype=torch.long)
+    counts = model.projector.output_grids(grids).prod(-1).tolist() if num_images else []
+    special = {tokens.image_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id}
+    vocab = [t for t in range(model.backbone.config.vocab_size) if t not in special]
+    rows, image = [], 0
+    for b, n in enumerate(images_per_sample):
+        text = text_lengths[b] if text_lengths is not None else 6 + 3 * b
+        row: list[int] = []
+        for _ in range(n):
+            row += [vocab[int(i)] for i in torch.randint(len(vocab), (2,), generator=g)]
+            span = [tokens.image_token_id] * counts[image]
+            if tokens.vision_start_token_id is not None:
+                span = [tokens.vision_start_token_id, *span, tokens.vision_end_token_id]
+            row += span
+            image += 1
+        row += [vocab[int(i)] for i in torch.randint(len(vocab), (text,), generator=g)]
+        rows.append(row)
+    length = max(map(len, rows))
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, : len(row)] = torch.tensor(row)
+        attention_mask[b, : len(row)] = True
+        answer = text_lengths[b] if text_lengths is not None else 6 + 3 * b
+        labels[b, len(row) - answer // 2 : len(row)] = input_ids[b, len(row) - answer // 2 : len(row)]
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+             "images_per_sample": torch.tensor(list(images_per_sample))}
+    if num_images:
+        batch["pixel_values"] = random_pixels(model, grids, g)
+        if model.encoder.dynamic:
+            batch["image_grid_thw"] = grids
+    return batch
