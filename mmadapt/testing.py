@@ -15,12 +15,12 @@ import torch
 from mmadapt.encoders.base import FixedSizeEncoder
 
 
-def image_grid(model: Any, side: int) -> torch.Tensor:
-    """The encoder's patch grid for an image of `side` x `side` pixels (fixed encoders ignore `side`)."""
+def image_grid(model: Any, side: int | tuple[int, int]) -> torch.Tensor:
+    """The encoder's patch grid for an image of `side` (or (height, width)) pixels; fixed encoders ignore it."""
     if isinstance(model.encoder, FixedSizeEncoder):
         return torch.tensor(model.encoder.grid)
-    patches = side // model.encoder.patch_size
-    return torch.tensor([1, patches, patches])
+    height, width = (side, side) if isinstance(side, int) else side
+    return torch.tensor([1, height // model.encoder.patch_size, width // model.encoder.patch_size])
 
 
 def random_pixels(model: Any, grids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -34,11 +34,11 @@ def synthetic_batch(
     model: Any,
     images_per_sample: Sequence[int] = (1, 2),
     *,
-    image_sides: Sequence[int] | None = None,
+    image_sides: Sequence[int | tuple[int, int]] | None = None,
     text_lengths: Sequence[int] | None = None,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """A right-padded batch; `image_sides` (pixels, one per image) vary dynamic encoders' grids."""
+    """A right-padded batch; `image_sides` (pixels or (h, w), one per image) vary dynamic encoders' grids."""
     g = torch.Generator().manual_seed(seed)
     tokens = model.tokens
     num_images = sum(images_per_sample)
