@@ -152,3 +152,54 @@ def check_injected(inputs_embeds: torch.Tensor, spans: ImageSpans, features: tor
         raise _fail(s, f"position {pos} still holds a non-visual embedding after injection",
                     "something rewrote the embeddings after injection (a hook, or input_ids re-embedded)",
                     "pass inputs_embeds, not input_ids, to the backbone and keep hooks out of the image positions")
+
+
+@dataclass
+class BatchReport:
+    """What `check_batch` found: per-sample image/span counts and the first contract violation."""
+
+    rows: list[dict]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def __str__(self) -> str:
+        lines = [f"{'sample':>6}  {'tokens':>6}  {'images':>6}  {'spans':>5}  span lengths -> visual tokens"]
+        for r in self.rows:
+            pairs = ", ".join(f"{a}->{b}" for a, b in zip(r["span_lengths"], r["image_tokens"], strict=False))
+            lines.append(f"{r['sample']:>6}  {r['tokens']:>6}  {r['images']!s:>6}  {r['spans']:>5}  {pairs}")
+        lines.append("contract: OK" if self.ok else f"contract: FAILED - {self.error}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def check_batch(model, batch: dict) -> BatchReport:
+    """Run every image-token check on `batch` (no LLM forward) and return a readable report."""
+    input_ids = batch["input_ids"]
+    spans = locate(input_ids, model.tokens.image_token_id)
+    images_per_sample = batch.get("images_per_sample")
+    from mmadapt.model import as_bool_mask
+
+    rows, error, tokens = [], None, []
+    lengths_in_tokens = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
+    try:
+        valid = as_bool_mask(batch.get("attention_mask"), input_ids)
+        lengths_in_tokens = valid.sum(-1)
+        visual = model.encode_checked(batch.get("pixel_values"), batch.get("image_grid_thw"), spans)
+        tokens = visual.tokens_per_image.tolist() if visual is not None else []
+        model.check_inputs(input_ids, spans, visual, valid, batch.get("mm_token_type_ids"),
+                           batch.get("position_ids"), images_per_sample)
+        if visual is not None:
+            check_injected(model.embed(input_ids, spans, visual), spans, visual.features)
+    except (ValueError, TypeError) as e:  # ImageTokenContractError is a ValueError
+        error = str(e)
+    lengths = spans.length.tolist()
+    for b in range(input_ids.shape[0]):
+        mine = (spans.sample == b).nonzero().flatten().tolist()
+        rows.append({"sample": b, "tokens": int(lengths_in_tokens[b]), "spans": len(mine),
+                     "images": int(images_per_sample[b]) if images_per_sample is not None else "?",
+                     "span_lengths": [lengths[k] for k in mine], "image_tokens": [tokens[k] for k in mine
+                                                                                   if k < len(tokens)]})
+    return BatchReport(rows, error)

@@ -64,6 +64,15 @@ class VisionLanguageModel(nn.Module):
             return None
         return self.projector(self.encoder(pixel_values, image_grid_thw))
 
+    def encode_checked(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                       spans: ImageSpans) -> VisualTokens | None:
+        """`encode_images`, with pixel-format errors attributed to the first sample that has an image."""
+        try:
+            return self.encode_images(pixel_values, image_grid_thw)
+        except ImageTokenContractError as e:
+            first = int(spans.sample[0]) if spans.num_spans else 0
+            raise ImageTokenContractError(f"sample {first}: {e}") from None
+
     def embed(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None) -> torch.Tensor:
         embeds = self.backbone.get_input_embeddings()(input_ids)
         if visual is None:
@@ -89,7 +98,7 @@ class VisionLanguageModel(nn.Module):
     ) -> CausalLMOutputWithPast:
         valid = as_bool_mask(attention_mask, input_ids)
         spans = contract.locate(input_ids, self.tokens.image_token_id)
-        visual = self.encode_images(pixel_values, image_grid_thw)
+        visual = self.encode_checked(pixel_values, image_grid_thw, spans)
         if self.config.check_contract:
             self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample)
         inputs_embeds = self.embed(input_ids, spans, visual)
@@ -135,7 +144,7 @@ class VisionLanguageModel(nn.Module):
         order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
         spans = contract.locate(input_ids, self.tokens.image_token_id)
-        visual = self.encode_images(pixel_values, image_grid_thw)
+        visual = self.encode_checked(pixel_values, image_grid_thw, spans)
         if self.config.check_contract:
             self.check_inputs(input_ids, spans, visual, valid)
         embeds = self.embed(input_ids, spans, visual)

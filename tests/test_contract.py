@@ -1,0 +1,151 @@
+"""The image-token contract over every registered encoder x projector x backbone (tiny presets).
+
+Each combination must train (finite forward + backward, gradients reaching the projector)
+and must refuse each kind of broken batch with an `ImageTokenContractError` naming the sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import mmadapt
+from mmadapt import BACKBONES, ENCODERS, PROJECTORS, ImageTokenContractError, VisionLanguageModel
+from mmadapt.contract import check_batch
+from mmadapt.testing import synthetic_batch
+
+COMBOS = list(itertools.product(ENCODERS.names(), PROJECTORS.names(), BACKBONES.names()))
+_models: dict = {}
+
+
+def tiny(encoder: str, projector: str, backbone: str) -> VisionLanguageModel:
+    key = (encoder, projector, backbone)
+    if key not in _models:
+        torch.manual_seed(0)
+        _models[key] = mmadapt.build_model(*key)
+    return _models[key]
+
+
+def broken_batches(model: VisionLanguageModel) -> dict:
+    """name -> (batch, sample the error must name), each violating one contract line."""
+    good = lambda: synthetic_batch(model, (1, 2))  # noqa: E731
+    image_id, text_id = model.tokens.image_token_id, 3
+    cases = {}
+
+    b = good()  # sample 1 loses one whole image span (and its brackets)
+    row = b["input_ids"][1]
+    first = int((row == image_id).nonzero()[0])
+    length = int((row[first:] == image_id).int().cumprod(0).sum())
+    lo, hi = (first - 1, first + length + 1) if model.tokens.vision_start_token_id is not None else (first, first + length)
+    row[lo:hi] = text_id
+    cases["span_count"] = (b, 1)
+
+    b = good()  # sample 1's second span is one token short
+    row = b["input_ids"][1]
+    last = int((row == image_id).nonzero()[-1])
+    b["input_ids"][1] = torch.cat([row[:last], row[last + 1 :], row.new_tensor([0])])
+    cases["span_length"] = (b, 1)
+
+    b = good()  # images but no spans at all
+    b["input_ids"][b["input_ids"] == image_id] = text_id
+    cases["images_without_spans"] = (b, 0)
+
+    b = good()  # spans but no images
+    b.pop("pixel_values"), b.pop("image_grid_thw", None), b.pop("images_per_sample")
+    cases["spans_without_images"] = (b, 0)
+
+    b = good()  # wrong pixel format: fixed-size pixels to a dynamic encoder or the reverse
+    if model.encoder.dynamic:
+        b["pixel_values"] = torch.randn(3, 3, 32, 32)
+    else:
+        b["pixel_values"] = torch.randn(48, 3 * 2 * 8 * 8)
+    cases["pixel_format"] = (b, 0)
+
+    b = good()  # an image token hidden by the attention mask
+    b["attention_mask"][1, int((b["input_ids"][1] == image_id).nonzero()[0])] = False
+    cases["masked_image_token"] = (b, 1)
+
+    b = good()  # mm_token_type_ids that disagree with the placeholders
+    b["mm_token_type_ids"] = (b["input_ids"] == image_id).int()
+    b["mm_token_type_ids"][1, 0] = 1
+    cases["token_types"] = (b, 1)
+
+    if model.uses_mrope:  # 1-D positions for image tokens
+        b = good()
+        b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])
+        cases["positions_1d"] = (b, 0)
+    return cases
+
+
+@pytest.mark.parametrize("encoder,projector,backbone", COMBOS)
+def test_every_combination_trains_and_enforces_the_contract(encoder, projector, backbone, monkeypatch):
+    model = tiny(encoder, projector, backbone)
+    model.zero_grad()
+    batch = synthetic_batch(model, (1, 2))
+    assert check_batch(model, batch).ok
+    out = model(**batch)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    # identity has no parameters: then the gradient must reach the encoder through it
+    params = list(model.projector.parameters()) or list(model.encoder.parameters())
+    reached = [p.grad for p in params if p.grad is not None]
+    assert reached and all(torch.isfinite(g).all() for g in reached)
+    assert sum(g.abs().sum() for g in reached) > 0, "no gradient reached the projector"
+
+    for name, (broken, sample) in broken_batches(model).items():
+        with pytest.raises(ImageTokenContractError, match=rf"^sample {sample}\b") as info:
+            model(**broken)
+        assert "Fix:" in str(info.value), name
+        assert not check_batch(model, broken).ok, name
+
+    # after injection a placeholder embedding remains: a scatter that skips the last image token
+    from mmadapt import contract
+
+    real_scatter = contract.scatter
+
+    def leaky_scatter(embeds, spans, features):
+        out = real_scatter(embeds, spans, features)
+        b, pos = spans.mask.nonzero()[-1]
+        out = out.clone()
+        out[b, pos] = embeds[b, pos]
+        return out
+
+    monkeypatch.setattr(contract, "scatter", leaky_scatter)
+    with pytest.raises(ImageTokenContractError, match=r"^sample 1: position \d+ still holds"):
+        model(**batch)
+
+
+def test_projector_width_mismatch_fails_at_build_naming_both():
+    config = mmadapt.ModelConfig.from_names("clip", "identity", "llama")
+    config.encoder.options = {"hidden_size": 32, "intermediate_size": 64}
+    with pytest.raises(ValueError, match=r"encoder width 32 to backbone width 64"):
+        VisionLanguageModel(config)
+
+
+def test_integer_attention_mask_is_compared_not_indexed():
+    model = tiny("clip", "mlp2x_gelu", "llama")
+    batch = synthetic_batch(model, (1, 1), text_lengths=[8, 3])
+    as_bool = model(**batch).logits
+    as_int = model(**{**batch, "attention_mask": batch["attention_mask"].int()}).logits
+    assert torch.equal(as_bool, as_int)
+    with pytest.raises(TypeError, match="indexes instead of masking"):
+        model(**{**batch, "attention_mask": batch["attention_mask"].int() * 2})
+
+
+def test_contract_check_can_be_switched_off_but_injection_still_counts():
+    config = mmadapt.ModelConfig.from_names("clip", "mlp2x_gelu", "llama", check_contract=False)
+    model = VisionLanguageModel(config)
+    batch = synthetic_batch(model, (1, 1))
+    row = batch["input_ids"][0]
+    row[int((row == model.tokens.image_token_id).nonzero()[0])] = 3
+    with pytest.raises(ImageTokenContractError, match="cannot inject"):
+        model(**batch)
+
+
+def test_check_batch_report_is_readable():
+    model = tiny("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    report = check_batch(model, synthetic_batch(model, (1, 2)))
+    text = str(report)
+    assert report.ok and "contract: OK" in text and "36->36" in text
