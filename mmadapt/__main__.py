@@ -1,0 +1,5 @@
+import sys
+
+from mmadapt.cli import main
+
+sys.exit(main())

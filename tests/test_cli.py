@@ -1,0 +1,33 @@
+"""The `mmadapt` console script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from mmadapt import BACKBONES, ENCODERS, PROJECTORS
+from mmadapt.cli import main
+
+
+def test_list_prints_every_component(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for registry in (BACKBONES, ENCODERS, PROJECTORS):
+        for name, spec in registry.items():
+            assert name in out and spec.description in out
+
+
+def test_check_model_reports_ok(capsys):
+    assert main(["check-model", "clip", "mlp2x_gelu", "qwen3_5"]) == 0
+    out = capsys.readouterr().out
+    assert "contract: OK" in out and "projector gradient norm" in out
+
+
+def test_unknown_name_is_a_clean_error(capsys):
+    assert main(["check-model", "clip", "mlp", "llama"]) == 2
+    assert "known: identity" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "mmadapt", "list"], capture_output=True, text=True, check=True)
+    assert "qwen3_5_vit" in out.stdout
