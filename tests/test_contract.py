@@ -38,8 +38,8 @@ def broken_batches(model: VisionLanguageModel) -> dict:
     row = b["input_ids"][1]
     first = int((row == image_id).nonzero()[0])
     length = int((row[first:] == image_id).int().cumprod(0).sum())
-    lo, hi = (first - 1, first + length + 1) if model.tokens.vision_start_token_id is not None else (first, first + length)
-    row[lo:hi] = text_id
+    bracketed = int(model.tokens.vision_start_token_id is not None)
+    row[first - bracketed : first + length + bracketed] = text_id
     cases["span_count"] = (b, 1)
 
     b = good()  # sample 1's second span is one token short
