@@ -20,17 +20,6 @@ from mmadapt import VisionLanguageModel, contract
 from mmadapt.testing import synthetic_batch
 
 
-def timed(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ---- injection ------------------------------------------------------------------------------
 def injection_inputs(batch: int, length: int, width: int, image_tokens: int, image_id: int = 7):
     g = torch.Generator().manual_seed(0)
@@ -70,19 +59,18 @@ def inject_llava_loop(input_ids, embeds, features, image_id):
 def bench_injection(reps: int, shape: tuple[int, int, int, int]) -> list[tuple[str, float]]:
     inputs = injection_inputs(*shape)
     grad = torch.randn(shape[0], shape[1], shape[2])
-    results = []
-    for name, fn in [("bool index_put (baseline)", inject_index_put), ("mmadapt locate+scatter", inject_mmadapt),
-                     ("masked_scatter (transformers)", inject_masked_scatter),
-                     ("LLaVA per-sample loop", inject_llava_loop)]:
-        def step(fn=fn):
-            out = fn(*inputs)
-            out.backward(grad)
-        results.append((name, timed(step, reps)))
-    return results
+    methods = [("bool index_put (baseline)", inject_index_put), ("mmadapt locate+scatter", inject_mmadapt),
+               ("masked_scatter (transformers)", inject_masked_scatter), ("LLaVA per-sample loop", inject_llava_loop)]
+
+    def step(fn):
+        return lambda: fn(*inputs).backward(grad)
+
+    return list(zip([name for name, _ in methods], alternating([step(fn) for _, fn in methods], reps), strict=True))
 
 
 # ---- training step ----------------------------------------------------------------------------
-def bench_training_step(reps: int, autocast: bool) -> tuple[float, float]:
+def bench_model_step(reps: int, autocast: bool, train: bool) -> list[float]:
+    """Median seconds of one step (forward + backward + AdamW, or a no-grad forward): mmadapt, transformers."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -96,19 +84,33 @@ def bench_training_step(reps: int, autocast: bool) -> tuple[float, float]:
     hf_batch = {k: v for k, v in batch.items() if k != "images_per_sample"}
     hf_batch["attention_mask"] = batch["attention_mask"].long()
     hf_batch["mm_token_type_ids"] = (batch["input_ids"] == ours.tokens.image_token_id).int()
-    times = []
+    steps = []
     for model, inputs in ((ours, batch), (theirs, hf_batch)):
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(model=model, inputs=inputs, optimizer=optimizer):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
                 loss = model(**inputs).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        times.append(timed(step, reps))
-    return times[0], times[1]
+            if train:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        steps.append(step)
+    return alternating(steps, reps)
+
+
+def alternating(fns, reps: int) -> list[float]:
+    """Median time of each fn, run in turns so that drift in machine load hits all of them alike."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, record in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            record.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -130,13 +132,14 @@ def main() -> None:
     print("| method | ms | vs bool index_put |\n|---|---:|---:|")
     for name, seconds in rows:
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.2f}x |")
-    print("\n### Training step (forward + backward + AdamW), tiny Qwen3.5-VL, 8 samples, same weights and batch\n")
-    print("| precision | mmadapt ms | transformers ms | ratio |\n|---|---:|---:|---:|")
-    for autocast in (False, True):
-        ours, theirs = bench_training_step(args.reps, autocast)
-        label = "bf16 autocast" if autocast else "fp32"
-        print(f"| {label} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f}x |")
-
+    print("\n### Tiny Qwen3.5-VL, 8 samples, same weights and batch: mmadapt vs Qwen3_5ForConditionalGeneration\n")
+    print("| step | precision | mmadapt ms | transformers ms | ratio |\n|---|---|---:|---:|---:|")
+    for train in (True, False):
+        for autocast in (False, True):
+            ours, theirs = bench_model_step(args.reps, autocast, train)
+            label = "bf16 autocast" if autocast else "fp32"
+            kind = "train (fwd+bwd+AdamW)" if train else "forward (no grad)"
+            print(f"| {kind} | {label} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f}x |")
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
 
 from mmadapt.backbones import BACKBONES, BackboneSpec, SpanTokens
 from mmadapt.config import ComponentConfig, ModelConfig
-from mmadapt.contract import ImageTokenContractError
+from mmadapt.contract import BatchReport, ImageTokenContractError, check_batch
 from mmadapt.encoders import ENCODERS, EncoderSpec, VisualTokens
 from mmadapt.model import VisionLanguageModel
 from mmadapt.projectors import PROJECTORS, ProjectorSpec
@@ -21,7 +21,7 @@ def build_model(encoder: str, projector: str, backbone: str, *, preset: str | No
 
 
 __all__ = [
-    "BACKBONES", "ENCODERS", "PROJECTORS", "BackboneSpec", "ComponentConfig", "EncoderSpec",
+    "BACKBONES", "ENCODERS", "PROJECTORS", "BackboneSpec", "BatchReport", "ComponentConfig", "EncoderSpec",
     "ImageTokenContractError", "ModelConfig", "ProjectorSpec", "Registry", "SpanTokens",
-    "UnknownComponentError", "VisionLanguageModel", "VisualTokens", "build_model",
+    "UnknownComponentError", "VisionLanguageModel", "VisualTokens", "build_model", "check_batch",
 ]
