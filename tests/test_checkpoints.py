@@ -45,7 +45,7 @@ def test_export_without_a_transformers_equivalent_says_so(tmp_path):
 
 
 def test_not_a_model_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json not found"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
         VisionLanguageModel.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="model_type 'bert' is neither"):

@@ -1,0 +1,17 @@
+"""The benchmark runner still runs (quick shapes; it asserts nothing about speed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_core_quick_run_prints_its_tables():
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_core.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--reps", "1"], capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    assert "| mmadapt locate+scatter |" in out and "| train (fwd+bwd+AdamW) | fp32 |" in out
