@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from mmadapt.backbones import BACKBONES
-from mmadapt.backbones.base import TOKEN_FIELDS as TOKEN_FIELDS_HINT
+from mmadapt.backbones.base import TOKEN_FIELDS
 from mmadapt.config import ComponentConfig, ModelConfig
-from mmadapt.encoders.base import hf_options
+from mmadapt.options import hf_options
 from mmadapt.projectors import MLPProjector, QwenMergerProjector
 
 # transformers runtime parameter prefix -> mmadapt prefix; first match wins.
@@ -65,7 +65,7 @@ def _model_config(hf_config: Any) -> ModelConfig:
     """The mmadapt components equivalent to a transformers LLaVA / Qwen3.5 config."""
     text = hf_options(hf_config.text_config)
     if hf_config.model_type == "qwen3_5":
-        tokens = {k: getattr(hf_config, k) for k in TOKEN_FIELDS_HINT}
+        tokens = {k: getattr(hf_config, k) for k in TOKEN_FIELDS}
         encoder = ComponentConfig(name="qwen3_5_vit", preset=None, options=hf_options(hf_config.vision_config))
         projector = ComponentConfig(name="qwen_merger", preset=None,
                                     options={"merge_size": hf_config.vision_config.spatial_merge_size})

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmadapt.encoders.base import VisualTokens, grid_coords, resolve_preset
+from mmadapt.encoders.base import VisualTokens, grid_coords
+from mmadapt.options import resolve_preset
 from mmadapt.registry import Registry, import_object
 
 

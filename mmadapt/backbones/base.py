@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmadapt.encoders.base import hf_options, resolve_preset
+from mmadapt.options import hf_options, resolve_preset
 from mmadapt.registry import Registry, import_object
 
 TOKEN_FIELDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")

@@ -10,7 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from mmadapt.encoders.base import FixedSizeEncoder, VisualTokens, hf_options
+from mmadapt.encoders.base import FixedSizeEncoder, VisualTokens
+from mmadapt.options import hf_options
 
 
 class ClipEncoder(FixedSizeEncoder):

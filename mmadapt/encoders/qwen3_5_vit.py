@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from mmadapt.contract import ImageTokenContractError
-from mmadapt.encoders.base import VisionEncoder, VisualTokens, hf_options
+from mmadapt.encoders.base import VisionEncoder, VisualTokens
+from mmadapt.options import hf_options
 
 
 class QwenViTEncoder(VisionEncoder):
