@@ -5,6 +5,10 @@ Qwen3.5-VL) and returns a transformers `CausalLMOutputWithPast` with `loss` and 
 The backbone is the transformers causal LM itself; the glue only computes input embeddings
 (visual tokens scattered into the image positions) and position ids (1-D or M-RoPE).
 
+Packed batches add `cu_seqlens` (see `mmadapt.packing`): positions restart per sample,
+attention gets a block-diagonal causal mask, and stateful layers (Qwen3.5's Gated DeltaNet)
+run per sample; a training forward never builds a KV cache. Masks must be `torch.bool`.
+
 Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 """
 
@@ -23,6 +27,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
+from mmadapt.packing import Segments, additive_mask, require_bool_mask
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
@@ -35,6 +40,8 @@ class VisionLanguageModel(nn.Module):
         self.backbone_spec = BACKBONES.get(config.backbone.name)
         self.encoder = ENCODERS.get(config.encoder.name).build(config.encoder.preset, **config.encoder.options)
         self.backbone, self.tokens = self.backbone_spec.build(config.backbone.preset, **config.backbone.options)
+        if self.backbone_spec.isolate is not None:
+            self.backbone_spec.isolate(self.backbone)
         width = self.backbone.config.hidden_size
         self.projector = PROJECTORS.get(config.projector.name).build(
             self.encoder.output_dim, width, **config.projector.options
@@ -79,10 +86,27 @@ class VisionLanguageModel(nn.Module):
             return embeds
         return contract.scatter(embeds, spans, visual.features)
 
-    def positions(self, valid: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None) -> torch.Tensor:
+    def positions(self, valid: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
+                  segments: Segments | None = None) -> torch.Tensor:
         if self.uses_mrope:
-            return mrope_positions(valid, spans, visual)
-        return text_positions(valid)
+            return mrope_positions(valid, spans, visual, segments)
+        return text_positions(valid, segments)
+
+    def packed_attention(self, segments: Segments, valid: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The attention-mask argument that isolates the samples of packed rows in this backbone."""
+        implementation = self.backbone.config._attn_implementation
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(
+                f"packed batches need attn_implementation 'sdpa' or 'eager' (a block-diagonal mask); the backbone "
+                f"uses {implementation!r}. Fix: build the backbone with attn_implementation='sdpa', or pad instead."
+            )
+        mask = segments.attention_mask(valid)
+        if implementation == "eager":
+            mask = additive_mask(mask, dtype)
+        if self.backbone_spec.layer_masks:
+            # Hybrid models take one mask per layer type; linear-attention layers isolate samples themselves.
+            return {"full_attention": mask, "linear_attention": None}
+        return mask
 
     def forward(
         self,
@@ -94,9 +118,13 @@ class VisionLanguageModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         images_per_sample: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        meta: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        """`meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
         valid = as_bool_mask(attention_mask, input_ids)
+        segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
         spans = contract.locate(input_ids, self.tokens.image_token_id)
         visual = self.encode_checked(pixel_values, image_grid_thw, spans)
         if self.config.check_contract:
@@ -105,10 +133,17 @@ class VisionLanguageModel(nn.Module):
         if self.config.check_contract and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
         if position_ids is None:
-            position_ids = self.positions(valid, spans, visual)
+            position_ids = self.positions(valid, spans, visual, segments)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
-        return self.backbone(inputs_embeds=inputs_embeds, attention_mask=valid if attention_mask is not None
-                             else None, position_ids=position_ids, labels=labels, **kwargs)
+        backbone_mask: Any = valid if attention_mask is not None else None
+        if segments is not None:
+            if kwargs["use_cache"] or kwargs.get("cache") is not None:
+                raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
+                                 "of a row. Fix: use_cache=False (the default) or generate from unpacked rows.")
+            backbone_mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
+            kwargs["packed_segments"] = segments.bounds
+        return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
+                             position_ids=position_ids, labels=labels, **kwargs)
 
     def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                      valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,
@@ -224,16 +259,9 @@ def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bo
 
 
 def as_bool_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
-    """A (B, L) bool mask, True = attend. 0/1 integer masks (transformers' convention) are compared, never indexed."""
+    """The (B, L) bool mask, True = attend; all True when None. Integer masks are a `TypeError` (they index)."""
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    if attention_mask.is_floating_point() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise TypeError(
-            "attention_mask must be bool (True = attend) or integer 0/1; got "
-            f"{attention_mask.dtype} with other values. An integer tensor used as a mask indexes instead of masking."
-        )
-    return attention_mask != 0
+    return require_bool_mask(attention_mask)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.data.samples import EncodedSample
 from mmadapt.encoders.base import FixedSizeEncoder
 
 
@@ -78,3 +79,40 @@ def synthetic_batch(
         if model.encoder.dynamic:
             batch["image_grid_thw"] = grids
     return batch
+
+
+def synthetic_samples(model: Any, images_per_sample: Sequence[int] = (1, 2), **kwargs: Any) -> list[EncodedSample]:
+    """The rows of `synthetic_batch` as separate `EncodedSample`s (for collators and packing tests)."""
+    batch = synthetic_batch(model, images_per_sample, **kwargs)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    tokens = _tokens_per_image(model, batch)
+    pixels_per_image = _pixel_rows_per_image(model, batch)
+    samples, image = [], 0
+    for b, n in enumerate(images_per_sample):
+        mine = slice(image, image + n)
+        rows = sum(pixels_per_image[mine])
+        first_row = sum(pixels_per_image[:image])
+        samples.append(EncodedSample(
+            id=f"sample-{b}", input_ids=batch["input_ids"][b, : lengths[b]], labels=batch["labels"][b, : lengths[b]],
+            pixel_values=batch["pixel_values"][first_row : first_row + rows] if n else None,
+            image_grid_thw=batch["image_grid_thw"][mine] if n and "image_grid_thw" in batch else None,
+            tokens_per_image=tokens[mine]))
+        image += n
+    return samples
+
+
+def _tokens_per_image(model: Any, batch: dict[str, torch.Tensor]) -> list[int]:
+    if "pixel_values" not in batch:
+        return []
+    grids = batch.get("image_grid_thw")
+    if grids is None:
+        grids = torch.tensor([model.encoder.grid] * batch["pixel_values"].shape[0])
+    return model.projector.output_grids(grids).prod(-1).tolist()
+
+
+def _pixel_rows_per_image(model: Any, batch: dict[str, torch.Tensor]) -> list[int]:
+    if "pixel_values" not in batch:
+        return []
+    if "image_grid_thw" in batch:
+        return batch["image_grid_thw"].prod(-1).tolist()
+    return [1] * batch["pixel_values"].shape[0]

@@ -124,14 +124,15 @@ def test_projector_width_mismatch_fails_at_build_naming_both():
         VisionLanguageModel(config)
 
 
-def test_integer_attention_mask_is_compared_not_indexed():
+def test_integer_attention_mask_is_refused_not_indexed():
+    """Masks are bool everywhere: an int mask is a TypeError with the reason and the fix (CONTEXT.md, story 2)."""
     model = tiny("clip", "mlp2x_gelu", "llama")
     batch = synthetic_batch(model, (1, 1), text_lengths=[8, 3])
-    as_bool = model(**batch).logits
-    as_int = model(**{**batch, "attention_mask": batch["attention_mask"].int()}).logits
-    assert torch.equal(as_bool, as_int)
-    with pytest.raises(TypeError, match="indexes instead of masking"):
-        model(**{**batch, "attention_mask": batch["attention_mask"].int() * 2})
+    for mask in (batch["attention_mask"].int(), batch["attention_mask"].long(), batch["attention_mask"].float()):
+        with pytest.raises(TypeError, match=r"indexes instead of masking.*Fix: pass `attention_mask.bool\(\)`"):
+            model(**{**batch, "attention_mask": mask})
+    report = mmadapt.check_batch(model, {**batch, "attention_mask": batch["attention_mask"].int()})
+    assert not report.ok and "torch.bool" in report.error
 
 
 def test_contract_check_can_be_switched_off_but_injection_still_counts():

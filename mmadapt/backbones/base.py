@@ -46,6 +46,10 @@ class BackboneSpec:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     validate: Callable[[Any], None] | None = None
+    # Packing: `isolate(lm)` makes stateful layers restart at sample boundaries (called once at build);
+    # `layer_masks` means the model takes {layer_type: mask} (hybrid attention / linear-attention stacks).
+    isolate: Callable[[Any], None] | None = None
+    layer_masks: bool = False
 
     def __post_init__(self) -> None:
         if self.positions not in ("1d", "mrope"):

@@ -3,6 +3,8 @@
 Images are `<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`. The rotary section
 split (`mrope_section`, t/h/w frequency counts) must sum to head_dim * partial_rotary_factor / 2;
 transformers does not check it and a wrong split runs silently, so `validate` does.
+Packed rows: Gated DeltaNet layers run per sample (`qwen3_5_layers.py`), attention layers get
+a block-diagonal mask through the per-layer-type mask dict the model accepts.
 """
 
 from typing import Any
@@ -22,6 +24,12 @@ def validate_mrope(config: Any) -> None:
             f"{config.head_dim} x partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)} / 2 = "
             f"{half_rotary} rotary frequencies must be split over (t, h, w). Fix mrope_section to sum to {half_rotary}."
         )
+
+
+def isolate_samples(lm: Any) -> None:
+    from mmadapt.backbones.qwen3_5_layers import isolate_samples
+
+    isolate_samples(lm)
 
 
 def _qwen(hidden: int, intermediate: int, layers: int, heads: int, kv: int, v_heads: int, tie: bool) -> dict:
@@ -65,4 +73,6 @@ BACKBONES.register("qwen3_5", BackboneSpec(
         "qwen3.5-9b": _qwen(4096, 12288, 32, 16, 4, 32, tie=False),
     },
     validate=validate_mrope,
+    isolate=isolate_samples,
+    layer_masks=True,
 ))

@@ -1,0 +1,42 @@
+"""What can be wrong with one training sample, as a value: `DataProblem(reason, detail)`.
+
+Every check in the data pipeline raises `DataProblem` with one of `REASONS`, the sample id
+and the file involved, so a dataset scan can count problems by reason and a training run can
+skip a bad sample (counted and logged) instead of crashing mid-run.
+"""
+
+from __future__ import annotations
+
+REASONS: dict[str, str] = {
+    "bad_format": "the record is not a LLaVA or messages sample (missing or malformed fields)",
+    "missing_image": "an image file does not exist",
+    "path_outside_root": "an image path is absolute or escapes the image root",
+    "unreadable_image": "an image file is corrupt, truncated or not an image",
+    "image_too_large": "an image has more pixels than the decompression-bomb cap",
+    "placeholder_mismatch": "the number of <image> placeholders differs from the number of images",
+    "image_without_placeholder": "the sample has images but its text has no <image> placeholder",
+    "empty_answer": "an assistant turn is empty",
+    "too_long": "the sample does not fit max_length without cutting an image span",
+}
+
+
+class DataProblem(ValueError):
+    """One bad sample: `reason` (a key of `REASONS`), `detail`, and where (`sample_id`, `path`)."""
+
+    def __init__(self, reason: str, detail: str, *, sample_id: str | None = None, path: str | None = None) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown data problem reason {reason!r}; known: {sorted(REASONS)}")
+        self.reason, self.detail, self.sample_id, self.path = reason, detail, sample_id, path
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = "".join([f"sample {self.sample_id!r}: " if self.sample_id is not None else "",
+                         f"{self.path}: " if self.path is not None else ""])
+        return f"{where}{self.reason}: {self.detail}"
+
+    def for_sample(self, sample_id: str) -> DataProblem:
+        """The same problem, attributed to `sample_id` (image loaders do not know which sample asked)."""
+        return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path)
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"id": self.sample_id, "reason": self.reason, "detail": self.detail, "path": self.path}

@@ -1,0 +1,189 @@
+"""Sample formats -> one internal schema, and the encoded form the collators take.
+
+Two input formats are read:
+
+- LLaVA: `{"id", "image": path | [paths] (optional), "conversations": [{"from": "human" | "gpt"
+  | "system", "value": "<image>\\n..."}]}`;
+- messages (LLaMA-Factory / ms-swift / OpenAI style): `{"id"?, "images": [paths], "messages":
+  [{"role": "system" | "user" | "assistant", "content": str | [{"type": "text", "text"} |
+  {"type": "image"}]}]}`; `<image>` in a string content and `{"type": "image"}` parts both mark
+  an image, in order.
+
+Both become `Sample(id, images, turns)`, where turns are `Turn(role, text)` with role in
+{system, user, assistant} and each image marked by `IMAGE` in the text, in image order.
+Image paths resolve against an image root; absolute paths and `..` escaping the root are a
+`DataProblem("path_outside_root")` unless `allow_outside_root=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmadapt.data.problems import DataProblem
+
+IMAGE = "<image>"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "system" | "user" | "assistant"
+    text: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One conversation; `images` are resolved paths, marked by `IMAGE` in the turns' text, in order."""
+
+    id: str
+    images: tuple[str, ...]
+    turns: tuple[Turn, ...]
+
+    @property
+    def num_placeholders(self) -> int:
+        return sum(turn.text.count(IMAGE) for turn in self.turns)
+
+
+@dataclass
+class EncodedSample:
+    """A sample ready to collate. `tokens_per_image[i]` is the span length of image i in `input_ids`.
+
+    pixel_values: fixed-size encoders (I, C, S, S); dynamic ones (patches, F) with `image_grid_thw` (I, 3).
+    """
+
+    id: str
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    tokens_per_image: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_images(self) -> int:
+        return len(self.tokens_per_image)
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a `.json` (a list) or `.jsonl` file; a broken line is an error naming the line."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+        return records
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of samples (or use .jsonl), got {type(data).__name__}")
+    return data
+
+
+def record_id(record: Any, index: int) -> str:
+    return str(record.get("id", index)) if isinstance(record, dict) else str(index)
+
+
+def parse_record(record: Any, index: int, image_root: str | os.PathLike | None = None,
+                 allow_outside_root: bool = False) -> Sample:
+    """A LLaVA or messages record as a `Sample`; `DataProblem("bad_format" | "path_outside_root")` if it is not."""
+    sample_id = record_id(record, index)
+    if not isinstance(record, dict):
+        raise DataProblem("bad_format", f"expected a JSON object, got {type(record).__name__}", sample_id=sample_id)
+    if "conversations" in record:
+        images, turns = record.get("image", []), _llava_turns(record["conversations"], sample_id)
+    elif "messages" in record:
+        images, turns = record.get("images", []), _message_turns(record["messages"], sample_id)
+    else:
+        raise DataProblem("bad_format", "no 'conversations' (LLaVA) or 'messages' field", sample_id=sample_id)
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise DataProblem("bad_format", f"images must be a path or a list of paths, got {images!r}",
+                          sample_id=sample_id)
+    paths = tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in images)
+    return Sample(sample_id, paths, turns)
+
+
+def _llava_turns(conversations: Any, sample_id: str) -> tuple[Turn, ...]:
+    if not isinstance(conversations, list) or not conversations:
+        raise DataProblem("bad_format", "'conversations' must be a non-empty list", sample_id=sample_id)
+    turns = []
+    for k, message in enumerate(conversations):
+        if not isinstance(message, dict) or message.get("from") not in ROLES:
+            raise DataProblem("bad_format", f"conversations[{k}] needs 'from' in {sorted(ROLES)}",
+                              sample_id=sample_id)
+        value = message.get("value")
+        if not isinstance(value, str):
+            raise DataProblem("bad_format", f"conversations[{k}].value must be a string", sample_id=sample_id)
+        turns.append(Turn(ROLES[message["from"]], value))
+    return tuple(turns)
+
+
+def _message_turns(messages: Any, sample_id: str) -> tuple[Turn, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise DataProblem("bad_format", "'messages' must be a non-empty list", sample_id=sample_id)
+    turns = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise DataProblem("bad_format", f"messages[{k}] needs 'role' in {sorted(ROLES)}", sample_id=sample_id)
+        turns.append(Turn(ROLES[message["role"]], _content_text(message.get("content"), k, sample_id)))
+    return tuple(turns)
+
+
+def _content_text(content: Any, k: int, sample_id: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataProblem("bad_format", f"messages[{k}].content must be a string or a list of parts",
+                          sample_id=sample_id)
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            pieces.append(part["text"])
+        elif kind in ("image", "image_url"):
+            pieces.append(IMAGE)
+        else:
+            raise DataProblem("bad_format", f"messages[{k}].content has an unsupported part {part!r}; expected "
+                              "{'type': 'text', 'text': ...} or {'type': 'image'}", sample_id=sample_id)
+    return "".join(pieces)
+
+
+def resolve_image_path(path: str, image_root: str | os.PathLike | None, allow_outside_root: bool,
+                       sample_id: str) -> str:
+    """`path` joined to `image_root`; absolute paths or `..` leaving the root are refused unless allowed."""
+    if allow_outside_root:
+        return str(Path(image_root or ".", path))
+    if os.path.isabs(path):
+        raise DataProblem("path_outside_root", f"image path {path!r} is absolute; paths must be relative to the "
+                          "image root. Fix: make it relative, or pass allow_outside_root=True "
+                          "(--allow-outside-root) if you trust the dataset", sample_id=sample_id, path=path)
+    root = Path(image_root or ".").resolve()
+    resolved = (root / path).resolve()
+    if not resolved.is_relative_to(root):
+        raise DataProblem("path_outside_root", f"image path {path!r} escapes the image root {str(root)!r}. Fix: "
+                          "move the image under the root, or pass allow_outside_root=True if you trust the dataset",
+                          sample_id=sample_id, path=path)
+    return str(resolved)
+
+
+def iter_samples(records: list[Any], image_root: str | os.PathLike | None = None,
+                 allow_outside_root: bool = False) -> Iterator[Sample | DataProblem]:
+    """Each record parsed, or the `DataProblem` that prevents it."""
+    for index, record in enumerate(records):
+        try:
+            yield parse_record(record, index, image_root, allow_outside_root)
+        except DataProblem as problem:
+            yield problem
