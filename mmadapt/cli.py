@@ -1,4 +1,4 @@
-"""`mmadapt` command line: list the registered components, check a component combination."""
+"""`mmadapt` command line: list components, check a combination, check a dataset."""
 
 from __future__ import annotations
 
@@ -42,6 +42,64 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     return 0 if torch.isfinite(loss) else 1
 
 
+def cmd_data_check(args: argparse.Namespace) -> int:
+    """Run the data pipeline over DATA; print the report; exit 1 when too many samples have problems."""
+    import json
+    import logging
+
+    from mmadapt import build_model
+    from mmadapt.data import SampleEncoder, char_tokenizer, check_dataset, read_records
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = char_tokenizer()
+    encoder = SampleEncoder.for_model(
+        model, tokenizer, image_root=args.image_root, allow_outside_root=args.allow_outside_root,
+        max_length=args.max_length, truncation=args.truncation,
+        insert_missing_placeholder=args.insert_missing_placeholder,
+    )
+    report = check_dataset(read_records(args.data), encoder, progress=sys.stderr.isatty())
+    print(f"{args.data}: {args.encoder} + {args.projector} + {args.backbone} (preset {args.preset}), "
+          f"max_length {args.max_length}, truncation {args.truncation!r}")
+    print(report.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    if report.bad_fraction > args.max_bad_fraction:
+        print(f"FAILED: {100 * report.bad_fraction:.1f}% of samples have problems, more than "
+              f"--max-bad-fraction {args.max_bad_fraction}")
+        return 1
+    return 0
+
+
+def add_data_commands(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
+    check = data.add_parser("check", help="run the data pipeline over a dataset and report problems (no training)")
+    check.add_argument("data", help="a LLaVA or messages dataset (.json or .jsonl)")
+    check.add_argument("--image-root", default=None, help="directory image paths are relative to")
+    check.add_argument("--json", default=None, help="also write the report as JSON here")
+    check.add_argument("--max-bad-fraction", type=float, default=0.05,
+                       help="exit 1 when the share of problem samples is above this (default 0.05)")
+    check.add_argument("--encoder", default="qwen3_5_vit")
+    check.add_argument("--projector", default="qwen_merger")
+    check.add_argument("--backbone", default="qwen3_5")
+    check.add_argument("--preset", default="tiny")
+    check.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: mmadapt's "
+                       "character tokenizer, as the demo model uses)")
+    check.add_argument("--max-length", type=int, default=2048)
+    check.add_argument("--truncation", choices=("drop", "raise", "text"), default="drop")
+    check.add_argument("--allow-outside-root", action="store_true",
+                       help="accept absolute image paths and paths leaving --image-root")
+    check.add_argument("--insert-missing-placeholder", action="store_true",
+                       help="put <image> before the first user text of samples whose text has none")
+    check.set_defaults(func=cmd_data_check)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmadapt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("backbone", nargs="?", default="qwen3_5")
     check.add_argument("--preset", default="tiny")
     check.set_defaults(func=cmd_check_model)
+    add_data_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

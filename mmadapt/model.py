@@ -14,6 +14,7 @@ Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -58,6 +59,10 @@ class VisionLanguageModel(nn.Module):
                    **kwargs: Any) -> VisionLanguageModel:
         """`VisionLanguageModel.from_names("clip", "mlp2x_gelu", "llama", preset="tiny")`."""
         return cls(ModelConfig.from_names(encoder, projector, backbone, preset=preset, **kwargs))
+
+    def set_span_tokens(self, **ids: int) -> None:
+        """Point the image span at other token ids (e.g. a tokenizer's); they are saved with the model."""
+        self.tokens = dataclasses.replace(self.tokens, **ids)
 
     @property
     def uses_mrope(self) -> bool:

@@ -1,7 +1,25 @@
-"""The data pipeline: sample formats, chat templates, images, preprocessing, collation."""
+"""The data pipeline: sample formats, chat templates, images, preprocessing, collation, dataset checks.
+
+    tokenizer = prepare_tokenizer(model, char_tokenizer())      # or any transformers tokenizer
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root="images/", max_length=2048)
+    dataset = VLMDataset("train.jsonl", encoder)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2,
+                        collate_fn=Collator.for_model(model, encoder.pad_token_id, max_tokens=4096))
+"""
 
 from mmadapt.data.collate import Collator
+from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
+from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_grouped_sampler
 from mmadapt.data.problems import REASONS, DataProblem
-from mmadapt.data.samples import EncodedSample, Sample, Turn, parse_record, read_records
+from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, ProcessedImages, QwenProcessor, processor_for
+from mmadapt.data.report import DataReport, check_dataset
+from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
+from mmadapt.data.templates import TEMPLATES, ChatTemplate
+from mmadapt.data.tokenizer import char_tokenizer, prepare_tokenizer
 
-__all__ = ["REASONS", "Collator", "DataProblem", "EncodedSample", "Sample", "Turn", "parse_record", "read_records"]
+__all__ = [
+    "DEFAULT_MAX_PIXELS", "IMAGE", "REASONS", "TEMPLATES", "ChatTemplate", "Collator", "DataConfig", "DataProblem",
+    "DataReport", "EncodedSample", "FixedSizeProcessor", "ImageProcessor", "ProcessedImages", "QwenProcessor",
+    "Sample", "SampleEncoder", "Turn", "VLMDataset", "char_tokenizer", "check_dataset", "image_size",
+    "length_grouped_sampler", "load_image", "parse_record", "prepare_tokenizer", "processor_for", "read_records",
+]

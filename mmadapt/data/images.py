@@ -98,7 +98,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
         values = np.nan_to_num(np.asarray(image, dtype=np.float32), nan=0.0, posinf=255.0, neginf=0.0)
         in_unit_range = values.size > 0 and values.min() >= 0.0 and values.max() <= 1.0
         return _gray_to_rgb(values * 255.0 if in_unit_range else values, scale=1)
-    if {"A", "a"} & set(image.getbands()) or image.info.get("transparency") is not None:
+    if image.has_transparency_data:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, WHITE), rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")

@@ -16,17 +16,22 @@ REASONS: dict[str, str] = {
     "placeholder_mismatch": "the number of <image> placeholders differs from the number of images",
     "image_without_placeholder": "the sample has images but its text has no <image> placeholder",
     "empty_answer": "an assistant turn is empty",
+    "no_supervised_tokens": "nothing to learn: the sample has no assistant tokens",
     "too_long": "the sample does not fit max_length without cutting an image span",
 }
 
 
 class DataProblem(ValueError):
-    """One bad sample: `reason` (a key of `REASONS`), `detail`, and where (`sample_id`, `path`)."""
+    """One bad sample: `reason` (a key of `REASONS`), `detail`, and where (`sample_id`, `path`).
 
-    def __init__(self, reason: str, detail: str, *, sample_id: str | None = None, path: str | None = None) -> None:
+    `fatal` problems (e.g. `truncation="raise"`) stop a training run; the others are counted and skipped.
+    """
+
+    def __init__(self, reason: str, detail: str, *, sample_id: str | None = None, path: str | None = None,
+                 fatal: bool = False) -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown data problem reason {reason!r}; known: {sorted(REASONS)}")
-        self.reason, self.detail, self.sample_id, self.path = reason, detail, sample_id, path
+        self.reason, self.detail, self.sample_id, self.path, self.fatal = reason, detail, sample_id, path, fatal
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -36,7 +41,7 @@ class DataProblem(ValueError):
 
     def for_sample(self, sample_id: str) -> DataProblem:
         """The same problem, attributed to `sample_id` (image loaders do not know which sample asked)."""
-        return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path)
+        return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path, fatal=self.fatal)
 
     def to_dict(self) -> dict[str, str | None]:
         return {"id": self.sample_id, "reason": self.reason, "detail": self.detail, "path": self.path}

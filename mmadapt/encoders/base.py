@@ -20,6 +20,9 @@ from mmadapt.contract import ImageTokenContractError
 from mmadapt.options import resolve_preset
 from mmadapt.registry import Registry, import_object
 
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
 
 @dataclass(frozen=True)
 class VisualTokens:
@@ -55,12 +58,24 @@ class VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
         raise NotImplementedError
 
+    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
+        """Keyword arguments of this encoder's image processor (`mmadapt.data.processors`), for `preset`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no image processor; define processor_defaults() returning "
+            "FixedSizeProcessor (fixed encoders) or QwenProcessor (dynamic) keyword arguments"
+        )
+
 
 class FixedSizeEncoder(VisionEncoder):
     """An encoder that takes (I, C, S, S) images and yields the same (1, h, w) grid for each."""
 
     image_size: int
     num_channels: int = 3
+    # Preprocessing this encoder was trained with (see `mmadapt.data.processors.FixedSizeProcessor`).
+    processor_mean: ClassVar[tuple[float, float, float]] = IMAGENET_MEAN
+    processor_std: ClassVar[tuple[float, float, float]] = IMAGENET_STD
+    processor_mode: ClassVar[str] = "pad"
+    processor_resample: ClassVar[str] = "bicubic"
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -91,6 +106,10 @@ class FixedSizeEncoder(VisionEncoder):
                     f"{image_grid_thw[bad][0].tolist()}, but this fixed-size encoder always yields "
                     f"{list(self.grid)}. Fix: drop image_grid_thw (fixed encoders do not need it)."
                 )
+
+    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
+        return {"image_size": self.image_size, "mean": self.processor_mean, "std": self.processor_std,
+                "mode": self.processor_mode, "resample": self.processor_resample}
 
     def grids_for(self, num_images: int, device: torch.device) -> torch.Tensor:
         return torch.tensor([self.grid], device=device).expand(num_images, 3)

@@ -20,6 +20,10 @@ class ClipEncoder(FixedSizeEncoder):
     config_class: ClassVar[str] = "CLIPVisionConfig"
     model_class: ClassVar[str] = "CLIPVisionModel"
     has_cls: ClassVar[bool] = True
+    # OpenAI CLIP's normalisation; "pad" is LLaVA-1.5's expand2square (image_aspect_ratio="pad").
+    processor_mean: ClassVar[tuple[float, float, float]] = (0.48145466, 0.4578275, 0.40821073)
+    processor_std: ClassVar[tuple[float, float, float]] = (0.26862954, 0.26130258, 0.27577711)
+    processor_mode: ClassVar[str] = "pad"
 
     def __init__(self, *, feature_layer: int = -2, drop_cls: bool = True, **config: Any) -> None:
         import transformers

@@ -37,6 +37,12 @@ class QwenViTEncoder(VisionEncoder):
         self.merge_size = hf_config.spatial_merge_size
         self.patch_dim = hf_config.in_channels * self.temporal_patch_size * self.patch_size**2
 
+    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
+        """Qwen3.5's preprocessor_config.json (min/max pixels 256^2 / 4096^2, mean = std = 0.5) or a preset's."""
+        pixels = QWEN_VIT_PROCESSOR_PIXELS.get(preset, {"min_pixels": 65536, "max_pixels": 16777216})
+        return {"patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
+                "merge_size": self.merge_size, "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), **pixels}
+
     def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
         if pixel_values.ndim != 2:
             raise ImageTokenContractError(
@@ -96,3 +102,7 @@ QWEN_VIT_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-4b": _preset(24, 1024, 4096, 16, 2560),
     "qwen3.5-9b": _preset(27, 1152, 4304, 16, 4096),
 }
+
+# Image-processor pixel bounds for presets that differ from the published ones: the tiny tower
+# (8 px patches, 2x2 merge) takes images from one 16 x 16 merge window up to 512 x 512.
+QWEN_VIT_PROCESSOR_PIXELS: dict[str, dict[str, int]] = {"tiny": {"min_pixels": 16 * 16, "max_pixels": 512 * 512}}

@@ -14,6 +14,10 @@ class SiglipEncoder(ClipEncoder):
     config_class: ClassVar[str] = "SiglipVisionConfig"
     model_class: ClassVar[str] = "SiglipVisionModel"
     has_cls: ClassVar[bool] = False
+    # SiglipImageProcessor: plain resize to the square input, mean = std = 0.5.
+    processor_mean: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    processor_std: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    processor_mode: ClassVar[str] = "resize"
 
     def __init__(self, *, feature_layer: int = -2, drop_cls: bool = False, **config: Any) -> None:
         super().__init__(feature_layer=feature_layer, drop_cls=drop_cls, **config)

@@ -1,0 +1,310 @@
+"""Per-encoder image preprocessing: RGB images -> pixel tensors, and how many visual tokens each image yields.
+
+One processor per kind of encoder; `processor_for(model)` builds the one the model's encoder takes
+(dynamic iff `model.encoder.dynamic`, so a fixed-size processor can never feed a dynamic encoder).
+- `FixedSizeProcessor` (CLIP, SigLIP, timm): every image becomes S x S, by mode
+  "pad" (LLaVA-1.5's expand2square: centred on a square of the mean colour, then resized),
+  "resize" (plain resize, SigLIP) or "crop" (shortest edge to S, centre crop: CLIP's default).
+  pixel_values (I, 3, S, S).
+- `QwenProcessor` (Qwen ViT): smart-resize to multiples of P*m with min_pixels <= h*w <= max_pixels,
+  the frame repeated T times, cut into P x P patches listed in m x m merge-window order.
+  pixel_values (N, C*T*P*P), image_grid_thw (I, 3) = (1, h/P, w/P) per image.
+Each reports `tokens_per_image`: the visual tokens the encoder + projector emit for the image (LLM side,
+after any merge: t*h*w / merge^2 for Qwen's merger).
+
+Shapes: I images, S side, N patches in all (sum of t*h*w), C = 3 channels, T temporal patch, P patch,
+m spatial merge.
+
+Parity: outputs equal transformers' torchvision-backed processors bit for bit on CPU
+(Qwen2VLImageProcessor, CLIPImageProcessor, LlavaImageProcessor(do_pad=True), SiglipImageProcessor):
+the same `tvF.resize` on uint8 (antialiased; bicubic by default) and the same fused normalisation
+(x - 255*mean) / (255*std) in float32. Speed comes from skipping their per-call argument handling and
+the HWC -> CHW copy (the uint8 resize kernel works on channels-last data directly).
+
+Policy for tiny and extreme images (a valid RGB image never raises inside a processor):
+- tiny (down to 1 x 1): upscaled - fixed modes resize to S; Qwen's smart-resize floor is at least one
+  merge window, because `min_pixels >= (P*m)^2` is required.
+- aspect ratio above `max_aspect_ratio` (default 200, smart_resize's own limit, where it raises): the
+  short side is first padded, centred, with the mean colour up to that ratio (2 x 700 -> 4 x 700), in
+  every mode, which also bounds "crop"'s intermediate to S x 200*S instead of growing with the ratio.
+- images that are not RGB are converted with `mmadapt.data.images.to_rgb` (same policy as loading).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.transforms.v2 import functional as tvF
+
+from mmadapt.data.images import to_rgb
+
+if TYPE_CHECKING:
+    from mmadapt.model import VisionLanguageModel
+
+Mean = tuple[float, float, float]
+RESAMPLE: Final[dict[str, tvF.InterpolationMode]] = {
+    # transformers maps PIL's NEAREST to torchvision's NEAREST_EXACT; so do we.
+    "nearest": tvF.InterpolationMode.NEAREST_EXACT,
+    "bilinear": tvF.InterpolationMode.BILINEAR,
+    "bicubic": tvF.InterpolationMode.BICUBIC,
+    "lanczos": tvF.InterpolationMode.LANCZOS,
+    "box": tvF.InterpolationMode.BOX,
+    "hamming": tvF.InterpolationMode.HAMMING,
+}
+FIXED_MODES: Final[tuple[str, ...]] = ("pad", "resize", "crop")
+RESCALE: Final[float] = 1 / 255  # transformers' rescale_factor; kept literal so the fused constants match
+
+
+@dataclass
+class ProcessedImages:
+    """Processor output for I images; `image_grid_thw` only for dynamic encoders."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor | None
+    tokens_per_image: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens_per_image)
+
+
+class ImageProcessor:
+    """Base: `__call__(images) -> ProcessedImages`; `num_tokens(width, height)` estimates without pixels."""
+
+    dynamic: ClassVar[bool] = False
+
+    def __init__(self, *, mean: Sequence[float], std: Sequence[float], resample: str, max_aspect_ratio: float) -> None:
+        if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
+            raise ValueError(f"mean and std need 3 values each, std > 0; got mean={mean}, std={std}")
+        if resample not in RESAMPLE:
+            raise ValueError(f"unknown resample {resample!r}; known: {sorted(RESAMPLE)}")
+        if max_aspect_ratio < 1:
+            raise ValueError(f"max_aspect_ratio must be >= 1, got {max_aspect_ratio}")
+        self.mean, self.std = tuple(float(x) for x in mean), tuple(float(x) for x in std)
+        self.resample, self.max_aspect_ratio = resample, float(max_aspect_ratio)
+        self.fill = tuple(int(x * 255) for x in self.mean)  # LLaVA's background colour
+        # transformers fuses rescale and normalise the same way: (x - mean/RESCALE) / (std/RESCALE)
+        self._shift = torch.tensor(self.mean) * (1.0 / RESCALE)
+        self._scale = torch.tensor(self.std) * (1.0 / RESCALE)
+
+    def __call__(self, images: Sequence[Image.Image]) -> ProcessedImages:
+        if isinstance(images, Image.Image):
+            raise TypeError("pass a list of images, e.g. processor([image]), not a single PIL image")
+        return self.process([as_uint8(image) for image in images])
+
+    def process(self, pixels: list[torch.Tensor]) -> ProcessedImages:
+        """`pixels`: uint8 (3, H, W) tensors of RGB images."""
+        raise NotImplementedError
+
+    def num_tokens(self, width: int, height: int) -> int:
+        """Visual tokens an image of this size yields (for length estimates from `image_size`)."""
+        raise NotImplementedError
+
+    def resize(self, pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        return tvF.resize(pixels, [height, width], interpolation=RESAMPLE[self.resample], antialias=True)
+
+    def normalize(self, pixels: torch.Tensor, channel_dim: int = 0) -> torch.Tensor:
+        """uint8 -> float32 (x - 255*mean) / (255*std), channels on `channel_dim` (0: CHW, -1: HWC)."""
+        shape = (3, 1, 1) if channel_dim == 0 else (3,)
+        return pixels.to(torch.float32).sub_(self._shift.view(shape)).div_(self._scale.view(shape))
+
+    def limit_aspect(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pad the short side (centred, mean colour) so that long / short <= max_aspect_ratio."""
+        height, width = pixels.shape[-2:]
+        target = aspect_limited(height, width, self.max_aspect_ratio)
+        return pixels if target == (height, width) else pad_centred(pixels, *target, self.fill)
+
+
+class FixedSizeProcessor(ImageProcessor):
+    """Every image to `image_size` x `image_size` by `mode` ("pad", "resize" or "crop"), then normalised."""
+
+    def __init__(self, *, image_size: int, mean: Sequence[float], std: Sequence[float], mode: str = "pad",
+                 tokens_per_image: int, resample: str = "bicubic", max_aspect_ratio: float = 200.0) -> None:
+        super().__init__(mean=mean, std=std, resample=resample, max_aspect_ratio=max_aspect_ratio)
+        if mode not in FIXED_MODES:
+            raise ValueError(f"unknown mode {mode!r}; known: {list(FIXED_MODES)}")
+        if image_size < 1 or tokens_per_image < 1:
+            raise ValueError(f"image_size and tokens_per_image must be >= 1, got {image_size}, {tokens_per_image}")
+        self.image_size, self.mode, self.tokens_per_image = image_size, mode, tokens_per_image
+
+    def __repr__(self) -> str:
+        return (f"FixedSizeProcessor(image_size={self.image_size}, mode={self.mode!r}, mean={self.mean}, "
+                f"std={self.std}, tokens_per_image={self.tokens_per_image}, resample={self.resample!r})")
+
+    def process(self, pixels: list[torch.Tensor]) -> ProcessedImages:
+        side = self.image_size
+        if not pixels:
+            return ProcessedImages(torch.zeros(0, 3, side, side), None, [])
+        return ProcessedImages(torch.stack([self.prepare(p) for p in pixels]), None,
+                               [self.tokens_per_image] * len(pixels))
+
+    def prepare(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (3, H, W) -> float32 (3, S, S)."""
+        side = self.image_size
+        pixels = self.limit_aspect(pixels)
+        if self.mode == "pad":
+            longest = max(pixels.shape[-2:])
+            pixels = pad_centred(pixels, longest, longest, self.fill)
+        if self.mode == "crop":
+            pixels = centre_crop(self.resize(pixels, *shortest_edge_size(*pixels.shape[-2:], side)), side)
+        else:
+            pixels = self.resize(pixels, side, side)
+        return self.normalize(pixels)
+
+    def num_tokens(self, width: int, height: int) -> int:
+        return self.tokens_per_image
+
+
+class QwenProcessor(ImageProcessor):
+    """Qwen2-VL / Qwen3-VL / Qwen3.5 image preprocessing; defaults are Qwen3.5's preprocessor_config.json."""
+
+    dynamic: ClassVar[bool] = True
+
+    def __init__(self, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2,
+                 min_pixels: int = 65536, max_pixels: int = 16777216, mean: Sequence[float] = (0.5, 0.5, 0.5),
+                 std: Sequence[float] = (0.5, 0.5, 0.5), projector_merge: int | None = None,
+                 resample: str = "bicubic", max_aspect_ratio: float = 200.0) -> None:
+        super().__init__(mean=mean, std=std, resample=resample, max_aspect_ratio=max_aspect_ratio)
+        factor = patch_size * merge_size
+        if max_aspect_ratio > 200:
+            raise ValueError(f"max_aspect_ratio={max_aspect_ratio}: Qwen's smart_resize rejects ratios above 200")
+        if min(patch_size, temporal_patch_size, merge_size) < 1:
+            raise ValueError(f"patch_size, temporal_patch_size, merge_size must be >= 1, got "
+                             f"{patch_size}, {temporal_patch_size}, {merge_size}")
+        if not factor**2 <= min_pixels <= max_pixels:
+            raise ValueError(f"need (patch_size*merge_size)^2 = {factor**2} <= min_pixels ({min_pixels}) <= "
+                             f"max_pixels ({max_pixels}), so every image covers at least one merge window")
+        projector_merge = merge_size if projector_merge is None else projector_merge
+        if projector_merge < 1 or merge_size % projector_merge:
+            raise ValueError(f"projector_merge ({projector_merge}) must divide merge_size ({merge_size})")
+        self.patch_size, self.temporal_patch_size, self.merge_size = patch_size, temporal_patch_size, merge_size
+        self.min_pixels, self.max_pixels, self.projector_merge = min_pixels, max_pixels, projector_merge
+
+    def __repr__(self) -> str:
+        return (f"QwenProcessor(patch_size={self.patch_size}, temporal_patch_size={self.temporal_patch_size}, "
+                f"merge_size={self.merge_size}, min_pixels={self.min_pixels}, max_pixels={self.max_pixels}, "
+                f"mean={self.mean}, std={self.std}, projector_merge={self.projector_merge}, "
+                f"resample={self.resample!r})")
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) an image is resized to: aspect limited, then Qwen's smart_resize."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        height, width = aspect_limited(height, width, self.max_aspect_ratio)
+        return smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    def num_tokens(self, width: int, height: int) -> int:
+        resized_height, resized_width = self.target_size(height, width)
+        return resized_height * resized_width // (self.patch_size * self.projector_merge) ** 2
+
+    def process(self, pixels: list[torch.Tensor]) -> ProcessedImages:
+        if not pixels:
+            return ProcessedImages(torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long), [])
+        patches = [self.prepare(p) for p in pixels]
+        grids = torch.tensor([[1, h, w] for _, h, w in patches], dtype=torch.long)
+        tokens = (grids.prod(-1) // self.projector_merge**2).tolist()
+        return ProcessedImages(torch.cat([p for p, _, _ in patches]), grids, tokens)
+
+    def prepare(self, pixels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """uint8 (3, H, W) -> float32 patches (h*w, C*T*P*P) in merge-window order, grid h, w."""
+        pixels = self.limit_aspect(pixels)
+        pixels = self.resize(pixels, *self.target_size(*pixels.shape[-2:]))
+        # Work channels-last: (H, W, C) is a free view of the resized image and reshapes without a copy.
+        image = self.normalize(pixels.permute(1, 2, 0), channel_dim=-1)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        h, w = image.shape[0] // p, image.shape[1] // p
+        windows = image.reshape(h // m, m, p, w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)  # hb wb m m C P P
+        frames = windows.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # repeat the image T times
+        return frames.reshape(h * w, self.patch_dim), h, w
+
+
+# ---- geometry helpers (uint8 (3, H, W) tensors) -------------------------------------------------
+def as_uint8(image: Image.Image) -> torch.Tensor:
+    """An RGB PIL image as a uint8 (3, H, W) tensor (a channels-last view of one copy of the pixels)."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"processors take PIL images (see mmadapt.data.load_image), got {type(image).__name__}")
+    return torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
+
+
+def aspect_limited(height: int, width: int, max_ratio: float) -> tuple[int, int]:
+    """(height, width) with the short side grown so that long / short <= max_ratio."""
+    short = math.ceil(max(height, width) / max_ratio)
+    return (max(height, short), width) if height < width else (height, max(width, short))
+
+
+def pad_centred(pixels: torch.Tensor, height: int, width: int, fill: tuple[int, ...]) -> torch.Tensor:
+    """Place `pixels` centred (LLaVA's expand2square offsets) on a `fill`-coloured (3, height, width) canvas."""
+    old_height, old_width = pixels.shape[-2:]
+    if (old_height, old_width) == (height, width):
+        return pixels
+    canvas = torch.tensor(fill, dtype=torch.uint8).view(3, 1, 1).expand(3, height, width).contiguous()
+    top, left = (height - old_height) // 2, (width - old_width) // 2
+    canvas[:, top : top + old_height, left : left + old_width] = pixels
+    return canvas
+
+
+def shortest_edge_size(height: int, width: int, side: int) -> tuple[int, int]:
+    """CLIP's resize target: the short side to `side`, the long side scaled and truncated (transformers' rule)."""
+    if height <= width:
+        return side, int(side * width / height)
+    return int(side * height / width), side
+
+
+def centre_crop(pixels: torch.Tensor, side: int) -> torch.Tensor:
+    height, width = pixels.shape[-2:]
+    top, left = int((height - side) / 2.0), int((width - side) / 2.0)
+    return pixels[:, top : top + side, left : left + side]
+
+
+# ---- the processor a model takes ---------------------------------------------------------------
+GEOMETRY: Final[dict[bool, tuple[str, ...]]] = {
+    False: ("image_size",),
+    True: ("patch_size", "temporal_patch_size", "merge_size", "projector_merge"),
+}
+
+
+def processor_for(model: VisionLanguageModel, **overrides: Any) -> ImageProcessor:
+    """The processor for `model`'s encoder and projector; `overrides` change non-geometric settings.
+
+    Defaults come from the encoder's `processor_defaults(preset)`; tokens per image from
+    `model.projector.output_grids`, so they always equal what `model.encode_images` emits.
+    """
+    encoder = model.encoder
+    settings = dict(encoder.processor_defaults(model.config.encoder.preset))
+    if encoder.dynamic:
+        settings["projector_merge"] = projector_merge(model)
+    else:
+        settings["tokens_per_image"] = int(model.projector.output_grids(torch.tensor([encoder.grid])).prod())
+    for key in GEOMETRY[encoder.dynamic]:
+        if key in overrides and overrides[key] != settings[key]:
+            raise ValueError(
+                f"processor_for: {key}={overrides[key]} conflicts with encoder {model.config.encoder.name!r}, "
+                f"which needs {key}={settings[key]}. Fix: drop the override, or build the encoder with it."
+            )
+    settings.update(overrides)
+    return QwenProcessor(**settings) if encoder.dynamic else FixedSizeProcessor(**settings)
+
+
+def projector_merge(model: VisionLanguageModel) -> int:
+    """How many encoder patches per side the projector merges into one token (Qwen merger: m; MLPs: 1)."""
+    step = model.encoder.merge_size
+    probe = torch.tensor([[1, 2 * step, 4 * step]])
+    out = model.projector.output_grids(probe)[0].tolist()
+    merge = probe[0, 1].item() // out[1]
+    if out != [1, 2 * step // merge, 4 * step // merge] or 2 * step % merge:
+        raise ValueError(
+            f"projector {model.config.projector.name!r} maps token grid {probe[0].tolist()} to {out}, which is not a "
+            "uniform spatial merge; QwenProcessor cannot count its tokens. Fix: give the projector an "
+            "output_grids that divides height and width by one factor."
+        )
+    return merge

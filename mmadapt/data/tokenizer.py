@@ -1,0 +1,68 @@
+"""Tokenizers: make any transformers tokenizer fit a model, and a small offline one for tiny models.
+
+`prepare_tokenizer(model, tokenizer)` adds the special tokens the backbone's image span and
+chat template need when the tokenizer lacks them (logged), points the model's span token ids
+at the tokenizer's ids, and resizes the embeddings when the vocabulary grew (logged). After
+it, the tokenizer and the model agree on every id the pipeline emits.
+
+`char_tokenizer()` is a character-level `PreTrainedTokenizerFast` over printable ASCII, built
+in code (no hub): the tokenizer of the tiny presets, the demo and the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from typing import Any
+
+from mmadapt.data.templates import TEMPLATES
+
+log = logging.getLogger(__name__)
+
+
+def char_tokenizer() -> Any:
+    """One token per printable ASCII character, plus <unk> <pad> <s> </s>; about 100 ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3}
+    for char in string.printable:
+        if char not in "\r\x0b\x0c":
+            vocab.setdefault(char, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def required_tokens(model: Any, tokenizer: Any) -> list[str]:
+    spec = model.backbone_spec
+    span = [spec.image_token, spec.vision_start_token, spec.vision_end_token]
+    return [t for t in [*span, *TEMPLATES.get(spec.chat_template).specials(tokenizer)] if t is not None]
+
+
+def prepare_tokenizer(model: Any, tokenizer: Any) -> Any:
+    """Add missing special tokens, align the model's span ids, resize embeddings if needed. Returns `tokenizer`."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in dict.fromkeys(required_tokens(model, tokenizer)) if t not in vocab]
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=True)
+        log.info("added special tokens %s to the tokenizer (ids %s)", missing,
+                 tokenizer.convert_tokens_to_ids(missing))
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = "</s>" if "</s>" in tokenizer.get_vocab() else missing[-1]
+    spec = model.backbone_spec
+    ids = {"image_token_id": tokenizer.convert_tokens_to_ids(spec.image_token)}
+    if spec.vision_start_token is not None:
+        ids["vision_start_token_id"] = tokenizer.convert_tokens_to_ids(spec.vision_start_token)
+        ids["vision_end_token_id"] = tokenizer.convert_tokens_to_ids(spec.vision_end_token)
+    changed = {k: v for k, v in ids.items() if getattr(model.tokens, k) != v}
+    if changed:
+        log.info("model span token ids now follow the tokenizer: %s", changed)
+        model.set_span_tokens(**ids)
+    size = model.backbone.get_input_embeddings().num_embeddings
+    if len(tokenizer) > size:
+        log.info("resizing the backbone's embeddings from %d to %d tokens for the tokenizer", size, len(tokenizer))
+        model.backbone.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return tokenizer
