@@ -28,7 +28,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
-from mmadapt.packing import Segments, additive_mask, require_bool_mask
+from mmadapt.packing import VARLEN, Segments, additive_mask, require_bool_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
@@ -43,6 +43,7 @@ class VisionLanguageModel(nn.Module):
         self.backbone, self.tokens = self.backbone_spec.build(config.backbone.preset, **config.backbone.options)
         if self.backbone_spec.isolate is not None:
             self.backbone_spec.isolate(self.backbone)
+        use_varlen_attention(self.backbone)
         width = self.backbone.config.hidden_size
         self.projector = PROJECTORS.get(config.projector.name).build(
             self.encoder.output_dim, width, **config.projector.options
@@ -98,16 +99,23 @@ class VisionLanguageModel(nn.Module):
         return text_positions(valid, segments)
 
     def packed_attention(self, segments: Segments, valid: torch.Tensor, dtype: torch.dtype) -> Any:
-        """The attention-mask argument that isolates the samples of packed rows in this backbone."""
+        """The attention-mask argument that isolates the samples of packed rows in this backbone.
+
+        Varlen SDPA (the default) attends within each sample itself and needs no mask; eager and plain
+        SDPA get a (B, 1, L, L) block-diagonal causal mask.
+        """
         implementation = self.backbone.config._attn_implementation
-        if implementation not in ("sdpa", "eager"):
+        if implementation == VARLEN:
+            mask = None
+        elif implementation in ("sdpa", "eager"):
+            mask = segments.attention_mask(valid)
+            if implementation == "eager":
+                mask = additive_mask(mask, dtype)
+        else:
             raise ValueError(
-                f"packed batches need attn_implementation 'sdpa' or 'eager' (a block-diagonal mask); the backbone "
-                f"uses {implementation!r}. Fix: build the backbone with attn_implementation='sdpa', or pad instead."
+                f"packed batches need attn_implementation 'sdpa' or 'eager'; the backbone uses {implementation!r}. "
+                "Fix: build the backbone with attn_implementation='sdpa', or pad instead of packing."
             )
-        mask = segments.attention_mask(valid)
-        if implementation == "eager":
-            mask = additive_mask(mask, dtype)
         if self.backbone_spec.layer_masks:
             # Hybrid models take one mask per layer type; linear-attention layers isolate samples themselves.
             return {"full_attention": mask, "linear_attention": None}

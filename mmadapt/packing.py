@@ -20,6 +20,7 @@ Shapes: B rows, L tokens per row, S segments (samples and padding tails).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,3 +107,42 @@ def cu_seqlens_from_lengths(lengths_per_row: list[list[int]], row_length: int) -
             offset += row_length - used
             bounds.append(offset)
     return torch.tensor(bounds, dtype=torch.int32)
+
+
+# ---- varlen attention --------------------------------------------------------------------------
+VARLEN = "mmadapt_sdpa"
+
+
+def varlen_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                packed_segments: list[tuple[int, int, int]] | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention; with `packed_segments`, causal SDPA on each sample alone (varlen).
+
+    query (B, H, L, Dh), key / value (B, H_kv, L, Dh) -> (B, L, H, Dh), transformers' layout.
+    Per-sample attention never computes the cross-sample blocks a block-diagonal mask would
+    throw away, so packing costs sum(l_i^2) like unpacked samples, not L^2 per row.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = query.new_zeros(query.shape)
+    gqa = query.shape[1] != key.shape[1]
+    for row, start, end in packed_segments:
+        q, k, v = (t[row : row + 1, :, start:end] for t in (query, key, value))
+        out[row : row + 1, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_varlen_attention(lm: Any) -> None:
+    """Switch an SDPA transformers model to `varlen_sdpa` (identical unless a forward passes `packed_segments`)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if VARLEN not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN, varlen_sdpa)
+        AttentionMaskInterface.register(VARLEN, sdpa_mask)
+    if lm.config._attn_implementation == "sdpa":
+        lm.set_attn_implementation(VARLEN)

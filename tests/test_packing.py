@@ -5,6 +5,8 @@ no other sample's logits by more than 1e-6. Covered layer types: Llama attention
 gated full attention and Gated DeltaNet (causal conv + recurrent state), with images.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def _lengths(batch, row, count):
         return [int(batch["attention_mask"][row].sum())]
     width = batch["input_ids"].shape[1]
     cu = batch["cu_seqlens"].tolist()
-    inside = [b - a for a, b in zip(cu, cu[1:], strict=False) if row * width <= a < (row + 1) * width]
+    inside = [b - a for a, b in itertools.pairwise(cu) if row * width <= a < (row + 1) * width]
     return inside[:count]
 
 
@@ -120,3 +122,18 @@ def test_cu_seqlens_must_respect_rows_and_padding():
         Segments.from_cu_seqlens(torch.tensor([0, 4, 8]), valid)
     with pytest.raises(ValueError, match="do not fit"):
         cu_seqlens_from_lengths([[3, 3]], 4)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_block_diagonal_mask_path_equals_varlen(implementation):
+    """Varlen SDPA is the default; plain SDPA and eager take the (B, 1, L, L) block mask and agree with it."""
+    for names in COMBOS:
+        model = build(names)
+        batch = Collator.for_model(model, pad_token_id=0, max_tokens=256)(
+            synthetic_samples(model, IMAGES, text_lengths=TEXT, seed=1))
+        with torch.no_grad():
+            varlen = model(**batch).logits
+            model.backbone.set_attn_implementation(implementation)
+            masked = model(**batch).logits
+        real = batch["attention_mask"]
+        torch.testing.assert_close(masked[real], varlen[real], rtol=0, atol=1e-5)
