@@ -14,7 +14,7 @@ from skimage import data
 from transformers import CLIPImageProcessor, LlavaImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from mmadapt import ImageTokenContractError, VisionLanguageModel
+from mmadapt import ENCODERS, ImageTokenContractError, VisionLanguageModel
 from mmadapt.data.processors import (
     FixedSizeProcessor,
     ImageProcessor,
@@ -23,6 +23,7 @@ from mmadapt.data.processors import (
     aspect_limited,
     processor_for,
 )
+from mmadapt.encoders.qwen3_5_vit import QwenViTEncoder
 
 HALF = (0.5, 0.5, 0.5)
 
@@ -223,8 +224,17 @@ def test_processor_for_declared_defaults():
     qwen_model = VisionLanguageModel.from_names("qwen3_5_vit", "qwen_merger", "qwen3_5")
     qwen = processor_for(qwen_model)
     assert (qwen.patch_size, qwen.min_pixels, qwen.projector_merge, qwen.mean) == (8, 256, 2, HALF)
-    published = qwen_model.encoder.processor_defaults(None)  # non-tiny presets: Qwen3.5's processor config
-    assert (published["min_pixels"], published["max_pixels"]) == (65536, 16777216)
+    published = ENCODERS.get("qwen3_5_vit").options("qwen3.5-0.8b")  # published presets: Qwen3.5's processor config
+    assert "min_pixels" not in published
+    defaults = QwenViTEncoder.__init__.__kwdefaults__
+    assert (defaults["min_pixels"], defaults["max_pixels"]) == (65536, 16777216)
+
+
+def test_processor_pixel_bounds_survive_save_and_load(tmp_path):
+    model = VisionLanguageModel.from_names("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    model.save_pretrained(tmp_path)
+    reloaded = processor_for(VisionLanguageModel.from_pretrained(tmp_path))
+    assert (reloaded.min_pixels, reloaded.max_pixels) == (processor_for(model).min_pixels, 512 * 512)
 
 
 def test_processor_for_overrides():

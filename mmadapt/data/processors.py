@@ -278,11 +278,11 @@ GEOMETRY: Final[dict[bool, tuple[str, ...]]] = {
 def processor_for(model: VisionLanguageModel, **overrides: Any) -> ImageProcessor:
     """The processor for `model`'s encoder and projector; `overrides` change non-geometric settings.
 
-    Defaults come from the encoder's `processor_defaults(preset)`; tokens per image from
+    Defaults come from the encoder's `processor_defaults()`; tokens per image from
     `model.projector.output_grids`, so they always equal what `model.encode_images` emits.
     """
     encoder = model.encoder
-    settings = dict(encoder.processor_defaults(model.config.encoder.preset))
+    settings = dict(encoder.processor_defaults())
     if encoder.dynamic:
         settings["projector_merge"] = projector_merge(model)
     else:

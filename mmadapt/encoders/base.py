@@ -58,8 +58,8 @@ class VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
         raise NotImplementedError
 
-    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
-        """Keyword arguments of this encoder's image processor (`mmadapt.data.processors`), for `preset`."""
+    def processor_defaults(self) -> dict[str, Any]:
+        """Keyword arguments of this encoder's image processor (`mmadapt.data.processors`)."""
         raise NotImplementedError(
             f"{type(self).__name__} declares no image processor; define processor_defaults() returning "
             "FixedSizeProcessor (fixed encoders) or QwenProcessor (dynamic) keyword arguments"
@@ -107,7 +107,7 @@ class FixedSizeEncoder(VisionEncoder):
                     f"{list(self.grid)}. Fix: drop image_grid_thw (fixed encoders do not need it)."
                 )
 
-    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
+    def processor_defaults(self) -> dict[str, Any]:
         return {"image_size": self.image_size, "mean": self.processor_mean, "std": self.processor_std,
                 "mode": self.processor_mode, "resample": self.processor_resample}
 

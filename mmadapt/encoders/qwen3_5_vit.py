@@ -23,11 +23,13 @@ from mmadapt.options import hf_options
 class QwenViTEncoder(VisionEncoder):
     dynamic: ClassVar[bool] = True
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, *, min_pixels: int = 256 * 256, max_pixels: int = 4096 * 4096, **config: Any) -> None:
+        """`min_pixels` / `max_pixels` bound the processor's smart-resize (Qwen3.5's preprocessor_config.json)."""
         from transformers import Qwen3_5VisionConfig, Qwen3_5VisionModel
 
         hf_config = Qwen3_5VisionConfig(**config)
-        super().__init__(hf_options(hf_config))
+        super().__init__({"min_pixels": min_pixels, "max_pixels": max_pixels, **hf_options(hf_config)})
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.tower = Qwen3_5VisionModel(hf_config)
         # The merger belongs to the projector (`qwen_merger`); the tower stops at the blocks.
         self.tower.merger = nn.Identity()
@@ -37,9 +39,9 @@ class QwenViTEncoder(VisionEncoder):
         self.merge_size = hf_config.spatial_merge_size
         self.patch_dim = hf_config.in_channels * self.temporal_patch_size * self.patch_size**2
 
-    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
-        """Qwen3.5's preprocessor_config.json (min/max pixels 256^2 / 4096^2, mean = std = 0.5) or a preset's."""
-        pixels = QWEN_VIT_PROCESSOR_PIXELS.get(preset, {"min_pixels": 65536, "max_pixels": 16777216})
+    def processor_defaults(self) -> dict[str, Any]:
+        """Qwen3.5's processor (mean = std = 0.5) with this encoder's pixel bounds (saved with the model)."""
+        pixels = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
         return {"patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
                 "merge_size": self.merge_size, "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), **pixels}
 
@@ -95,6 +97,7 @@ QWEN_VIT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64,
         patch_size=8, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+        min_pixels=16 * 16, max_pixels=512 * 512,  # from one 16 x 16 merge window up to 512 x 512
     ),
     # Vision towers of the published Qwen3.5 checkpoints (config.json `vision_config`).
     "qwen3.5-0.8b": _preset(12, 768, 3072, 12, 1024),
@@ -102,7 +105,3 @@ QWEN_VIT_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-4b": _preset(24, 1024, 4096, 16, 2560),
     "qwen3.5-9b": _preset(27, 1152, 4304, 16, 4096),
 }
-
-# Image-processor pixel bounds for presets that differ from the published ones: the tiny tower
-# (8 px patches, 2x2 merge) takes images from one 16 x 16 merge window up to 512 x 512.
-QWEN_VIT_PROCESSOR_PIXELS: dict[str, dict[str, int]] = {"tiny": {"min_pixels": 16 * 16, "max_pixels": 512 * 512}}

@@ -36,11 +36,11 @@ class TimmEncoder(FixedSizeEncoder):
         self.num_prefix_tokens = getattr(self.tower, "num_prefix_tokens", 0)
         self.output_dim = self.tower.num_features
 
-    def processor_defaults(self, preset: str | None = None) -> dict[str, Any]:
+    def processor_defaults(self) -> dict[str, Any]:
         """Mean, std, interpolation from timm's data config; "pad" (prismatic's letterbox) keeps the whole image."""
         interpolation = self.data_config.get("interpolation", "bicubic")
         fixed = interpolation in ("nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")  # not "random"
-        return {**super().processor_defaults(preset), "mean": tuple(self.data_config["mean"]),
+        return {**super().processor_defaults(), "mean": tuple(self.data_config["mean"]),
                 "std": tuple(self.data_config["std"]), "resample": interpolation if fixed else "bicubic"}
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
