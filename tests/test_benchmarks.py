@@ -15,3 +15,11 @@ def test_bench_core_quick_run_prints_its_tables():
     out = subprocess.run([sys.executable, str(script), "--quick", "--reps", "1"], capture_output=True, text=True,
                          check=True, timeout=300).stdout
     assert "| mmadapt locate+scatter |" in out and "| train (fwd+bwd+AdamW) | fp32 |" in out
+
+
+@pytest.mark.slow
+def test_bench_packing_quick_run_prints_its_tables():
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_packing.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
+                         timeout=300, cwd=script.parent).stdout
+    assert "| llama |" in out and "| qwen3_5 |" in out and "| packed, isolated per sample (mmadapt) |" in out
