@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -100,6 +101,34 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     check.set_defaults(func=cmd_data_check)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train from a YAML config with dotted overrides; works under torchrun."""
+    import logging
+
+    from mmadapt.train import NonFiniteError, RunConfig
+    from mmadapt.train.run import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.config is not None and "=" in args.config and not os.path.exists(args.config):
+        args.overrides, args.config = [args.config, *args.overrides], None  # overrides only, no file
+    config = RunConfig.load(args.config, args.overrides)
+    try:
+        summary = run(config)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    print(f"trained {summary['steps']} steps ({summary['skipped']} skipped) in {summary['seconds']:.0f} s; "
+          f"outputs in {config.train.out}")
+    return 0
+
+
+def add_train_command(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train", help="train from a YAML config (torchrun --nproc_per_node N -m mmadapt train)")
+    train.add_argument("config", nargs="?", default=None, help="a YAML run config (default: all defaults)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 stages.preset=llava-stage1")
+    train.set_defaults(func=cmd_train)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmadapt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--preset", default="tiny")
     check.set_defaults(func=cmd_check_model)
     add_data_commands(sub)
+    add_train_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

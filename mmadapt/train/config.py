@@ -1,0 +1,213 @@
+"""The run config: nested keyword-only dataclasses, read from YAML with dotted command-line overrides.
+
+    cfg = RunConfig.load("run.yaml", ["train.lr=1e-4", "stages.preset=llava-stage1"])
+
+Unknown keys (in the file or an override) raise with the closest valid key suggested; the
+resolved config is saved with the run (`config.yaml`) and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_type_hints
+
+COMPONENT_MODES = ("frozen", "full", "lora")
+STAGE_PRESETS: dict[str, dict[str, str]] = {
+    # LLaVA-1.5: stage 1 aligns the projector alone, stage 2 tunes projector + LLM; the tower stays frozen.
+    "llava-stage1": {"encoder": "frozen", "projector": "full", "backbone": "frozen"},
+    "llava-stage2": {"encoder": "frozen", "projector": "full", "backbone": "full"},
+    "lora": {"encoder": "frozen", "projector": "full", "backbone": "lora"},
+}
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    encoder: str = "qwen3_5_vit"
+    projector: str = "qwen_merger"
+    backbone: str = "qwen3_5"
+    preset: str | None = "tiny"
+    pretrained: str | None = None  # an mmadapt or transformers directory; overrides the names
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    train: str | None = None
+    eval: str | None = None
+    image_root: str | None = None
+    tokenizer: str | None = None  # a transformers tokenizer directory; None = mmadapt's char tokenizer
+    max_length: int = 2048
+    truncation: Literal["drop", "raise", "text"] = "drop"
+    batch_size: int = 8
+    packing: bool = False
+    max_tokens: int = 4096
+    num_workers: int = 0
+    length_grouped: bool = False
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    steps: int = 100
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_accum: int = 1
+    clip_grad_norm: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 0
+    log_every: int = 10
+    max_consecutive_skips: int = 5
+    out: str = "runs/train"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.grad_accum < 1:
+            raise ValueError(f"train.steps ({self.steps}) and train.grad_accum ({self.grad_accum}) must be >= 1")
+
+
+@dataclass(kw_only=True)
+class PrecisionSection:
+    # bf16-autocast: bf16 compute, fp32 master weights / optimizer state / grad accumulation and reduction.
+    policy: Literal["fp32", "bf16-autocast"] = "fp32"
+
+
+@dataclass(kw_only=True)
+class StagesSection:
+    preset: str | None = None
+    encoder: Literal["frozen", "full", "lora"] = "frozen"
+    projector: Literal["frozen", "full", "lora"] = "full"
+    backbone: Literal["frozen", "full", "lora"] = "full"
+
+    def modes(self) -> dict[str, str]:
+        if self.preset is not None:
+            if self.preset not in STAGE_PRESETS:
+                raise ValueError(f"unknown stages.preset {self.preset!r}; known: {sorted(STAGE_PRESETS)}")
+            return dict(STAGE_PRESETS[self.preset])
+        return {"encoder": self.encoder, "projector": self.projector, "backbone": self.backbone}
+
+
+@dataclass(kw_only=True)
+class LoraSection:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    targets: list[str] | None = None  # None = the backbone's declared default targets
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    every: int = 0  # steps; 0 = only at the end
+    keep: int = 2
+    resume: bool = False
+
+
+@dataclass(kw_only=True)
+class DistributedSection:
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # auto: fsdp when world size > 1
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    stages: StagesSection = field(default_factory=StagesSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:
+        return _build(cls, data or {}, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+        """A YAML file (or the defaults) plus `section.key=value` overrides (values parsed as YAML)."""
+        import yaml
+
+        data: dict[str, Any] = {}
+        if path is not None:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        for override in overrides:
+            key, sep, value = override.partition("=")
+            if not sep:
+                raise ValueError(f"override {override!r} must look like section.key=value (e.g. train.lr=1e-4)")
+            set_dotted(data, key.strip(), yaml.safe_load(value))
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        import yaml
+
+        with open(path, "w") as f:
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"cannot set {key!r}: {part!r} is not a section")
+    node[last] = value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"config section {where.rstrip('.') or '(top level)'} must be a mapping, got {data!r}")
+    names = {f.name: f for f in fields(cls)}
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
+            hint = f" Did you mean {where}{close[0]!r}?" if close else ""
+            raise ValueError(f"unknown config key {where}{key!r}.{hint} Valid keys here: {sorted(names)}")
+        hint = hints[key]
+        kwargs[key] = _build(hint, value, f"{where}{key}.") if dataclasses.is_dataclass(hint) else _coerce(
+            value, hint, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Light type checking: numbers from YAML strings like '1e-4', lists to tuples, literal choices."""
+    origin = getattr(hint, "__origin__", None)
+    args = getattr(hint, "__args__", ())
+    if value is None:
+        return None
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if hint is float or (float in args and not isinstance(value, bool)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            if float in args and len(args) > 1:
+                return value
+            raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    if hint is bool and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if origin is tuple:
+        return tuple(value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,166 @@
+"""torchrun / single-process plumbing: process group, FSDP2 or DDP wrapping, full state dicts.
+
+`init()` starts the process group when launched by torchrun (gloo on CPU, nccl on GPU) and
+is a no-op for one process. `wrap` applies FSDP2 (`fully_shard` on every decoder and vision
+block, then the root; mixed precision bf16 params with fp32 gradient reduction under the
+bf16 policy) or DDP. Checkpoints always hold full, unsharded, unprefixed state dicts, so a
+checkpoint from any world size loads into any other and into a plain model.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BLOCK_LISTS = ("layers", "blocks")  # ModuleLists whose children are transformer blocks
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def init() -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistContext(rank=rank, world=world, device=device)
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: str) -> nn.Module:
+    if not ctx.active:
+        return model
+    if strategy in ("auto", "fsdp"):
+        return shard(model, ctx, precision)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # Frozen towers and CLIP's unused last layer leave parameters without gradients.
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+    raise ValueError(f"distributed.strategy must be 'auto', 'ddp' or 'fsdp', got {strategy!r}")
+
+
+def shard(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16-autocast" else None,
+                              reduce_dtype=torch.float32)
+    for component in (model.encoder, model.backbone):
+        for name, module in component.named_modules():
+            if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS:
+                for block in module:
+                    fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def no_sync(wrapped: nn.Module) -> Any:
+    """Skip gradient communication for a micro-batch that is not the last of the step."""
+    if hasattr(wrapped, "no_sync"):  # DDP
+        return wrapped.no_sync()
+    if dist.is_initialized() and is_fsdp(wrapped):
+        return _FsdpNoSync(wrapped)
+    return nullcontext()
+
+
+class _FsdpNoSync:
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.module.set_requires_gradient_sync(True)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.clone()
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def grad_norm_and_clip(wrapped: nn.Module, max_norm: float | None) -> float:
+    """The global gradient norm (all ranks, all shards), clipping to `max_norm` when given."""
+    params = [p for p in wrapped.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(wrapped: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    if is_fsdp(wrapped):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(wrapped, options=_options())
+    return model.state_dict()
+
+
+def full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if is_fsdp(wrapped):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(wrapped, optimizer, options=_options())
+    return optimizer.state_dict()
+
+
+def load_full_model_state(wrapped: nn.Module, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    if is_fsdp(wrapped):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(wrapped, state, options=_options())
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}. Was it written with other components or stages?")
+
+
+def load_full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    if is_fsdp(wrapped):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(wrapped, optimizer, state, options=_options())
+        return
+    optimizer.load_state_dict(state)

@@ -1,0 +1,111 @@
+"""Training stages: each component is `frozen`, `full` or `lora`; LoRA adapters come from peft.
+
+`apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, lora)`
+sets `requires_grad` per component and injects LoRA layers in place (peft's
+`inject_adapter_in_model`, so parameter names stay under `backbone.`). Backbone LoRA targets
+are the backbone's declared `lora_targets` (exact module names, matched by peft as name
+suffixes inside the backbone only); encoder LoRA targets every linear layer of the tower and
+only when asked. `merge_lora` folds adapters into the base weights for export;
+`lora_state` / `save_adapters` write the adapters alone, in peft's format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+COMPONENTS = ("encoder", "projector", "backbone")
+
+
+def lora_config(model: Any, component: str, r: int, alpha: int, dropout: float, targets: list[str] | None) -> Any:
+    from peft import LoraConfig
+
+    if component == "projector":
+        raise ValueError("stages.projector cannot be 'lora' (the projector is small; train it 'full' or freeze it)")
+    if targets is None:
+        targets = list(model.backbone_spec.lora_targets) if component == "backbone" else linear_names(model.encoder)
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+
+
+def linear_names(module: nn.Module) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, nn.Linear)})
+
+
+def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int = 32, dropout: float = 0.0,
+                 targets: list[str] | None = None) -> dict[str, dict[str, int]]:
+    """Freeze / unfreeze / add LoRA per component; returns and logs {component: {trainable, total}}."""
+    from peft import inject_adapter_in_model
+
+    for component in COMPONENTS:
+        mode = modes.get(component, "full")
+        if mode not in ("frozen", "full", "lora"):
+            raise ValueError(f"stages.{component} must be 'frozen', 'full' or 'lora', got {mode!r}")
+        module = getattr(model, component)
+        module.requires_grad_(mode == "full")
+        if mode == "lora":
+            config = lora_config(model, component, r, alpha, dropout, targets if component == "backbone" else None)
+            inject_adapter_in_model(config, module)
+            for name, p in module.named_parameters():
+                p.requires_grad_("lora_" in name)
+            module.lora_config = config  # kept for save_adapters
+    counts = parameter_counts(model)
+    for component, c in counts.items():
+        log.info("%-9s %-6s trainable %12s of %12s parameters", component, modes.get(component, "full"),
+                 f"{c['trainable']:,}", f"{c['total']:,}")
+    return counts
+
+
+def parameter_counts(model: Any) -> dict[str, dict[str, int]]:
+    out = {}
+    for component in COMPONENTS:
+        params = list(getattr(model, component).parameters())
+        out[component] = {"trainable": sum(p.numel() for p in params if p.requires_grad),
+                          "total": sum(p.numel() for p in params)}
+    return out
+
+
+def lora_modules(module: nn.Module) -> dict[str, nn.Module]:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every LoRA adapter into its base layer and put the plain layer back (in place)."""
+    for name, layer in lora_modules(model).items():
+        layer.merge()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer.get_base_layer())
+    return model
+
+
+def save_adapters(model: Any, directory: str | os.PathLike) -> list[str]:
+    """Each LoRA'd component's adapters in peft's format: DIR/<component>/adapter_model.safetensors + config."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    written = []
+    for component in COMPONENTS:
+        module = getattr(model, component)
+        if not lora_modules(module):
+            continue
+        target = os.path.join(directory, component)
+        os.makedirs(target, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(module).items()}
+        save_file(state, os.path.join(target, "adapter_model.safetensors"))
+        config = module.lora_config.to_dict()
+        with open(os.path.join(target, "adapter_config.json"), "w") as f:
+            json.dump({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, f, indent=2,
+                      default=str)
+        written.append(target)
+    return written
+
+
+def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

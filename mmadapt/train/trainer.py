@@ -1,0 +1,324 @@
+"""The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks.
+
+One optimizer step = `grad_accum` micro-batches per rank. The loss of every micro-batch is a
+*sum* over its supervised tokens divided by the supervised tokens of the whole global batch
+(all micro-batches, all ranks), so accumulation and data parallelism equal one big batch.
+Before the optimizer step the loss and the gradient norm are checked: a non-finite step is
+skipped (gradients dropped), counted and logged; after `max_consecutive_skips` in a row the
+run stops with `NonFiniteError`, naming the first module that produced non-finite values.
+
+Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with
+fp32 master weights, fp32 AdamW state, fp32 gradient accumulation and fp32 gradient
+reduction (DDP reduces the fp32 grads; FSDP2 uses `reduce_dtype=float32`).
+
+Data order is a pure function of (seed, step), so `resume` continues exactly: the sampler
+starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from mmadapt.train import distributed as dist_utils
+from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from mmadapt.train.config import RunConfig
+from mmadapt.train.stages import apply_stages, save_adapters
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps; `report` names the first module with non-finite values."""
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Micro-batches of sample indices for this rank, from `start_step` on, forever.
+
+    Step s takes global batch s of the seed's permutation of the epoch (tail dropped); rank r
+    gets its every world-th sample, cut into `grad_accum` micro-batches of `micro_batch`.
+    """
+
+    def __init__(self, num_samples: int, *, micro_batch: int, grad_accum: int = 1, seed: int = 0, rank: int = 0,
+                 world: int = 1, start_step: int = 0, shuffle: bool = True) -> None:
+        self.global_batch = micro_batch * grad_accum * world
+        if num_samples < self.global_batch:
+            raise ValueError(f"{num_samples} training samples cannot fill one global batch of {self.global_batch} "
+                             f"(batch_size {micro_batch} x grad_accum {grad_accum} x {world} ranks)")
+        self.num_samples, self.micro_batch, self.grad_accum = num_samples, micro_batch, grad_accum
+        self.seed, self.rank, self.world, self.start_step, self.shuffle = seed, rank, world, start_step, shuffle
+        self.steps_per_epoch = num_samples // self.global_batch
+
+    def indices(self, step: int) -> list[list[int]]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = (torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+                 if self.shuffle else torch.arange(self.num_samples))
+        mine = order[k * self.global_batch : (k + 1) * self.global_batch][self.rank :: self.world].tolist()
+        return [mine[m * self.micro_batch : (m + 1) * self.micro_batch] for m in range(self.grad_accum)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            yield from self.indices(step)
+            step += 1
+
+
+def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry loss after the causal shift (transformers drops the first label of each row)."""
+    return (labels[..., 1:] != -100).sum()
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class Trainer:
+    """`Trainer(model, config, train_data, collate_fn).fit()`; works for 1 process or under torchrun."""
+
+    def __init__(self, model: Any, config: RunConfig, train_data: Dataset, collate_fn: Callable,
+                 *, eval_data: Dataset | None = None, evaluate: Callable[[Any, int], dict[str, float]] | None = None,
+                 apply_stage_modes: bool = True) -> None:
+        self.cfg, self.model, self.train_data, self.collate_fn = config, model, train_data, collate_fn
+        self.eval_data, self.evaluate = eval_data, evaluate
+        self.dist = dist_utils.init()
+        self.device = self.dist.device
+        self.out = Path(config.train.out)
+        torch.manual_seed(config.train.seed)
+        if apply_stage_modes:
+            lora = config.lora
+            self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
+                                             dropout=lora.dropout, targets=lora.targets)
+        model.to(self.device)
+        self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
+        params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("no trainable parameters: every component is frozen (check `stages`)")
+        t = config.train
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=t.warmup_steps,
+                                       num_training_steps=t.steps)
+        self.step, self.skipped, self.consecutive_skips = 0, 0, 0
+        self.history: list[dict[str, Any]] = []
+        if config.checkpoint.resume:
+            self.resume()
+
+    # ---- setup -------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        return self.dist.rank == 0
+
+    def precision_context(self) -> Any:
+        if self.cfg.precision.policy == "bf16-autocast":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def describe_precision(self) -> str:
+        if self.cfg.precision.policy == "fp32":
+            return "precision: fp32 everywhere (weights, compute, gradients, optimizer state, reduction)"
+        return ("precision: bf16 autocast compute; fp32 master weights, fp32 AdamW state, fp32 gradient "
+                "accumulation, fp32 gradient reduction")
+
+    def loader(self, start_step: int) -> Iterator[dict[str, Any]]:
+        sampler = GlobalBatchSampler(len(self.train_data), micro_batch=self.cfg.data.batch_size,
+                                     grad_accum=self.cfg.train.grad_accum, seed=self.cfg.train.seed,
+                                     rank=self.dist.rank, world=self.dist.world, start_step=start_step)
+        return iter(DataLoader(self.train_data, batch_sampler=sampler, collate_fn=self.collate_fn,
+                               num_workers=self.cfg.data.num_workers))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        t = self.cfg.train
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.cfg.save(self.out / "config.yaml")
+            log.info(self.describe_precision())
+        batches = self.loader(self.step)
+        progress = self.progress_bar()
+        started = time.perf_counter()
+        while self.step < t.steps:
+            micro = [next(batches) for _ in range(t.grad_accum)]
+            record = self.train_step(micro)
+            self.step += 1
+            record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
+            if t.eval_every and self.step % t.eval_every == 0:
+                record.update(self.run_eval())
+            self.log(record, progress)
+            every = self.cfg.checkpoint.every
+            if every and self.step % every == 0 and self.step < t.steps:
+                self.save()
+        if progress is not None:
+            progress.close()
+        final_eval = self.run_eval() if self.eval_data is not None or self.evaluate is not None else {}
+        self.save()
+        if self.is_main:
+            self.plot()
+        return {"steps": self.step, "skipped": self.skipped, "seconds": time.perf_counter() - started,
+                "history": self.history, **final_eval}
+
+    def train_step(self, micro: list[dict[str, Any]]) -> dict[str, Any]:
+        """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record."""
+        loss_value, total_tokens = self.backward(micro)
+        clip = self.cfg.train.clip_grad_norm
+        grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
+        record = {"loss": loss_value, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                  "tokens": total_tokens, "problems": sum(len(b.get("meta", {}).get("problems", ())) for b in micro)}
+        if math.isfinite(loss_value) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_skips = 0
+        else:
+            self.skipped += 1
+            self.consecutive_skips += 1
+            record["skipped"] = True
+            log.warning("step %d: non-finite %s; step skipped (%d in a row, %d in all)", self.step + 1,
+                        "loss" if not math.isfinite(loss_value) else "gradient norm", self.consecutive_skips,
+                        self.skipped)
+            if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.stop_non_finite(micro[0])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return record
+
+    def backward(self, micro: list[dict[str, Any]]) -> tuple[float, int]:
+        """Accumulate the gradients of one global batch; returns (its mean token loss, its supervised tokens)."""
+        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(self.device))
+        total_tokens = max(int(tokens.item()), 1)
+        loss_sum = torch.zeros((), device=self.device)
+        self.wrapped.train()
+        for k, batch in enumerate(micro):
+            sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
+            with sync, self.precision_context():
+                loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=total_tokens).loss
+            (loss * self.dist.world).backward()  # ranks' gradients are averaged; the loss is already global
+            loss_sum += loss.detach().float()
+        return float(dist_utils.all_reduce_sum(loss_sum)), total_tokens
+
+    def stop_non_finite(self, batch: dict[str, Any]) -> None:
+        from mmadapt.numerics import find_nonfinite
+
+        inputs = to_device(batch, self.device)
+
+        def forward_backward() -> None:
+            with self.precision_context():
+                loss = self.model(**inputs).loss
+            loss.backward()
+
+        report = find_nonfinite(self.model, forward_backward)
+        self.model.zero_grad(set_to_none=True)
+        where = str(report) if report is not None else "the tracer found no non-finite module output or gradient " \
+            "when re-running the batch (the values may come from the optimizer state or the data)"
+        message = (f"stopping at step {self.step + 1}: {self.consecutive_skips} consecutive non-finite steps "
+                   f"({self.skipped} skipped in all). {where}")
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "nonfinite.txt").write_text(message + "\n")
+        raise NonFiniteError(message, report)
+
+    # ---- evaluation, logging, checkpoints ------------------------------------------------------
+    @torch.no_grad()
+    def run_eval(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.eval_data is not None:
+            loader = DataLoader(self.eval_data, batch_size=self.cfg.data.batch_size, collate_fn=self.collate_fn)
+            self.wrapped.eval()
+            total, tokens = 0.0, 0
+            for batch in loader:
+                with self.precision_context():
+                    n = int(supervised_tokens(batch["labels"]))
+                    loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=max(n, 1)).loss
+                total, tokens = total + float(loss) * n, tokens + n
+            out["eval_loss"] = total / max(tokens, 1)
+        if self.evaluate is not None:
+            out.update(self.evaluate(self.model, self.step))
+        self.wrapped.train()
+        return out
+
+    def progress_bar(self) -> Any:
+        if not (self.is_main and self.cfg.train.progress):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="training", unit="step")
+
+    def log(self, record: dict[str, Any], progress: Any) -> None:
+        self.history.append(record)
+        if not self.is_main:
+            return
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", grad=f"{record['grad_norm']:.3g}")
+        if self.step % max(self.cfg.train.log_every, 1) == 0 or record.get("skipped"):
+            log.info("step %d  loss %.4f  grad_norm %.4g  lr %.3g%s", record["step"], record["loss"],
+                     record["grad_norm"], record["lr"], "  SKIPPED" if record.get("skipped") else "")
+
+    def save(self) -> Path | None:
+        model_state = dist_utils.full_model_state(self.wrapped, self.model)
+        optimizer_state = {"optimizer": dist_utils.full_optimizer_state(self.wrapped, self.optimizer),
+                           "scheduler": self.scheduler.state_dict()}
+        path = None
+        if self.is_main:
+            state = {"step": self.step, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
+                     "history": self.history}
+            path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
+                                   trainer_state=state, config=self.cfg, keep=self.cfg.checkpoint.keep)
+            save_adapters(self.model, self.out / "adapters")
+        dist_utils.barrier()
+        return path
+
+    def resume(self) -> None:
+        path = latest_checkpoint(self.out)
+        if path is None:
+            log.info("resume: no complete checkpoint in %s; starting from step 0", self.out)
+            return
+        state = load_checkpoint(path)
+        dist_utils.load_full_model_state(self.wrapped, self.model, state["model"])
+        dist_utils.load_full_optimizer_state(self.wrapped, self.optimizer, state["optimizer"]["optimizer"])
+        self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
+        set_rng_state(state["rng"])
+        trainer = state["trainer"]
+        self.step, self.skipped = trainer["step"], trainer["skipped"]
+        self.consecutive_skips, self.history = trainer["consecutive_skips"], trainer["history"]
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def plot(self) -> Path | None:
+        if not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+        ax_loss.plot(steps, [r["loss"] for r in self.history], label="train loss")
+        evals = [(r["step"], r["eval_loss"]) for r in self.history if "eval_loss" in r]
+        if evals:
+            ax_loss.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+        ax_loss.set_ylabel("loss")
+        ax_loss.legend()
+        ax_grad.plot(steps, [r["grad_norm"] for r in self.history], color="tab:orange")
+        ax_grad.set_ylabel("grad norm")
+        ax_grad.set_xlabel("step")
+        ax_grad.set_yscale("log")
+        fig.tight_layout()
+        path = self.out / "loss.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
