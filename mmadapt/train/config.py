@@ -170,8 +170,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         if key not in names:
             close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
-            hint = f" Did you mean {where}{close[0]!r}?" if close else ""
-            raise ValueError(f"unknown config key {where}{key!r}.{hint} Valid keys here: {sorted(names)}")
+            hint = f" Did you mean '{where}{close[0]}'?" if close else ""
+            raise ValueError(f"unknown config key '{where}{key}'.{hint} Valid keys here: {sorted(names)}")
         hint = hints[key]
         kwargs[key] = _build(hint, value, f"{where}{key}.") if dataclasses.is_dataclass(hint) else _coerce(
             value, hint, f"{where}{key}")
@@ -184,6 +184,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     args = getattr(hint, "__args__", ())
     if value is None:
         return None
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return tuple(value) if origin is tuple else list(value)
     if origin is Literal:
         if value not in args:
             raise ValueError(f"{key} must be one of {list(args)}, got {value!r}")
@@ -200,8 +204,6 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ValueError(f"{key} must be an integer, got {value!r}")
     if hint is bool and not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
-    if origin is tuple:
-        return tuple(value)
     return value
 
 

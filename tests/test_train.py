@@ -1,0 +1,217 @@
+"""The trainer: config, accumulation == one batch, exact resume, atomic checkpoints, stages, LoRA, HF Trainer.
+
+Tolerances: accumulation vs one batch, gradients within 1e-6 relative (fp32); resume, losses
+bitwise equal (CPU, fp32); LoRA merged vs unmerged logits within 1e-5.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmadapt import build_model
+from mmadapt.data import Collator
+from mmadapt.testing import synthetic_samples
+from mmadapt.train import RunConfig, Trainer, apply_stages, latest_checkpoint, merge_lora
+from mmadapt.train.stages import lora_modules
+
+QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
+LLAVA = ("clip", "mlp2x_gelu", "llama")
+
+
+def tiny(names=QWEN, seed=0):
+    torch.manual_seed(seed)
+    return build_model(*names)
+
+
+def samples_for(model, n=16, seed=0):
+    images = [1, 0, 2, 1][: 4] * (n // 4)
+    text = [4 + (7 * k) % 13 for k in range(n)]  # different supervised-token counts per sample
+    return synthetic_samples(model, images, text_lengths=text, seed=seed)
+
+
+def config(tmp_path, *overrides):
+    return RunConfig.load(None, [f"train.out={tmp_path}", "train.progress=false", "train.lr=1e-3",
+                                 "stages.encoder=full", *overrides])
+
+
+def run(names, tmp_path, *overrides, model=None):
+    model = model or tiny(names)
+    trainer = Trainer(model, config(tmp_path, *overrides), samples_for(model), Collator.for_model(model, 0))
+    return trainer, trainer.fit()
+
+
+def losses(summary):
+    return [r["loss"] for r in summary["history"]]
+
+
+# ---- config ---------------------------------------------------------------------------------------
+def test_config_overrides_unknown_keys_and_round_trip(tmp_path):
+    cfg = RunConfig.load(None, ["train.lr=3e-4", "stages.preset=llava-stage1", "data.packing=true"])
+    assert (cfg.train.lr, cfg.stages.modes()["backbone"], cfg.data.packing) == (3e-4, "frozen", True)
+    with pytest.raises(ValueError, match=r"unknown config key 'train.lrr'. Did you mean 'train.lr'\?"):
+        RunConfig.load(None, ["train.lrr=1"])
+    with pytest.raises(ValueError, match="Did you mean 'precision'"):
+        RunConfig.from_dict({"precison": {"policy": "fp32"}})
+    with pytest.raises(ValueError, match="must be one of"):
+        RunConfig.load(None, ["precision.policy=fp16"])
+    cfg.save(tmp_path / "c.yaml")
+    assert RunConfig.load(tmp_path / "c.yaml") == cfg
+
+
+# ---- accumulation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
+def test_gradient_accumulation_equals_one_batch(names, tmp_path):
+    """4 micro-batches of 2 == 1 batch of 8: the relative gradient difference is <= 1e-6 overall and per tensor.
+
+    Rows are padded to one width so both runs do the same per-row arithmetic; tensors whose gradient
+    is below 1e-6 of the global norm (e.g. attention key biases, which get zero gradient up to rounding)
+    are covered by the global check only.
+    """
+    grads = []
+    for batch_size, accum in ((8, 1), (2, 4)):
+        model = tiny(names)
+        samples = samples_for(model)
+        collate = Collator.for_model(model, 0, pad_to_multiple_of=max(map(len, samples)))
+        trainer = Trainer(model, config(tmp_path, f"data.batch_size={batch_size}", f"train.grad_accum={accum}"),
+                          samples, collate)
+        batches = trainer.loader(0)
+        micro = [next(batches) for _ in range(accum)]
+        counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
+        trainer.backward(micro)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert len(set(counts)) > 1  # the micro-batches really differ in supervised tokens
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    one, accumulated = grads
+    global_norm = torch.stack([g.norm() for g in one.values()]).norm()
+    global_diff = torch.stack([(accumulated[n] - g).norm() for n, g in one.items()]).norm()
+    assert global_diff <= 1e-6 * global_norm
+    for name, g in one.items():
+        if g.norm() >= 1e-6 * global_norm:
+            assert (accumulated[name] - g).norm() <= 1e-6 * g.norm(), name
+
+
+# ---- resume and atomic checkpoints ------------------------------------------------------------------
+def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
+    _, full = run(QWEN, tmp_path / "full", "train.steps=6", "checkpoint.every=3")
+
+    original = Trainer.save
+
+    def save_then_stop(self):
+        original(self)
+        if self.step == 3:
+            raise KeyboardInterrupt  # the job is stopped right after its step-3 checkpoint
+
+    monkeypatch.setattr(Trainer, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(QWEN, tmp_path / "cut", "train.steps=6", "checkpoint.every=3")
+    monkeypatch.setattr(Trainer, "save", original)
+    trainer, resumed = run(QWEN, tmp_path / "cut", "train.steps=6", "checkpoint.every=3", "checkpoint.resume=true",
+                           model=tiny(QWEN, seed=123))  # different init: everything must come from the checkpoint
+    assert losses(resumed)[3:] == losses(full)[3:]  # bitwise
+    assert losses(resumed)[:3] == losses(full)[:3]  # history restored from the checkpoint
+
+
+KILL_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import mmadapt.train.checkpoint as ckpt
+from test_train import run, QWEN
+real_save = torch.save
+def dying_save(obj, path, *a, **k):
+    if "step-0000004" in str(path):
+        os._exit(9)  # killed in the middle of writing the step-4 checkpoint
+    return real_save(obj, path, *a, **k)
+ckpt.torch.save = dying_save
+run(QWEN, {out!r}, "train.steps=6", "checkpoint.every=2")
+"""
+
+
+def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
+    out = tmp_path / "run"
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 9, result.stderr[-2000:]
+    assert any(p.name.startswith(".tmp-step-0000004") for p in (out / "checkpoints").iterdir())
+    assert latest_checkpoint(out).name == "step-0000002"
+    (out / "checkpoints" / "step-0000004").mkdir()  # even a renamed directory without its marker is ignored
+    assert latest_checkpoint(out).name == "step-0000002"
+    _, resumed = run(QWEN, out, "train.steps=6", "checkpoint.every=2", "checkpoint.resume=true")
+    _, full = run(QWEN, tmp_path / "full", "train.steps=6", "checkpoint.every=2")
+    assert losses(resumed)[2:] == losses(full)[2:]
+    assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())  # cleaned up
+
+
+def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path):
+    _, summary = run(QWEN, tmp_path, "train.steps=3")
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] and {"loss", "grad_norm", "lr", "tokens"} <= set(lines[0])
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    ckpt = latest_checkpoint(tmp_path)
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json",
+                                               "config.yaml", "COMPLETE"}
+    assert RunConfig.load(ckpt / "config.yaml") == RunConfig.load(tmp_path / "config.yaml")
+
+
+# ---- stages and LoRA ------------------------------------------------------------------------------
+def test_stage1_changes_only_the_projector(tmp_path):
+    model = tiny(LLAVA)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run(LLAVA, tmp_path, "train.steps=2", "stages.preset=llava-stage1", model=model)
+    changed = {k.split(".")[0] for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"projector"}
+
+
+def test_lora_on_qwen3_5_wraps_exactly_the_declared_modules():
+    model = tiny(QWEN)
+    declared = set(model.backbone_spec.lora_targets)
+    expected = {name for name, m in model.backbone.named_modules()
+                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in declared}
+    apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, r=4, alpha=8)
+    wrapped = set(lora_modules(model.backbone))
+    assert wrapped == expected
+    kinds = {name.rsplit(".", 1)[-1] for name in wrapped}
+    assert kinds == declared and not {"in_proj_a", "in_proj_b", "lm_head"} & kinds
+    assert not lora_modules(model.encoder) and not lora_modules(model.projector)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all("lora_" in n or n.startswith("projector.") for n in trainable)
+
+
+@pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
+def test_lora_merged_export_equals_unmerged_logits(names, tmp_path):
+    model = tiny(names)
+    trainer, _ = run(names, tmp_path / "run", "train.steps=3", "stages.preset=lora", "lora.r=4", "train.lr=1e-2",
+                     model=model)
+    assert (tmp_path / "run" / "adapters" / "backbone" / "adapter_model.safetensors").is_file()
+    batch = Collator.for_model(model, 0)(samples_for(model, 4, seed=5))
+    model.eval()
+    with torch.no_grad():
+        unmerged = model(**batch).logits
+        merge_lora(model)
+        assert not lora_modules(model)
+        merged = model(**batch).logits
+    torch.testing.assert_close(merged, unmerged, rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path / "export")
+    from mmadapt import VisionLanguageModel
+
+    with torch.no_grad():
+        reloaded = VisionLanguageModel.from_pretrained(tmp_path / "export").eval()(**batch).logits
+    torch.testing.assert_close(reloaded, unmerged, rtol=0, atol=1e-5)
+
+
+# ---- transformers Trainer ---------------------------------------------------------------------------
+def test_transformers_trainer_runs_with_the_model_and_collator(tmp_path):
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments
+
+    model = tiny(QWEN)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                             report_to=[], use_cpu=True, remove_unused_columns=False, save_strategy="no",
+                             logging_steps=1, disable_tqdm=True)
+    trainer = HFTrainer(model=model, args=args, train_dataset=samples_for(model),
+                        data_collator=Collator.for_model(model, 0))
+    result = trainer.train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
