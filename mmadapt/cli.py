@@ -64,7 +64,7 @@ def cmd_data_check(args: argparse.Namespace) -> int:
         max_length=args.max_length, truncation=args.truncation,
         insert_missing_placeholder=args.insert_missing_placeholder,
     )
-    report = check_dataset(read_records(args.data), encoder, progress=sys.stderr.isatty())
+    report = check_dataset(read_records(args.data, errors="report"), encoder, progress=sys.stderr.isatty())
     print(f"{args.data}: {args.encoder} + {args.projector} + {args.backbone} (preset {args.preset}), "
           f"max_length {args.max_length}, truncation {args.truncation!r}")
     print(report.format())

@@ -195,7 +195,7 @@ def test_vicuna_template_for_llava_1_5(image_dir):
     assert text == ("<s>A chat between a curious human and an artificial intelligence assistant. The assistant gives "
                     f"helpful, detailed, and polite answers to the human's questions. USER: {span}\nWho is this? "
                     "ASSISTANT: An astronaut.</s>")
-    assert tokenizer.decode(sample.input_ids[sample.labels != IGNORE]) == "An astronaut.</s>"
+    assert tokenizer.decode(sample.input_ids[sample.labels != IGNORE]) == " An astronaut.</s>"
     assert sample.pixel_values.shape == (1, 3, model.encoder.image_size, model.encoder.image_size)
 
 
@@ -298,3 +298,117 @@ def test_data_check_cli(tmp_path, image_dir, capsys):
     good_only = tmp_path / "good.json"
     good_only.write_text(json.dumps(list(GOOD.values())))
     assert main(["data", "check", str(good_only), "--image-root", str(image_dir)]) == 0
+
+
+# ---- review findings: each was a sample that passed the check and then broke training ---------------
+def test_images_in_a_system_turn_and_literal_span_tokens(qwen, image_dir):
+    encoder = encoder_for(qwen, image_dir)
+    system_image = {"id": "sys", "image": "astronaut.png", "conversations": [
+        {"from": "system", "value": "Reference: <image>"}, {"from": "human", "value": "Who?"},
+        {"from": "gpt", "value": "An astronaut."}]}
+    sample = encoder.encode(system_image, 0)
+    model, _ = qwen
+    assert int((sample.input_ids == model.tokens.image_token_id).sum()) == sample.tokens_per_image[0]
+    literal = llava("literal", None, "What is <|image_pad|>?", "A token.")
+    with pytest.raises(DataProblem, match=r"placeholder_mismatch.*literally"):
+        encoder.encode(literal, 0)
+    with pytest.raises(DataProblem, match=r"bad_format.*system turn may only come first"):
+        encoder.encode({"id": "late", "conversations": [{"from": "human", "value": "hi"},
+                                                        {"from": "system", "value": "be nice"},
+                                                        {"from": "gpt", "value": "ok"}]}, 0)
+
+
+def _bpe_tokenizer(tmp_path, specials, eos=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *specials],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["Who is this? An astronaut.", "user assistant system"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token=eos).save_pretrained(tmp_path)
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
+def test_tokenizer_without_eos_and_with_all_tokens_already_present(tmp_path, image_dir):
+    torch.manual_seed(0)
+    model = build_model("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    tokenizer = _bpe_tokenizer(tmp_path / "a", [])
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(image_dir))
+    assert tokenizer.eos_token == "<|im_end|>"  # the template's end of turn, never an image token
+    assert encoder.pad_token_id not in encoder.span_ids
+    text_only = Collator.for_model(model, encoder.pad_token_id)([encoder.encode(GOOD["text"], 0),
+                                                               encoder.encode(GOOD["photo"], 1)])
+    assert torch.isfinite(model(**text_only).loss)
+    # All special tokens present, but at ids the model does not use yet: still aligned and resized.
+    torch.manual_seed(0)
+    fresh = build_model("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    full = _bpe_tokenizer(tmp_path / "b", ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
+                                           "<|vision_end|>"], eos="<|im_end|>")
+    full.add_tokens([f"extra{k}" for k in range(300)])  # a vocabulary larger than the tiny model's 256
+    SampleEncoder.for_model(fresh, full, image_root=str(image_dir))
+    assert fresh.tokens.image_token_id == full.convert_tokens_to_ids("<|image_pad|>")
+    assert fresh.backbone.get_input_embeddings().num_embeddings == len(full)
+
+
+def test_sentencepiece_style_tokenizer_renders_like_whole_string_tokenization(image_dir):
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = SentencePieceBPETokenizer()
+    backend.train_from_iterator(["A chat between a curious human and an assistant. USER: Hi there ASSISTANT: Yes sir"]
+                                * 20, vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    torch.manual_seed(0)
+    model = build_model("clip", "mlp2x_gelu", "llama")
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(image_dir))
+    sample = encoder.encode(llava("t", None, "Hi there", "Yes sir"), 0)
+    system = encoder.template.default_system
+    whole = tokenizer(f"{system} USER: Hi there ASSISTANT: Yes sir", add_special_tokens=False)["input_ids"]
+    assert sample.input_ids.tolist() == [tokenizer.bos_token_id, *whole, tokenizer.eos_token_id]
+    assert tokenizer.decode(sample.input_ids[sample.labels != IGNORE]).strip() == "Yes sir</s>"
+
+
+def test_data_problems_survive_pickling_across_workers():
+    import pickle
+
+    problem = DataProblem("too_long", "300 > 200", sample_id="x", path="a.png", fatal=True)
+    again = pickle.loads(pickle.dumps(problem))
+    assert (again.reason, again.detail, again.sample_id, again.path, again.fatal) == ("too_long", "300 > 200", "x",
+                                                                                      "a.png", True)
+
+
+def test_a_broken_jsonl_line_is_a_counted_problem(tmp_path, image_dir, qwen):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD["photo"]) + "\n{not json\n" + json.dumps(GOOD["text"]) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["data", "check", str(path), "--image-root", str(image_dir), "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert (report["total"], report["ok"]) == (3, 2)
+    assert report["problems"][0]["id"] == "line 2" and report["problems"][0]["reason"] == "bad_format"
+    dataset = VLMDataset(path, encoder_for(qwen, image_dir))
+    assert isinstance(dataset[1], DataProblem) and not isinstance(dataset[2], DataProblem)
+
+
+def test_symlinked_directories_inside_the_root_are_allowed(tmp_path, image_dir):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "coco").symlink_to(image_dir, target_is_directory=True)
+    assert parse_record(llava("s", "coco/astronaut.png", "<image>"), 0, root).images[0].endswith("astronaut.png")
+    with pytest.raises(DataProblem, match="path_outside_root"):
+        parse_record(llava("s", "coco/../../outside.png", "<image>"), 0, root)
+
+
+def test_vicuna_multi_turn_matches_llava_conv_vicuna_v1(image_dir):
+    torch.manual_seed(0)
+    model = build_model("clip", "mlp2x_gelu", "llama")
+    tokenizer = char_tokenizer()
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(image_dir))
+    record = {"id": "m", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."},
+                                           {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Ciao."}]}
+    text = tokenizer.decode(encoder.encode(record, 0).input_ids)
+    system = encoder.template.default_system
+    assert text == f"<s>{system} USER: Hi ASSISTANT: Hello.</s>USER: Bye ASSISTANT: Ciao.</s>"

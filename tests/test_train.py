@@ -109,7 +109,7 @@ def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(QWEN, tmp_path / "cut", "train.steps=6", "checkpoint.every=3")
     monkeypatch.setattr(Trainer, "save", original)
-    trainer, resumed = run(QWEN, tmp_path / "cut", "train.steps=6", "checkpoint.every=3", "checkpoint.resume=true",
+    _, resumed = run(QWEN, tmp_path / "cut", "train.steps=6", "checkpoint.every=3", "checkpoint.resume=true",
                            model=tiny(QWEN, seed=123))  # different init: everything must come from the checkpoint
     assert losses(resumed)[3:] == losses(full)[3:]  # bitwise
     assert losses(resumed)[:3] == losses(full)[:3]  # history restored from the checkpoint
@@ -146,7 +146,7 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pat
 
 
 def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path):
-    _, summary = run(QWEN, tmp_path, "train.steps=3")
+    run(QWEN, tmp_path, "train.steps=3")
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3] and {"loss", "grad_norm", "lr", "tokens"} <= set(lines[0])
     assert (tmp_path / "loss.png").stat().st_size > 1000
@@ -183,7 +183,7 @@ def test_lora_on_qwen3_5_wraps_exactly_the_declared_modules():
 @pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
 def test_lora_merged_export_equals_unmerged_logits(names, tmp_path):
     model = tiny(names)
-    trainer, _ = run(names, tmp_path / "run", "train.steps=3", "stages.preset=lora", "lora.r=4", "train.lr=1e-2",
+    run(names, tmp_path / "run", "train.steps=3", "stages.preset=lora", "lora.r=4", "train.lr=1e-2",
                      model=model)
     assert (tmp_path / "run" / "adapters" / "backbone" / "adapter_model.safetensors").is_file()
     batch = Collator.for_model(model, 0)(samples_for(model, 4, seed=5))

@@ -30,7 +30,7 @@ from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import IGNORE, TEMPLATES, ChatTemplate, render
-from mmadapt.data.tokenizer import prepare_tokenizer, required_tokens
+from mmadapt.data.tokenizer import prepare_tokenizer
 
 Truncation = Literal["drop", "raise", "text"]
 
@@ -72,17 +72,22 @@ class SampleEncoder:
         """The encoder for `model`; adds missing special tokens to `tokenizer` (see `prepare_tokenizer`)."""
         from mmadapt.data.processors import processor_for
 
-        if any(t not in tokenizer.get_vocab() for t in required_tokens(model, tokenizer)):
-            prepare_tokenizer(model, tokenizer)
+        prepare_tokenizer(model, tokenizer)  # idempotent: adds what is missing, aligns ids and embeddings
         return cls(tokenizer=tokenizer, template=TEMPLATES.get(model.backbone_spec.chat_template),
                    processor=processor or processor_for(model), image_token_id=model.tokens.image_token_id,
                    vision_start_token_id=model.tokens.vision_start_token_id,
                    vision_end_token_id=model.tokens.vision_end_token_id, config=DataConfig(**config))
 
     @property
+    def span_ids(self) -> set[int]:
+        return {self.image_token_id, *(self.brackets or ())}
+
+    @property
     def pad_token_id(self) -> int:
+        """The tokenizer's pad (else EOS) id; never an image-span id, which the contract would see as an image."""
         tok = self.tokenizer
-        return next(i for i in (tok.pad_token_id, tok.eos_token_id, 0) if i is not None)
+        candidates = (tok.pad_token_id, tok.eos_token_id, *range(len(tok)))
+        return next(i for i in candidates if i is not None and i not in self.span_ids)
 
     def parse(self, record: Any, index: int) -> Sample:
         return parse_record(record, index, self.config.image_root, self.config.allow_outside_root)
@@ -98,8 +103,35 @@ class SampleEncoder:
         processed = self.processor(images)
         pieces = self.template.pieces(sample.turns, self.tokenizer)
         ids, labels = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
+        self.check_span_tokens(sample, ids, processed.tokens_per_image)
         ids, labels = self.fit(sample.id, ids, labels)
         return EncodedSample(id=sample.id, input_ids=torch.tensor(ids), labels=torch.tensor(labels),
+                             pixel_values=processed.pixel_values if images else None,
+                             image_grid_thw=processed.image_grid_thw if images else None,
+                             tokens_per_image=list(processed.tokens_per_image))
+
+    def encode_prompt(self, record: Any, index: int) -> EncodedSample:
+        """The prompt for generation: `encode` without the last assistant turn, plus the template's generation
+        prompt; labels are all -100. Raises `DataProblem` as `encode` does (`too_long` when over `max_length`)."""
+        sample = self.check_placeholders(self.parse(record, index))
+        turns = sample.turns
+        if turns and turns[-1].role == "assistant":
+            if IMAGE in turns[-1].text:
+                raise DataProblem("placeholder_mismatch", f"the last assistant turn holds {IMAGE}, so it cannot be "
+                                  "dropped for a generation prompt. Fix: put images in user turns",
+                                  sample_id=sample.id)
+            turns = turns[:-1]
+        try:
+            images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
+        except DataProblem as problem:
+            raise problem.for_sample(sample.id) from None
+        processed = self.processor(images)
+        pieces = self.template.pieces(turns, self.tokenizer, add_generation_prompt=True)
+        ids, _ = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
+        if len(ids) > self.config.max_length:
+            raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
+                              sample_id=sample.id, fatal=self.config.truncation == "raise")
+        return EncodedSample(id=sample.id, input_ids=torch.tensor(ids), labels=torch.full((len(ids),), IGNORE),
                              pixel_values=processed.pixel_values if images else None,
                              image_grid_thw=processed.image_grid_thw if images else None,
                              tokens_per_image=list(processed.tokens_per_image))
@@ -121,6 +153,18 @@ class SampleEncoder:
             raise DataProblem("placeholder_mismatch", f"{placeholders} {IMAGE} placeholder(s) for {images} image(s). "
                               f"Fix: one {IMAGE} per image, in image order", sample_id=sample.id)
         return sample
+
+    def check_span_tokens(self, sample: Sample, ids: list[int], tokens_per_image: Sequence[int]) -> None:
+        """The rendered ids hold exactly the image tokens the images need (text may spell the tokens literally)."""
+        found = sum(1 for t in ids if t == self.image_token_id)
+        if found != sum(tokens_per_image):
+            token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+            raise DataProblem("placeholder_mismatch", f"the rendered text holds {found} image tokens but the images "
+                              f"need {sum(tokens_per_image)}: the text contains {token!r} (or a bracket token) "
+                              f"literally. Fix: write images as {IMAGE} only", sample_id=sample.id)
+        if self.brackets and sum(1 for t in ids if t in self.brackets) != 2 * len(tokens_per_image):
+            raise DataProblem("placeholder_mismatch", "the text contains vision start/end tokens literally. Fix: "
+                              f"write images as {IMAGE} only", sample_id=sample.id)
 
     def fit(self, sample_id: str, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Apply `max_length` and the truncation policy; never cut an image span."""
@@ -175,7 +219,8 @@ class VLMDataset(torch.utils.data.Dataset):
     """Map-style: `dataset[i]` is an `EncodedSample`, or the `DataProblem` that stops it (fatal ones raise)."""
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: SampleEncoder) -> None:
-        self.records = read_records(records) if isinstance(records, (str, os.PathLike)) else list(records)
+        self.records = (read_records(records, errors="report") if isinstance(records, (str, os.PathLike))
+                        else list(records))
         self.encoder = encoder
 
     def __len__(self) -> int:

@@ -39,9 +39,16 @@ class DataProblem(ValueError):
                          f"{self.path}: " if self.path is not None else ""])
         return f"{where}{self.reason}: {self.detail}"
 
+    def __reduce__(self) -> tuple:  # picklable across DataLoader workers
+        return (_rebuild, (self.reason, self.detail, self.sample_id, self.path, self.fatal))
+
     def for_sample(self, sample_id: str) -> DataProblem:
         """The same problem, attributed to `sample_id` (image loaders do not know which sample asked)."""
         return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path, fatal=self.fatal)
 
     def to_dict(self) -> dict[str, str | None]:
         return {"id": self.sample_id, "reason": self.reason, "detail": self.detail, "path": self.path}
+
+
+def _rebuild(reason: str, detail: str, sample_id: str | None, path: str | None, fatal: bool) -> DataProblem:
+    return DataProblem(reason, detail, sample_id=sample_id, path=path, fatal=fatal)

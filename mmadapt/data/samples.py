@@ -73,18 +73,26 @@ class EncodedSample:
         return len(self.tokens_per_image)
 
 
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a `.json` (a list) or `.jsonl` file; a broken line is an error naming the line."""
+def read_records(path: str | os.PathLike, errors: str = "raise") -> list[Any]:
+    """Records of a `.json` (a list) or `.jsonl` file.
+
+    A broken JSONL line raises, naming the line; with `errors="report"` it becomes a
+    `DataProblem("bad_format")` with id "line N" in its place (`VLMDataset` and `check_dataset`
+    count it like any bad sample).
+    """
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        records = []
+        records: list[Any] = []
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({e.msg}). Fix or remove the line.") from None
+                    message = f"{path}:{number}: not valid JSON ({e.msg}). Fix or remove the line."
+                    if errors != "report":
+                        raise ValueError(message) from None
+                    records.append(DataProblem("bad_format", message, sample_id=f"line {number}"))
         return records
     data = json.loads(text)
     if not isinstance(data, list):
@@ -99,6 +107,8 @@ def record_id(record: Any, index: int) -> str:
 def parse_record(record: Any, index: int, image_root: str | os.PathLike | None = None,
                  allow_outside_root: bool = False) -> Sample:
     """A LLaVA or messages record as a `Sample`; `DataProblem("bad_format" | "path_outside_root")` if it is not."""
+    if isinstance(record, DataProblem):  # a line `read_records(errors="report")` could not parse
+        raise record
     sample_id = record_id(record, index)
     if not isinstance(record, dict):
         raise DataProblem("bad_format", f"expected a JSON object, got {type(record).__name__}", sample_id=sample_id)
@@ -112,6 +122,8 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise DataProblem("bad_format", f"images must be a path or a list of paths, got {images!r}",
                           sample_id=sample_id)
+    if any(turn.role == "system" for turn in turns[1:]):
+        raise DataProblem("bad_format", "a system turn may only come first", sample_id=sample_id)
     paths = tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in images)
     return Sample(sample_id, paths, turns)
 
@@ -170,13 +182,14 @@ def resolve_image_path(path: str, image_root: str | os.PathLike | None, allow_ou
         raise DataProblem("path_outside_root", f"image path {path!r} is absolute; paths must be relative to the "
                           "image root. Fix: make it relative, or pass allow_outside_root=True "
                           "(--allow-outside-root) if you trust the dataset", sample_id=sample_id, path=path)
-    root = Path(image_root or ".").resolve()
-    resolved = (root / path).resolve()
-    if not resolved.is_relative_to(root):
+    # Lexical check (no symlink resolution): `root/coco -> /data/coco` links inside the root are fine.
+    root = os.path.abspath(image_root or ".")
+    resolved = os.path.normpath(os.path.join(root, path))
+    if os.path.commonpath([root, resolved]) != root:
         raise DataProblem("path_outside_root", f"image path {path!r} escapes the image root {str(root)!r}. Fix: "
                           "move the image under the root, or pass allow_outside_root=True if you trust the dataset",
                           sample_id=sample_id, path=path)
-    return str(resolved)
+    return resolved
 
 
 def iter_samples(records: list[Any], image_root: str | os.PathLike | None = None,

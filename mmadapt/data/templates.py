@@ -11,7 +11,10 @@ Each backbone names its template (`BackboneSpec.chat_template`); templates regis
   <|im_start|>assistant\\n{a}<|im_end|>\\n"; no default system prompt (Qwen3 style).
 
 Text pieces are tokenized one at a time (without the tokenizer's own special tokens), so the
-label boundary is exact for any tokenizer.
+label boundary is exact for any tokenizer. A piece that does not start the sequence is
+tokenized behind a "\n" sentinel whose tokens are then dropped: SentencePiece-style tokenizers
+would otherwise add a word-start marker ("▁") at every piece, which whole-string tokenization
+(and the published checkpoints) never has.
 """
 
 from __future__ import annotations
@@ -45,7 +48,12 @@ class ChatTemplate:
     def specials(self, tokenizer: Any) -> list[str]:
         raise NotImplementedError
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any) -> list[Piece]:
+    def end_of_turn(self, tokenizer: Any) -> str:
+        """The token that ends an assistant turn (generation stops there)."""
+        raise NotImplementedError
+
+    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
+        """The pieces of one user or assistant turn; `first` when nothing or a special token precedes it."""
         raise NotImplementedError
 
     def system_pieces(self, system: str | None) -> list[Piece]:
@@ -63,7 +71,7 @@ class ChatTemplate:
         for turn in turns:
             if turn.role == "system":
                 raise ValueError("a system turn may only come first")
-            out += self.turn_pieces(turn, tokenizer)
+            out += self.turn_pieces(turn, tokenizer, first=not out or out[-1].kind == "special")
         return out + (self.generation_prompt() if add_generation_prompt else [])
 
 
@@ -80,22 +88,29 @@ def content(text: str, supervised: bool = False) -> list[Piece]:
 
 @dataclass(frozen=True, kw_only=True)
 class VicunaTemplate(ChatTemplate):
-    """LLaVA-1.5's `conv_vicuna_v1` (sep " ", sep2 = EOS), labels as LLaVA's `preprocess_v1`."""
+    """LLaVA-1.5's `conv_vicuna_v1` (sep " ", sep2 = EOS), labels as LLaVA's `preprocess_v1`.
+
+    Separating spaces lead their piece (" USER:", " " + text), as they attach to the following
+    word in whole-string SentencePiece tokenization ("▁USER:", "▁Hi").
+    """
 
     def specials(self, tokenizer: Any) -> list[str]:
         return [tokenizer.eos_token or "</s>"]
 
     def system_pieces(self, system: str | None) -> list[Piece]:
-        return [Piece("text", f"{system} ")] if system else []
+        return content(system) if system else []
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any) -> list[Piece]:
+    def end_of_turn(self, tokenizer: Any) -> str:
+        return tokenizer.eos_token or "</s>"
+
+    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
         if turn.role == "user":
-            return [Piece("text", "USER: "), *content(turn.text), Piece("text", " ")]
-        return [Piece("text", "ASSISTANT: "), *content(turn.text, supervised=True),
-                Piece("special", tokenizer.eos_token or "</s>", supervised=True)]
+            return [Piece("text", "USER:" if first else " USER:"), *content(" " + turn.text)]
+        return [Piece("text", " ASSISTANT:"), *content(" " + turn.text, supervised=True),
+                Piece("special", self.end_of_turn(tokenizer), supervised=True)]
 
     def generation_prompt(self) -> list[Piece]:
-        return [Piece("text", "ASSISTANT:")]
+        return [Piece("text", " ASSISTANT:")]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,10 +123,13 @@ class ChatMLTemplate(ChatTemplate):
     def system_pieces(self, system: str | None) -> list[Piece]:
         if not system:
             return []
-        return [Piece("special", "<|im_start|>"), Piece("text", f"system\n{system}"), Piece("special", "<|im_end|>"),
-                Piece("text", "\n")]
+        return [Piece("special", "<|im_start|>"), Piece("text", "system\n"), *content(system),
+                Piece("special", "<|im_end|>"), Piece("text", "\n")]
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any) -> list[Piece]:
+    def end_of_turn(self, tokenizer: Any) -> str:
+        return "<|im_end|>"
+
+    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
         answer = turn.role == "assistant"
         return [Piece("special", "<|im_start|>"), Piece("text", f"{turn.role}\n"),
                 *content(turn.text, supervised=answer), Piece("special", "<|im_end|>", supervised=answer),
@@ -142,13 +160,30 @@ def render(
     ids: list[int] = []
     labels: list[int] = []
     images = iter(tokens_per_image)
+    text_started = False
     for piece in pieces:
         if piece.kind == "image":
             new = image_span(next(images))
         elif piece.kind == "special":
             new = [tokenizer.convert_tokens_to_ids(piece.value)]
         else:
-            new = tokenizer(piece.value, add_special_tokens=False)["input_ids"]
+            new = encode_text(tokenizer, piece.value, first=not text_started)
+            text_started = True
         ids += new
         labels += new if piece.supervised else [IGNORE] * len(new)
     return ids, labels
+
+
+SENTINEL = "\n"
+
+
+def encode_text(tokenizer: Any, text: str, first: bool) -> list[int]:
+    """Token ids of `text` as it tokenizes inside a longer string (see the module docstring)."""
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if first:
+        return plain
+    prefix = tokenizer(SENTINEL, add_special_tokens=False)["input_ids"]
+    joined = tokenizer(SENTINEL + text, add_special_tokens=False)["input_ids"]
+    if joined[: len(prefix)] == prefix:
+        return joined[len(prefix):]
+    return plain  # the sentinel merged with the text: no clean cut, keep the plain tokens

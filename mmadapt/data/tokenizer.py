@@ -50,9 +50,10 @@ def prepare_tokenizer(model: Any, tokenizer: Any) -> Any:
         tokenizer.add_tokens(missing, special_tokens=True)
         log.info("added special tokens %s to the tokenizer (ids %s)", missing,
                  tokenizer.convert_tokens_to_ids(missing))
-    if tokenizer.eos_token is None:
-        tokenizer.eos_token = "</s>" if "</s>" in tokenizer.get_vocab() else missing[-1]
     spec = model.backbone_spec
+    if tokenizer.eos_token is None:
+        tokenizer.eos_token = TEMPLATES.get(spec.chat_template).end_of_turn(tokenizer)
+        log.info("the tokenizer has no EOS token; using the template's end of turn %r", tokenizer.eos_token)
     ids = {"image_token_id": tokenizer.convert_tokens_to_ids(spec.image_token)}
     if spec.vision_start_token is not None:
         ids["vision_start_token_id"] = tokenizer.convert_tokens_to_ids(spec.vision_start_token)
