@@ -117,8 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    print(f"trained {summary['steps']} steps ({summary['skipped']} skipped) in {summary['seconds']:.0f} s; "
-          f"outputs in {config.train.out}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"trained {summary['steps']} steps ({summary['skipped']} skipped) in {summary['seconds']:.0f} s; "
+              f"outputs in {config.train.out}")
     return 0
 
 

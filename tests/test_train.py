@@ -215,3 +215,40 @@ def test_transformers_trainer_runs_with_the_model_and_collator(tmp_path):
                         data_collator=Collator.for_model(model, 0))
     result = trainer.train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+
+
+# ---- non-finite guard ------------------------------------------------------------------------------
+def plant_nan(model, name, when):
+    """A forward hook on module `name` that returns NaN output when `when()` is true."""
+    def hook(module, args, output):
+        return output * float("nan") if when() else output
+    return model.get_submodule(name).register_forward_hook(hook)
+
+
+def test_a_nan_step_is_skipped_counted_and_training_goes_on(tmp_path, caplog):
+    model = tiny(QWEN)
+    calls = {"n": 0}
+
+    def second_step():
+        calls["n"] += 1
+        return calls["n"] == 2  # the only micro-batch of step 2
+
+    plant_nan(model, "backbone.model.layers.1.mlp.down_proj", second_step)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer, summary = run(QWEN, tmp_path, "train.steps=4", model=model)
+    assert summary["skipped"] == 1 and summary["history"][1].get("skipped")
+    assert "step 2: non-finite loss; step skipped" in caplog.text
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the other steps trained
+
+
+def test_consecutive_nan_steps_stop_the_run_naming_the_module(tmp_path):
+    from mmadapt.train import NonFiniteError
+
+    model = tiny(QWEN)
+    plant_nan(model, "backbone.model.layers.2.mlp.down_proj", lambda: True)
+    with pytest.raises(NonFiniteError, match=r"backbone\.model\.layers\.2\.mlp\.down_proj") as info:
+        run(QWEN, tmp_path, "train.steps=10", "train.max_consecutive_skips=3", model=model)
+    assert info.value.report.module == "backbone.model.layers.2.mlp.down_proj"
+    assert info.value.report.phase == "forward" and info.value.report.inputs_finite
+    assert "3 consecutive non-finite steps" in (tmp_path / "nonfinite.txt").read_text()
