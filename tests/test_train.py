@@ -235,7 +235,7 @@ def test_a_nan_step_is_skipped_counted_and_training_goes_on(tmp_path, caplog):
 
     plant_nan(model, "backbone.model.layers.1.mlp.down_proj", second_step)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer, summary = run(QWEN, tmp_path, "train.steps=4", model=model)
+    _, summary = run(QWEN, tmp_path, "train.steps=4", model=model)
     assert summary["skipped"] == 1 and summary["history"][1].get("skipped")
     assert "step 2: non-finite loss; step skipped" in caplog.text
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
