@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.config is not None and "=" in args.config and not os.path.exists(args.config):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides only, no file
-    config = RunConfig.load(args.config, args.overrides)
+    config = RunConfig.load(args.config, [*args.overrides, *(["checkpoint.resume=true"] if args.resume else [])])
     try:
         summary = run(config)
     except NonFiniteError as e:
@@ -127,6 +127,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train from a YAML config (torchrun --nproc_per_node N -m mmadapt train)")
     train.add_argument("config", nargs="?", default=None, help="a YAML run config (default: all defaults)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4 stages.preset=llava-stage1")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in train.out (same as checkpoint.resume=true)")
     train.set_defaults(func=cmd_train)
 
 

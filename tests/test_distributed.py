@@ -51,5 +51,5 @@ def test_fsdp2_and_ddp_equal_one_process(dataset):
     for a, b, c in zip(one, fsdp, ddp, strict=True):
         assert abs(a - b) <= 1e-5 and abs(a - c) <= 1e-5, (one, fsdp, ddp)
     # The sharded run's step-2 checkpoint holds full state dicts: one process resumes from it.
-    resumed = train(dataset, "fsdp", "data.batch_size=2", "train.grad_accum=2", "checkpoint.resume=true")
+    resumed = train(dataset, "fsdp", "data.batch_size=2", "train.grad_accum=2", "--resume")
     assert abs(resumed[2] - one[2]) <= 1e-5

@@ -113,6 +113,8 @@ def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
                            model=tiny(QWEN, seed=123))  # different init: everything must come from the checkpoint
     assert losses(resumed)[3:] == losses(full)[3:]  # bitwise
     assert losses(resumed)[:3] == losses(full)[:3]  # history restored from the checkpoint
+    logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]
 
 
 KILL_SCRIPT = """
@@ -142,6 +144,8 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pat
     _, resumed = run(QWEN, out, "train.steps=6", "checkpoint.every=2", "checkpoint.resume=true")
     _, full = run(QWEN, tmp_path / "full", "train.steps=6", "checkpoint.every=2")
     assert losses(resumed)[2:] == losses(full)[2:]
+    logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]  # step 3-4 of the killed run are not logged twice
     assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())  # cleaned up
 
 

@@ -295,6 +295,8 @@ class Trainer:
         trainer = state["trainer"]
         self.step, self.skipped = trainer["step"], trainer["skipped"]
         self.consecutive_skips, self.history = trainer["consecutive_skips"], trainer["history"]
+        if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
+            (self.out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
 
     def plot(self) -> Path | None:
