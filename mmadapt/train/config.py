@@ -44,7 +44,6 @@ class DataSection:
     packing: bool = False
     max_tokens: int = 4096
     num_workers: int = 0
-    length_grouped: bool = False
 
 
 @dataclass(kw_only=True)
