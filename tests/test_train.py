@@ -5,6 +5,7 @@ bitwise equal (CPU, fp32); LoRA merged vs unmerged logits within 1e-5.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,20 @@ def test_consecutive_nan_steps_stop_the_run_naming_the_module(tmp_path):
     assert info.value.report.module == "backbone.model.layers.2.mlp.down_proj"
     assert info.value.report.phase == "forward" and info.value.report.inputs_finite
     assert "3 consecutive non-finite steps" in (tmp_path / "nonfinite.txt").read_text()
+
+
+def test_a_micro_batch_of_only_bad_samples_does_not_stop_training(tmp_path):
+    from mmadapt.data import DataProblem
+
+    model = tiny(QWEN)
+    good = samples_for(model, 8)
+    bad = [DataProblem("missing_image", "no such file", sample_id=f"bad{k}") for k in range(8)]
+    trainer = Trainer(model, config(tmp_path, "train.steps=4", "data.batch_size=4", "train.grad_accum=2"), good + bad,
+                      Collator.for_model(model, 0))
+    collate = Collator.for_model(model, 0)
+    loss, tokens = trainer.backward([collate(bad[:4]), collate(good[:4])])  # an all-bad micro-batch, then a good one
+    assert math.isfinite(loss) and tokens == int(collate(good[:4])["labels"][:, 1:].ne(-100).sum())
+    model.zero_grad()
+    summary = trainer.fit()
+    assert summary["skipped"] == 0 and all(math.isfinite(r["loss"]) for r in summary["history"])
+    assert sum(r["problems"] for r in summary["history"]) > 0

@@ -81,6 +81,14 @@ def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
+def placeholder_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """One unsupervised token: keeps every rank's forward/backward (and its collectives) in step, adds 0 loss."""
+    pad = torch.zeros(1, 1, dtype=torch.long)
+    return {"input_ids": pad, "attention_mask": torch.ones(1, 1, dtype=torch.bool),
+            "labels": torch.full((1, 1), -100), "images_per_sample": torch.zeros(1, dtype=torch.long),
+            "meta": batch.get("meta", {})}
+
+
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -201,6 +209,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         self.wrapped.train()
         for k, batch in enumerate(micro):
+            if batch["input_ids"].shape[0] == 0:  # every sample of it was a problem (counted in the log)
+                batch = placeholder_batch(batch)
             sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
             with sync, self.precision_context():
                 loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=total_tokens).loss
@@ -238,6 +248,8 @@ class Trainer:
             self.wrapped.eval()
             total, tokens = 0.0, 0
             for batch in loader:
+                if batch["input_ids"].shape[0] == 0:
+                    continue
                 with self.precision_context():
                     n = int(supervised_tokens(batch["labels"]))
                     loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=max(n, 1)).loss
