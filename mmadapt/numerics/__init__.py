@@ -1,4 +1,11 @@
-"""Numerics toolkit: find where NaN/Inf first appear in a model's forward or backward."""
+"""Numerics toolkit for any `torch.nn.Module` (CONTEXT.md's three failures are its regression tests).
+
+- `NonFiniteTracer` / `find_nonfinite`: the first module whose output or gradient is NaN/Inf;
+- `dump` / `load_dump`: per-layer forward statistics and gradient norms of one step, portable JSON;
+- `compare`: two dumps side by side, naming the first divergent layer forward and backward;
+- `packed_vs_padded`: per-sample logit parity of packed and padded batches;
+- `lint_deepspeed` / `safe_deepspeed_config`: unsafe DeepSpeed precision settings, and safe configs.
+"""
 
 from mmadapt.numerics.compare import Comparison, RowDiff, Tolerances, compare, packed_vs_padded, plot_comparison
 from mmadapt.numerics.deepspeed import (
