@@ -98,6 +98,7 @@ class Dump:
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON; gzipped when `path` ends in `.gz`."""
         text = json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":"))
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
         opener = gzip.open if os.fspath(path).endswith(".gz") else open
         with opener(path, "wt", encoding="utf-8") as f:
             f.write(text)
