@@ -274,3 +274,9 @@ def test_a_micro_batch_of_only_bad_samples_does_not_stop_training(tmp_path):
     summary = trainer.fit()
     assert summary["skipped"] == 0 and all(math.isfinite(r["loss"]) for r in summary["history"])
     assert sum(r["problems"] for r in summary["history"]) > 0
+
+
+def test_a_fresh_run_refuses_an_out_directory_holding_another_run(tmp_path):
+    run(QWEN, tmp_path, "train.steps=2")
+    with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(step-0000002\).*--resume"):
+        run(QWEN, tmp_path, "train.steps=3")

@@ -128,6 +128,7 @@ class SampleEncoder:
         processed = self.processor(images)
         pieces = self.template.pieces(turns, self.tokenizer, add_generation_prompt=True)
         ids, _ = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
+        self.check_span_tokens(sample, ids, processed.tokens_per_image)
         if len(ids) > self.config.max_length:
             raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
                               sample_id=sample.id, fatal=self.config.truncation == "raise")

@@ -81,9 +81,9 @@ def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
-def placeholder_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """One unsupervised token: keeps every rank's forward/backward (and its collectives) in step, adds 0 loss."""
-    pad = torch.zeros(1, 1, dtype=torch.long)
+def placeholder_batch(batch: dict[str, Any], pad_token_id: int = 0) -> dict[str, Any]:
+    """One unsupervised pad token: keeps every rank's forward/backward (and collectives) in step, adds 0 loss."""
+    pad = torch.full((1, 1), pad_token_id, dtype=torch.long)
     return {"input_ids": pad, "attention_mask": torch.ones(1, 1, dtype=torch.bool),
             "labels": torch.full((1, 1), -100), "images_per_sample": torch.zeros(1, dtype=torch.long),
             "meta": batch.get("meta", {})}
@@ -153,30 +153,48 @@ class Trainer:
         t = self.cfg.train
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            if self.step == 0:
+                self.check_fresh_out()
             self.cfg.save(self.out / "config.yaml")
             log.info(self.describe_precision())
         batches = self.loader(self.step)
         progress = self.progress_bar()
+        last_eval = None
         started = time.perf_counter()
         while self.step < t.steps:
             micro = [next(batches) for _ in range(t.grad_accum)]
             record = self.train_step(micro)
             self.step += 1
             record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
+            last_eval = None
             if t.eval_every and self.step % t.eval_every == 0:
-                record.update(self.run_eval())
+                last_eval = self.run_eval()
+                record.update(last_eval)
             self.log(record, progress)
             every = self.cfg.checkpoint.every
             if every and self.step % every == 0 and self.step < t.steps:
                 self.save()
         if progress is not None:
             progress.close()
-        final_eval = self.run_eval() if self.eval_data is not None or self.evaluate is not None else {}
+        if last_eval is not None:  # the last step was just evaluated
+            final_eval = last_eval
+        elif self.eval_data is not None or self.evaluate is not None:
+            final_eval = self.run_eval()
+        else:
+            final_eval = {}
         self.save()
         if self.is_main:
             self.plot()
         return {"steps": self.step, "skipped": self.skipped, "seconds": time.perf_counter() - started,
                 "history": self.history, **final_eval}
+
+    def check_fresh_out(self) -> None:
+        """A fresh run never mixes with an earlier run's checkpoints (resume or pruning would pick theirs)."""
+        earlier = latest_checkpoint(self.out)
+        if earlier is not None:
+            raise ValueError(f"{self.out} already holds checkpoints of an earlier run ({earlier.name}). Fix: continue "
+                             "it with --resume (checkpoint.resume=true), or choose another train.out.")
+        (self.out / "log.jsonl").unlink(missing_ok=True)
 
     def train_step(self, micro: list[dict[str, Any]]) -> dict[str, Any]:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record."""
@@ -210,7 +228,7 @@ class Trainer:
         self.wrapped.train()
         for k, batch in enumerate(micro):
             if batch["input_ids"].shape[0] == 0:  # every sample of it was a problem (counted in the log)
-                batch = placeholder_batch(batch)
+                batch = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
             sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
             with sync, self.precision_context():
                 loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=total_tokens).loss

@@ -1,0 +1,140 @@
+"""`sees_images`: a model that sees its images passes; one whose visual tokens are cut off does not; no side effects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import mmadapt
+from mmadapt.sees import SeesImagesReport, sees_images, shuffle_images
+from mmadapt.testing import synthetic_batch
+
+COMBINATIONS = [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")]
+
+
+def tiny(names: tuple[str, str, str]) -> mmadapt.VisionLanguageModel:
+    torch.manual_seed(0)
+    return mmadapt.build_model(*names)
+
+
+def batch_for(model, images_per_sample=(1, 1, 2)) -> dict:
+    """Qwen: grids 16, 16, 32, 16 px -> the three 16 px images can be shuffled; CLIP: one fixed grid."""
+    sides = [16, 16, 32, 16] if model.encoder.dynamic else None
+    return synthetic_batch(model, images_per_sample, image_sides=sides, seed=3)
+
+
+def snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, bool]]:
+    return {name: (p.detach().clone(), None if p.grad is None else p.grad.clone(), p.requires_grad)
+            for name, p in model.named_parameters()}
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    for name, p in model.named_parameters():
+        value, grad, requires_grad = before[name]
+        assert torch.equal(p.detach(), value), name
+        assert p.requires_grad == requires_grad, name
+        if grad is None:
+            assert p.grad is None, name
+        else:
+            assert torch.equal(p.grad, grad), name
+
+
+def last_linear(module: nn.Module) -> nn.Linear:
+    return [m for m in module.modules() if isinstance(m, nn.Linear)][-1]
+
+
+@pytest.mark.parametrize("names", COMBINATIONS, ids=lambda n: "+".join(n))
+def test_a_normal_model_sees_its_images(names):
+    model = tiny(names)
+    report = sees_images(model, batch_for(model))
+    assert report.ok, str(report)
+    assert report.grad_projector > 0 and report.grad_encoder is not None and report.grad_encoder > 0
+    assert report.blank_change != 0 and report.shuffled_change not in (None, 0.0)
+    assert report.images == 4 and report.images_shuffled == (3 if model.encoder.dynamic else 4)
+    assert "sees its images" in str(report) and "shuffled images" in str(report)
+
+
+def test_the_call_changes_no_parameter_gradient_flag_or_mode():
+    model = tiny(COMBINATIONS[0]).train()
+    model.encoder.requires_grad_(False)
+    model.projector.requires_grad_(False)  # a frozen projector is still measured, and stays frozen
+    for p in model.backbone.parameters():
+        p.grad = torch.full_like(p, 0.5)  # gradients a user accumulated before the check stay as they were
+    model.backbone.model.layers[0].eval()  # a submodule's own mode is restored too
+    before = snapshot(model)
+    report = sees_images(model, batch_for(model))
+    assert report.ok, str(report)
+    assert report.grad_encoder is None and "frozen (not measured)" in str(report)
+    assert_unchanged(model, before)
+    assert model.training and model.projector.training and not model.backbone.model.layers[0].training
+
+
+@pytest.mark.parametrize("names", COMBINATIONS, ids=lambda n: "+".join(n))
+def test_a_projector_that_outputs_nothing_is_reported_as_not_seeing(names):
+    model = tiny(names)
+    layer = last_linear(model.projector)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+    layer.requires_grad_(False)
+    before = snapshot(model)
+    report = sees_images(model, batch_for(model))
+    assert not report.ok
+    assert report.blank_change == 0.0 and report.shuffled_change == 0.0
+    assert any("blanking the images does not change" in p for p in report.problems)
+    assert "does NOT see its images" in str(report)
+    assert_unchanged(model, before)
+
+
+def test_visual_tokens_that_never_reach_the_llm_get_no_gradient(monkeypatch):
+    model = tiny(COMBINATIONS[0])
+    model.config.check_contract = False  # the contract would catch this; the check must too, without it
+    monkeypatch.setattr(model, "embed", lambda input_ids, spans, visual: model.backbone.get_input_embeddings()(
+        input_ids))
+    report = sees_images(model, batch_for(model))
+    assert not report.ok
+    assert report.grad_projector == 0.0 and report.grad_encoder == 0.0
+    assert any("no gradient reaches the projector" in p for p in report.problems)
+
+
+def test_shuffling_is_not_applicable_when_no_two_images_share_a_grid():
+    model = tiny(COMBINATIONS[0])
+    batch = synthetic_batch(model, (1, 1), image_sides=[16, 32], seed=3)
+    report = sees_images(model, batch)
+    assert report.loss_shuffled is None and report.shuffled_change is None
+    assert "not applicable" in str(report)
+    assert report.ok, str(report)  # the gradient and the blanked loss still show the images are seen
+
+
+def test_shuffle_images_moves_images_only_among_equal_grids():
+    grids = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 2, 2], [1, 2, 2]])
+    rows = grids.prod(-1).tolist()
+    pixels = torch.cat([torch.full((n, 3), float(i)) for i, n in enumerate(rows)])
+    out, moved = shuffle_images(pixels, grids)
+    assert moved == 3
+    images = [chunk[0, 0].item() for chunk in out.split(rows)]
+    assert images == [3.0, 1.0, 0.0, 2.0]  # image 1 (the only 2x4 grid) stays; 0, 2, 3 rotate
+    fixed = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 3, 2, 2)
+    rolled, moved = shuffle_images(fixed)
+    assert moved == 3 and rolled[:, 0, 0, 0].tolist() == [2.0, 0.0, 1.0]
+    assert shuffle_images(fixed[:1]) is None
+
+
+def test_a_batch_without_answers_or_images_is_refused():
+    model = tiny(COMBINATIONS[0])
+    batch = batch_for(model)
+    with pytest.raises(ValueError, match="answer labels"):
+        sees_images(model, {**batch, "labels": torch.full_like(batch["labels"], -100)})
+    with pytest.raises(ValueError, match="pixel_values is missing"):
+        sees_images(model, {k: v for k, v in batch.items() if k != "pixel_values"})
+
+
+def test_report_tolerance_and_dict():
+    report = SeesImagesReport(loss=2.0, loss_blank=2.0 + 1e-9, loss_shuffled=None, grad_projector=1.0,
+                              grad_encoder=None, images=2, images_shuffled=0)
+    assert not report.ok and report.to_dict()["ok"] is False  # a change of 1e-9 is float noise, not an image
+    seen = dataclasses.replace(report, loss_blank=2.1)
+    assert seen.ok and seen.to_dict()["blank_change"] == pytest.approx(0.1)
