@@ -12,7 +12,7 @@ from mmadapt.model import VisionLanguageModel
 from mmadapt.projectors import PROJECTORS, ProjectorSpec
 from mmadapt.registry import Registry, UnknownComponentError
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def build_model(encoder: str, projector: str, backbone: str, *, preset: str | None = "tiny") -> VisionLanguageModel:

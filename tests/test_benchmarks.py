@@ -23,3 +23,13 @@ def test_bench_packing_quick_run_prints_its_tables():
     out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
                          timeout=300, cwd=script.parent).stdout
     assert "| llama |" in out and "| qwen3_5 |" in out and "| packed, isolated per sample (mmadapt) |" in out
+
+
+@pytest.mark.slow
+def test_run_all_quick_prints_every_section():
+    script = Path(__file__).parents[1] / "benchmarks" / "run_all.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
+                         timeout=600, cwd=script.parent).stdout
+    for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 4. Packed vs padded",
+                    "### 5. Preprocessing", "### 6. Peak memory"):
+        assert section in out
