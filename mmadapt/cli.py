@@ -1,4 +1,4 @@
-"""`mmadapt` command line: list components, check a combination, check a dataset."""
+"""`mmadapt` command line: list components, check a combination or a dataset, train, run the demo, debug numerics."""
 
 from __future__ import annotations
 
