@@ -69,35 +69,54 @@ def bench_injection(reps: int, shape: tuple[int, int, int, int]) -> list[tuple[s
 
 
 # ---- training step ----------------------------------------------------------------------------
-def bench_model_step(reps: int, autocast: bool, train: bool) -> list[float]:
-    """Median seconds of one step (forward + backward + AdamW, or a no-grad forward): mmadapt, transformers."""
-    from transformers import Qwen3_5ForConditionalGeneration
+FAMILIES = {
+    "Qwen3.5-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), "Qwen3_5ForConditionalGeneration"),
+    "LLaVA-1.5-shaped": (("clip", "mlp2x_gelu", "llama"), "LlavaForConditionalGeneration"),
+}
 
+
+def pair(family: str) -> tuple[VisionLanguageModel, torch.nn.Module, dict, dict]:
+    """mmadapt's tiny model, transformers' model with the same weights, and the same 8-sample batch for each."""
+    import transformers
+
+    names, hf_class = FAMILIES[family]
     torch.manual_seed(0)
-    ours = VisionLanguageModel.from_names("qwen3_5_vit", "qwen_merger", "qwen3_5", preset="tiny")
+    ours = VisionLanguageModel.from_names(*names, preset="tiny")
     with tempfile.TemporaryDirectory() as tmp:
         ours.save_pretrained(tmp, format="transformers")
-        theirs = Qwen3_5ForConditionalGeneration.from_pretrained(tmp)
-    batch = synthetic_batch(ours, (2, 1, 1, 2, 1, 1, 2, 1), image_sides=[64, (64, 96), 96, 64, 32, (96, 64), 64,
-                                                                           96, 64, (32, 64), 64],
-                            text_lengths=[48] * 8)
+        theirs = getattr(transformers, hf_class).from_pretrained(tmp)
+    if ours.encoder.dynamic:
+        batch = synthetic_batch(ours, (2, 1, 1, 2, 1, 1, 2, 1), image_sides=[64, (64, 96), 96, 64, 32, (96, 64), 64,
+                                                                               96, 64, (32, 64), 64],
+                                text_lengths=[48] * 8)
+    else:
+        batch = synthetic_batch(ours, (1,) * 8, text_lengths=[48] * 8)
     hf_batch = {k: v for k, v in batch.items() if k != "images_per_sample"}
-    hf_batch["attention_mask"] = batch["attention_mask"].long()
-    hf_batch["mm_token_type_ids"] = (batch["input_ids"] == ours.tokens.image_token_id).int()
-    steps = []
-    for model, inputs in ((ours, batch), (theirs, hf_batch)):
-        model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    hf_batch["attention_mask"] = batch["attention_mask"].long()  # transformers' convention
+    if ours.uses_mrope:
+        hf_batch["mm_token_type_ids"] = (batch["input_ids"] == ours.tokens.image_token_id).int()
+    return ours, theirs, batch, hf_batch
 
-        def step(model=model, inputs=inputs, optimizer=optimizer):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
-                loss = model(**inputs).loss
-            if train:
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        steps.append(step)
-    return alternating(steps, reps)
+
+def step_fn(model: torch.nn.Module, inputs: dict, autocast: bool, train: bool = True):
+    """One step: forward + backward + AdamW, or a no-grad forward."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
+            loss = model(**inputs).loss
+        if train:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return step
+
+
+def bench_model_step(reps: int, autocast: bool, train: bool) -> list[float]:
+    """Median seconds of one step on the Qwen3.5-shaped pair: mmadapt, transformers."""
+    ours, theirs, batch, hf_batch = pair("Qwen3.5-shaped")
+    return alternating([step_fn(ours, batch, autocast, train), step_fn(theirs, hf_batch, autocast, train)], reps)
 
 
 def alternating(fns, reps: int) -> list[float]:

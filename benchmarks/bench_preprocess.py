@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from bench_core import alternating
 from PIL import Image
 from skimage import data
 
@@ -49,19 +47,6 @@ def processors() -> dict[str, tuple[ImageProcessor, object]]:
     llava = FixedSizeProcessor(image_size=336, mean=CLIP_MEAN, std=CLIP_STD, mode="pad", tokens_per_image=576)
     hf_llava = LlavaImageProcessor(do_pad=True, size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
     return {"Qwen3.5 dynamic": (qwen, hf_qwen), "LLaVA-1.5 pad 336": (llava, hf_llava)}
-
-
-def alternating(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Median seconds of each fn, run in turns after one warm-up call each."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, record in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            record.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def bench(ours: ImageProcessor, theirs: object, images: list[Image.Image], per_call: int, reps: int) -> tuple:

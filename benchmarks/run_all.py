@@ -27,54 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_core import alternating, bench_injection
+from bench_core import FAMILIES, alternating, bench_injection, pair, step_fn
 
 from mmadapt import VisionLanguageModel
-from mmadapt.testing import synthetic_batch
-
-FAMILIES = {
-    "Qwen3.5-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), "Qwen3_5ForConditionalGeneration"),
-    "LLaVA-1.5-shaped": (("clip", "mlp2x_gelu", "llama"), "LlavaForConditionalGeneration"),
-}
 
 
 # ---- 1. training step vs transformers -------------------------------------------------------------
-def pair(family: str) -> tuple[VisionLanguageModel, torch.nn.Module, dict, dict]:
-    """mmadapt's tiny model, transformers' model with the same weights, and the same batch for each."""
-    import transformers
-
-    names, hf_class = FAMILIES[family]
-    torch.manual_seed(0)
-    ours = VisionLanguageModel.from_names(*names, preset="tiny")
-    with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp, format="transformers")
-        theirs = getattr(transformers, hf_class).from_pretrained(tmp)
-    if ours.encoder.dynamic:
-        batch = synthetic_batch(ours, (2, 1, 1, 2, 1, 1, 2, 1), image_sides=[64, (64, 96), 96, 64, 32, (96, 64), 64,
-                                                                               96, 64, (32, 64), 64],
-                                text_lengths=[48] * 8)
-    else:
-        batch = synthetic_batch(ours, (1,) * 8, text_lengths=[48] * 8)
-    hf_batch = {k: v for k, v in batch.items() if k != "images_per_sample"}
-    hf_batch["attention_mask"] = batch["attention_mask"].long()
-    if ours.uses_mrope:
-        hf_batch["mm_token_type_ids"] = (batch["input_ids"] == ours.tokens.image_token_id).int()
-    return ours, theirs, batch, hf_batch
-
-
-def step_fn(model: torch.nn.Module, inputs: dict, autocast: bool):
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(**inputs).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return step
-
-
 def bench_steps(reps: int) -> list[tuple[str, str, float, float]]:
     rows = []
     for family in FAMILIES:
