@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmadapt.packing import require_bool_mask
+
 
 class ImageTokenContractError(ValueError):
     """Images and image tokens disagree. The message names the sample, expected vs found, cause and fix."""
@@ -36,9 +38,9 @@ class ImageSpans:
         return torch.bincount(self.sample, minlength=batch_size)
 
 
-def locate(input_ids: torch.Tensor, image_token_id: int) -> ImageSpans:
-    """Find every run of `image_token_id` in `input_ids` (B, L); spans come in batch order."""
-    mask = input_ids == image_token_id
+def locate(input_ids: torch.Tensor, image_token_id: int | None) -> ImageSpans:
+    """Find every run of `image_token_id` in `input_ids` (B, L); spans come in batch order (none for None)."""
+    mask = input_ids == image_token_id if image_token_id is not None else torch.zeros_like(input_ids, dtype=torch.bool)
     previous = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
     starts = mask & ~previous
     sample, start = starts.nonzero(as_tuple=True)
@@ -124,7 +126,7 @@ def check_attention(spans: ImageSpans, attention_mask: torch.Tensor | None) -> N
     """No image position may be masked out: the LLM would never read those visual tokens."""
     if attention_mask is None or not spans.num_spans:
         return
-    hidden = (spans.mask & ~attention_mask).nonzero()
+    hidden = (spans.mask & ~require_bool_mask(attention_mask)).nonzero()
     if hidden.numel():
         s, pos = (int(v) for v in hidden[0])
         raise _fail(s, f"image token at position {pos} has attention_mask == 0",

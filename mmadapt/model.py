@@ -5,9 +5,17 @@ Qwen3.5-VL) and returns a transformers `CausalLMOutputWithPast` with `loss` and 
 The backbone is the transformers causal LM itself; the glue only computes input embeddings
 (visual tokens scattered into the image positions) and position ids (1-D or M-RoPE).
 
+Parts come from presets (random init) or from checkpoints (`ComponentConfig(pretrained=...)`: each
+family reads its own checkpoints, see `mmadapt.weights`); they may differ in dtype, and the glue casts
+at the boundaries (pixels to the encoder's dtype, features to the projector's, visual tokens to the
+embeddings').
+
 Packed batches add `cu_seqlens` (see `mmadapt.packing`): positions restart per sample,
 attention gets a block-diagonal causal mask, and stateful layers (Qwen3.5's Gated DeltaNet)
-run per sample; a training forward never builds a KV cache. Masks must be `torch.bool`.
+run per sample; a training forward never builds a KV cache. At the public boundary (`forward`,
+`generate`, `check_batch`) masks may be bool or any integer / float dtype holding only 0 and 1
+(transformers' tokenizers return int64); they are converted to bool once, and everything inside
+takes `torch.bool` only.
 
 Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 """
@@ -28,7 +36,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
-from mmadapt.packing import VARLEN, Segments, additive_mask, require_bool_mask, use_varlen_attention
+from mmadapt.packing import VARLEN, Segments, additive_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
@@ -39,15 +47,22 @@ class VisionLanguageModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.backbone_spec = BACKBONES.get(config.backbone.name)
-        self.encoder = ENCODERS.get(config.encoder.name).build(config.encoder.preset, **config.encoder.options)
-        self.backbone, self.tokens = self.backbone_spec.build(config.backbone.preset, **config.backbone.options)
+        enc, proj, bb = config.encoder, config.projector, config.backbone
+        encoder_spec = ENCODERS.get(enc.name)
+        self.encoder = (encoder_spec.from_pretrained(enc.pretrained, dtype=enc.dtype, **enc.options) if enc.pretrained
+                        else encoder_spec.build(enc.preset, **enc.options))
+        self.backbone, self.tokens = (
+            self.backbone_spec.from_pretrained(bb.pretrained, dtype=bb.dtype, **bb.options) if bb.pretrained
+            else self.backbone_spec.build(bb.preset, **bb.options))
         if self.backbone_spec.isolate is not None:
             self.backbone_spec.isolate(self.backbone)
         use_varlen_attention(self.backbone)
         width = self.backbone.config.hidden_size
-        self.projector = PROJECTORS.get(config.projector.name).build(
-            self.encoder.output_dim, width, **config.projector.options
-        )
+        projector_spec = PROJECTORS.get(proj.name)
+        self.projector = (
+            projector_spec.from_pretrained(proj.pretrained, self.encoder.output_dim, width, dtype=proj.dtype,
+                                           **proj.options) if proj.pretrained
+            else projector_spec.build(self.encoder.output_dim, width, **proj.options))
         if self.projector.out_dim != width:
             raise ValueError(
                 f"projector {config.projector.name!r} outputs width {self.projector.out_dim} but backbone "
@@ -56,9 +71,10 @@ class VisionLanguageModel(nn.Module):
         self.config = config
 
     @classmethod
-    def from_names(cls, encoder: str, projector: str, backbone: str, *, preset: str | None = "tiny",
+    def from_names(cls, encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,
+                   backbone: str | dict | ComponentConfig, *, preset: str | None = "tiny",
                    **kwargs: Any) -> VisionLanguageModel:
-        """`VisionLanguageModel.from_names("clip", "mlp2x_gelu", "llama", preset="tiny")`."""
+        """`VisionLanguageModel.from_names("clip", "mlp2x_gelu", {"name": "llama", "pretrained": "vicuna-7b"})`."""
         return cls(ModelConfig.from_names(encoder, projector, backbone, preset=preset, **kwargs))
 
     def set_span_tokens(self, **ids: int) -> None:
@@ -75,11 +91,20 @@ class VisionLanguageModel(nn.Module):
         """Encoder then projector: visual tokens at LLM width, with their LLM-side grids."""
         if pixel_values is None:
             return None
-        return self.projector(self.encoder(pixel_values, image_grid_thw))
+        visual = self.encoder(pixel_values, image_grid_thw)
+        dtype = next(self.projector.parameters(), visual.features).dtype  # parts may differ in dtype
+        return self.projector(dataclasses.replace(visual, features=visual.features.to(dtype)))
 
     def encode_checked(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
                        spans: ImageSpans) -> VisualTokens | None:
         """`encode_images`, with pixel-format errors attributed to the first sample that has an image."""
+        if pixel_values is not None and self.tokens.image_token_id is None:
+            raise ImageTokenContractError(
+                f"images were given, but backbone {self.backbone_spec.name!r} has no image token id: its checkpoint "
+                f"defines none and neither a tokenizer nor options.image_token_id gave one, so no position can "
+                f"receive the visual tokens. Fix: mmadapt.data.prepare_tokenizer(model, tokenizer) (adds "
+                f"{self.backbone_spec.image_token!r} and resizes the embeddings; `mmadapt train` does it), or set "
+                f"the backbone's options.image_token_id.")
         try:
             return self.encode_images(pixel_values, image_grid_thw)
         except ImageTokenContractError as e:
@@ -219,14 +244,16 @@ class VisionLanguageModel(nn.Module):
 
     # ---- saving and loading ----------------------------------------------------------------
     def resolved_config(self) -> ModelConfig:
-        """A config that rebuilds exactly this model with no presets."""
-        return ModelConfig(
-            encoder=ComponentConfig(name=self.config.encoder.name, preset=None, options=self.encoder.options),
-            projector=ComponentConfig(name=self.config.projector.name, preset=None, options=self.projector.options),
-            backbone=ComponentConfig(name=self.config.backbone.name, preset=None,
-                                     options=self.backbone_spec.saved_options(self.backbone, self.tokens)),
-            check_contract=self.config.check_contract,
-        )
+        """A config that rebuilds exactly this model with no presets, recording where pretrained parts came from."""
+        options = {"encoder": self.encoder.options, "projector": self.projector.options,
+                   "backbone": self.backbone_spec.saved_options(self.backbone, self.tokens)}
+        parts = {}
+        for part, part_options in options.items():
+            provenance = getattr(getattr(self, part), "provenance", None)
+            source = provenance.to_dict() if provenance is not None else getattr(self.config, part).source
+            parts[part] = ComponentConfig(name=getattr(self.config, part).name, preset=None, options=part_options,
+                                          source=source)
+        return ModelConfig(**parts, check_contract=self.config.check_contract)
 
     def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt") -> None:
         """mmadapt's format (config.json + model.safetensors), or `format="transformers"`."""
@@ -239,13 +266,22 @@ class VisionLanguageModel(nn.Module):
         from safetensors.torch import save_model
 
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-            json.dump({"mmadapt": self.resolved_config().to_dict()}, f, indent=2)
-        save_model(self, os.path.join(directory, WEIGHTS_FILE))
+        config = json.dumps({"mmadapt": self.resolved_config().to_dict()}, indent=2)
+        # Written beside and renamed: the weights of a model loaded from this directory are memory-mapped
+        # from the old file, which must stay intact while they are in use.
+        for name, write in ((CONFIG_FILE, lambda p: open(p, "w").write(config)),
+                            (WEIGHTS_FILE, lambda p: save_model(self, p))):
+            final = os.path.join(directory, name)
+            write(final + ".tmp")
+            os.replace(final + ".tmp", final)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:
-        """Load mmadapt's format or a transformers LLaVA / Qwen3.5-VL directory (detected from config.json)."""
+        """Load mmadapt's format or a transformers LLaVA / Qwen3.5-VL directory (detected from config.json).
+
+        The model is built on the meta device and materialised from the files. `strict=False` tolerates
+        unexpected keys; a missing weight is always an error (nothing is left randomly initialised).
+        """
         path = os.path.join(directory, CONFIG_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: not a saved mmadapt or transformers model directory")
@@ -255,26 +291,55 @@ class VisionLanguageModel(nn.Module):
             from mmadapt.convert import load_transformers
 
             return load_transformers(cls, directory, saved, strict=strict)
-        from safetensors.torch import load_model
+        from mmadapt.weights import Checkpoint, empty_weights, finish, load_part
 
-        model = cls(ModelConfig.from_dict(saved["mmadapt"]))
-        missing, unexpected = load_model(model, os.path.join(directory, WEIGHTS_FILE), strict=False)
-        raise_on_key_mismatch(missing, unexpected, directory, strict)
-        return model
+        with empty_weights():
+            model = cls(ModelConfig.from_dict(saved["mmadapt"]))
+        checkpoint = Checkpoint.open(directory, what="model")
+        tied = model.backbone_tied_keys()
+        ours, theirs = set(model.state_dict()), set(checkpoint.keys())
+        missing = sorted(k for k in ours - theirs if not (k in tied and tied[k] in theirs))
+        raise_on_key_mismatch(missing, sorted(theirs - ours), directory, strict)
+        load_part(model, checkpoint, (("", ""),), what=f"model {directory}", tied=tied)
+        if tied:
+            model.backbone.tie_weights()
+        return finish(model, f"model {directory}")
+
+    def backbone_tied_keys(self) -> dict[str, str]:
+        """{key: key it is tied to} of the backbone's tied embeddings, both ways, as model keys."""
+        if not getattr(self.backbone.config, "tie_word_embeddings", False):
+            return {}
+        pairs = getattr(self.backbone, "_tied_weights_keys", None) or {}
+        return {f"backbone.{a}": f"backbone.{b}" for k, v in pairs.items() for a, b in ((k, v), (v, k))}
 
 
 def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bool) -> None:
-    if strict and (missing or unexpected):
+    if missing or (strict and unexpected):
         raise ValueError(
             f"weights in {source} do not match the model: missing keys {sorted(missing)}, unexpected keys "
-            f"{sorted(unexpected)}. Pass strict=False to load anyway (missing weights stay randomly initialised)."
+            f"{sorted(unexpected)}. " + ("Missing weights are always an error (they would stay random)." if missing
+                                         else "Pass strict=False to ignore unexpected keys.")
         )
 
 
 def as_bool_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
-    """The (B, L) bool mask, True = attend; all True when None. Integer masks are a `TypeError` (they index)."""
+    """The (B, L) bool mask, True = attend; all True when None.
+
+    The public boundary: transformers' 0/1 masks of any integer or float dtype become bool here, once.
+    Other values (a segment-id mask such as [1, 1, 2, 2, 0]) are refused: mmadapt packs with `cu_seqlens`.
+    """
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-    return require_bool_mask(attention_mask)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    valid = attention_mask != 0
+    if bool((attention_mask[valid] != 1).any()):
+        values = torch.unique(attention_mask).tolist()[:8]
+        raise ValueError(
+            f"attention_mask holds values {values}; only 0/1 (or bool) masks are accepted. A mask with other values "
+            "looks like per-sample segment ids (another framework's packing convention), which mmadapt does not "
+            "read: it packs with cu_seqlens. Fix: pass attention_mask=(segment_ids != 0) and "
+            "cu_seqlens=mmadapt.packing.cu_seqlens_from_segment_ids(segment_ids).")
+    return valid

@@ -11,8 +11,9 @@ attended to. From it the model derives:
   DeltaNet's causal conv and recurrence) that must restart at every sample boundary;
 - per-sample positions: position counters restart at each segment start.
 
-Masks are `torch.bool`. An integer tensor given as a mask is a `TypeError`: indexing with an
-int tensor gathers rows (story 2 in CONTEXT.md: every embedding became token 1's).
+Masks are `torch.bool`. An integer tensor given as a mask to any function here is a `TypeError`:
+indexing with an int tensor gathers rows (story 2 in CONTEXT.md: every embedding became token 1's).
+Only the model's public entry points convert transformers' 0/1 masks, once (`model.as_bool_mask`).
 
 Shapes: B rows, L tokens per row, S segments (samples and padding tails).
 """
@@ -26,12 +27,13 @@ import torch
 
 
 def require_bool_mask(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
-    """`mask` itself if it is bool; otherwise a `TypeError` saying why integers are refused."""
+    """`mask` itself if it is bool; otherwise a `TypeError` saying why integers are refused (internal functions)."""
     if mask.dtype != torch.bool:
         raise TypeError(
-            f"{name} must be a torch.bool tensor (True = real token), got {mask.dtype}. mmadapt refuses integer and "
-            f"float masks because an integer tensor used as a mask indexes instead of masking (x[mask] gathers rows "
-            f"0 and 1). Fix: pass `{name}.bool()` (or `{name} != 0`)."
+            f"{name} must be a torch.bool tensor (True = real token), got {mask.dtype}. mmadapt's internal functions "
+            f"refuse integer and float masks because an integer tensor used as a mask indexes instead of masking "
+            f"(x[mask] gathers rows 0 and 1). Fix: pass `{name}.bool()` (or `{name} != 0`); the model's forward, "
+            f"generate and check_batch convert 0/1 masks themselves."
         )
     return mask
 
@@ -47,7 +49,7 @@ class Segments:
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, valid: torch.Tensor) -> Segments:
         """Check `cu_seqlens` against the (B, L) batch and derive segment ids and sample bounds (one host sync)."""
-        rows, length = valid.shape
+        rows, length = require_bool_mask(valid).shape
         cu = cu_seqlens.to(device="cpu", dtype=torch.long)
         if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != rows * length:
             raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*L = {rows * length}; got "
@@ -107,6 +109,22 @@ def cu_seqlens_from_lengths(lengths_per_row: list[list[int]], row_length: int) -
             offset += row_length - used
             bounds.append(offset)
     return torch.tensor(bounds, dtype=torch.int32)
+
+
+def cu_seqlens_from_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens for a (B, L) segment-id mask in other frameworks' convention (1, 1, 2, 2, 0: 0 = padding).
+
+    A new segment starts wherever the id changes along a row and at every row start; padding (0) runs
+    become segments of their own, as mmadapt's collator makes them. Pass `attention_mask=segment_ids != 0`.
+    """
+    if segment_ids.ndim != 2 or segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+        raise TypeError(f"segment_ids must be a (B, L) integer tensor, got {segment_ids.dtype} "
+                        f"{tuple(segment_ids.shape)}")
+    ids = segment_ids.cpu()
+    change = torch.ones_like(ids, dtype=torch.bool)
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = change.flatten().nonzero().flatten()
+    return torch.cat([starts, torch.tensor([ids.numel()])]).to(torch.int32)
 
 
 # ---- varlen attention --------------------------------------------------------------------------

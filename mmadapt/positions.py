@@ -15,11 +15,12 @@ import torch
 
 from mmadapt.contract import ImageSpans
 from mmadapt.encoders.base import VisualTokens, grid_coords
-from mmadapt.packing import Segments
+from mmadapt.packing import Segments, require_bool_mask
 
 
 def text_positions(valid: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
     """0, 1, 2, ... over the attended tokens of each row (of each sample, when packed); padding gets 0."""
+    require_bool_mask(valid)
     count = valid.long().cumsum(-1) - valid.long()
     if segments is not None:
         count = segments.restart(count)
@@ -29,6 +30,7 @@ def text_positions(valid: torch.Tensor, segments: Segments | None = None) -> tor
 def mrope_positions(valid: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                     segments: Segments | None = None) -> torch.Tensor:
     """(3, B, L) positions; `visual` holds the LLM-side token grids, one per span, in span order."""
+    require_bool_mask(valid)
     advance = (valid & ~spans.mask).long()
     if visual is not None and spans.num_spans:
         last = spans.start + spans.length - 1

@@ -3,7 +3,9 @@
 `identity`, `linear`, `mlpNx_gelu` (LLaVA-1.5's `mlp2x_gelu`) act per token; `qwen_merger`
 concatenates each 2x2 spatial window (Qwen's PatchMerger) and so changes the token grid.
 Layer names match transformers (`linear_1`, `linear_2`; `norm`, `linear_fc1`, `linear_fc2`)
-so checkpoints map by prefix alone.
+so checkpoints map by prefix alone. Pretrained projectors load from LLaVA's `mm_projector.bin`,
+a llava-hf directory, a Qwen3.5-VL directory (`model.visual.merger`) or an mmadapt model /
+training checkpoint (`projector.*`); widths are checked against the encoder and backbone.
 
 Shapes: N tokens in, N' = N / m^2 out for a merge of m, D_in encoder width, D_out LLM width.
 """
@@ -19,6 +21,7 @@ from torch import nn
 from mmadapt.encoders.base import VisualTokens, grid_coords
 from mmadapt.options import resolve_preset
 from mmadapt.registry import Registry, import_object
+from mmadapt.weights import Checkpoint, Rules, hf_config, load_part, parse_dtype, wrong_family
 
 
 class Projector(nn.Module):
@@ -30,6 +33,31 @@ class Projector(nn.Module):
 
     def output_grids(self, grids: torch.Tensor) -> torch.Tensor:
         return grids
+
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, options: dict[str, Any], what: str) -> tuple[dict, Rules]:
+        """(options the checkpoint implies, key rules) for this projector's weights in `checkpoint`."""
+        raise ValueError(f"{what} has no weights to load from a checkpoint")
+
+    @classmethod
+    def from_pretrained(cls, path: str, in_dim: int, out_dim: int, *, what: str, dtype: Any = None,
+                        **options: Any) -> Projector:
+        from mmadapt.weights import Provenance, empty_weights, finish
+
+        checkpoint = Checkpoint.open(path, what=what, weights=["mm_projector.bin"])
+        implied, rules = cls.checkpoint_layout(checkpoint, options, what)
+        with empty_weights():
+            projector = cls(in_dim, out_dim, **{**implied, **options})
+        hint = (f"the checkpoint's projector has other widths than encoder width {in_dim} -> backbone width "
+                f"{out_dim}: pair it with the encoder and backbone it was trained with")
+        load_part(projector, checkpoint, rules, what=what, dtype=parse_dtype(dtype), hint=hint)
+        projector.provenance = Provenance(checkpoint)
+        return finish(projector, what)
+
+
+def _saved_part(checkpoint: Checkpoint, part: str) -> bool:
+    """An mmadapt model directory or training checkpoint: keys are `encoder.*`, `projector.*`, `backbone.*`."""
+    return any(k.startswith(f"{part}.") for k in checkpoint.keys())
 
 
 class IdentityProjector(Projector):
@@ -59,6 +87,31 @@ class MLPProjector(Projector):
             self.add_module(f"linear_{i + 1}", nn.Linear(in_dim if i == 0 else out_dim, out_dim, bias=bias))
         self.act = ACT2FN[act]
 
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, options: dict[str, Any], what: str) -> tuple[dict, Rules]:
+        keys = checkpoint.keys()
+        if _saved_part(checkpoint, "projector"):
+            return {}, (("projector.", ""),)
+        llava = [k for k in keys if k.startswith(("model.mm_projector.", "mm_projector."))]
+        if llava:  # LLaVA's nn.Sequential: Linear at 0, 2, 4, ... (GELU between); `linear` is a bare Linear
+            layers = sorted({int(k.split(".")[-2]) for k in llava if k.split(".")[-2].isdigit()})
+            depth = options.get("depth", 2)
+            found = len(layers) or 1
+            if found != depth:
+                name = "linear" if found == 1 else f"mlp{found}x_gelu"
+                raise ValueError(f"{what}: {checkpoint.path} holds a {found}-layer LLaVA projector, but this projector "
+                                 f"has {depth}. Fix: use projector {name!r}.")
+            prefix = "model.mm_projector." if llava[0].startswith("model.") else "mm_projector."
+            if not layers:
+                return {}, ((prefix, "linear_1."),)
+            return {}, tuple((f"{prefix}{index}.", f"linear_{i + 1}.") for i, index in enumerate(layers))
+        if checkpoint.model_type == "llava":
+            config = hf_config(checkpoint, what)
+            implied = {"act": config.projector_hidden_act, "bias": config.multimodal_projector_bias}
+            return implied, (("model.multi_modal_projector.", ""), ("multi_modal_projector.", ""))
+        raise wrong_family(what, checkpoint, "LLaVA's mm_projector.bin, a llava-hf directory ('llava') or an "
+                           "mmadapt model directory")
+
     def forward(self, visual: VisualTokens) -> VisualTokens:
         x = visual.features
         for i in range(self.depth):
@@ -77,6 +130,15 @@ class QwenMergerProjector(Projector):
         self.linear_fc1 = nn.Linear(hidden, hidden)
         self.act_fn = nn.GELU()
         self.linear_fc2 = nn.Linear(hidden, out_dim)
+
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, options: dict[str, Any], what: str) -> tuple[dict, Rules]:
+        if _saved_part(checkpoint, "projector"):
+            return {}, (("projector.", ""),)
+        vision = getattr(hf_config(checkpoint, what), "vision_config", None) if checkpoint.config else None
+        if getattr(vision, "model_type", None) != "qwen3_5_vision":
+            raise wrong_family(what, checkpoint, "a Qwen3.5-VL directory ('qwen3_5') or an mmadapt model directory")
+        return {"merge_size": vision.spatial_merge_size}, (("model.visual.merger.", ""),)
 
     def output_grids(self, grids: torch.Tensor) -> torch.Tensor:
         m = self.merge_size
@@ -117,6 +179,12 @@ class ProjectorSpec:
     def build(self, in_dim: int, out_dim: int, **options: Any) -> Projector:
         resolved = resolve_preset({"default": self.defaults}, "default", options, kind=f"projector {self.name!r}")
         return import_object(self.factory)(in_dim, out_dim, **resolved)
+
+    def from_pretrained(self, path: str, in_dim: int, out_dim: int, *, dtype: Any = None, **options: Any) -> Projector:
+        """This projector with weights from `path`; registered defaults (e.g. depth) updated by `options`."""
+        resolved = resolve_preset({"default": self.defaults}, "default", options, kind=f"projector {self.name!r}")
+        return import_object(self.factory).from_pretrained(path, in_dim, out_dim, what=f"projector {self.name!r}",
+                                                           dtype=dtype, **resolved)
 
 
 PROJECTORS: Registry[ProjectorSpec] = Registry("projector")

@@ -124,15 +124,60 @@ def test_projector_width_mismatch_fails_at_build_naming_both():
         VisionLanguageModel(config)
 
 
-def test_integer_attention_mask_is_refused_not_indexed():
-    """Masks are bool everywhere: an int mask is a TypeError with the reason and the fix (CONTEXT.md, story 2)."""
+@pytest.mark.parametrize("names", [("clip", "mlp2x_gelu", "llama"), ("qwen3_5_vit", "qwen_merger", "qwen3_5")],
+                         ids=["llava", "qwen"])
+def test_zero_one_masks_of_any_dtype_equal_bool_masks(names):
+    """transformers' int64 masks (and int32 / float 0-1) give exactly the bool mask's outputs, at every entry point."""
+    model = tiny(*names).eval()
+    batch = synthetic_batch(model, (1, 2), text_lengths=[8, 3])
+    with torch.no_grad():
+        expected = model(**batch)
+        for dtype in (torch.int64, torch.int32, torch.float32, torch.bfloat16):
+            out = model(**{**batch, "attention_mask": batch["attention_mask"].to(dtype)})
+            assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss), dtype
+    args = (batch["input_ids"], batch["attention_mask"], batch["pixel_values"], batch.get("image_grid_thw"))
+    greedy = model.generate(*args, max_new_tokens=3)
+    assert torch.equal(model.generate(args[0], args[1].long(), *args[2:], max_new_tokens=3), greedy)
+    assert mmadapt.check_batch(model, {**batch, "attention_mask": batch["attention_mask"].long()}).ok
+
+
+def test_a_segment_id_mask_is_refused_with_the_packing_fix():
+    """[1, 1, 2, 2, 0] is other frameworks' packing convention; used as 0/1 it would silently join the samples."""
     model = tiny("clip", "mlp2x_gelu", "llama")
     batch = synthetic_batch(model, (1, 1), text_lengths=[8, 3])
-    for mask in (batch["attention_mask"].int(), batch["attention_mask"].long(), batch["attention_mask"].float()):
-        with pytest.raises(TypeError, match=r"indexes instead of masking.*Fix: pass `attention_mask.bool\(\)`"):
-            model(**{**batch, "attention_mask": mask})
-    report = mmadapt.check_batch(model, {**batch, "attention_mask": batch["attention_mask"].int()})
-    assert not report.ok and "torch.bool" in report.error
+    segment_ids = batch["attention_mask"].long()
+    segment_ids[0, 2:] *= 2
+    for entry in (lambda: model(**{**batch, "attention_mask": segment_ids}),
+                  lambda: model.generate(batch["input_ids"], segment_ids, batch["pixel_values"], max_new_tokens=1)):
+        with pytest.raises(ValueError, match=r"values \[0, 1, 2\].*packs with cu_seqlens.*cu_seqlens_from_segment_ids"):
+            entry()
+    report = mmadapt.check_batch(model, {**batch, "attention_mask": segment_ids})
+    assert not report.ok and "cu_seqlens" in report.error
+
+
+def test_cu_seqlens_from_segment_ids_matches_the_collator():
+    from mmadapt.packing import cu_seqlens_from_lengths, cu_seqlens_from_segment_ids
+
+    segment_ids = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 2, 2]])
+    assert torch.equal(cu_seqlens_from_segment_ids(segment_ids), cu_seqlens_from_lengths([[3, 2], [4, 2]], 6))
+    with pytest.raises(TypeError, match="integer"):
+        cu_seqlens_from_segment_ids(segment_ids.bool())
+
+
+def test_internal_functions_still_refuse_integer_masks():
+    """Only the public boundary converts: inside, an int mask is a TypeError (CONTEXT.md, story 2)."""
+    from mmadapt.contract import check_attention, locate
+    from mmadapt.packing import Segments
+    from mmadapt.positions import mrope_positions, text_positions
+
+    ids = torch.tensor([[5, 255, 255, 6]])
+    mask = torch.ones(1, 4, dtype=torch.int64)
+    spans = locate(ids, 255)
+    for call in (lambda: text_positions(mask), lambda: mrope_positions(mask, spans, None),
+                 lambda: check_attention(spans, mask),
+                 lambda: Segments.from_cu_seqlens(torch.tensor([0, 2, 4]), mask)):
+        with pytest.raises(TypeError, match="indexes instead of masking"):
+            call()
 
 
 def test_contract_check_can_be_switched_off_but_injection_still_counts():

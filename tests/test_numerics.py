@@ -168,11 +168,14 @@ def test_normalize_name(raw, plain):
 
 
 # ---- story 2: packed sequences with an integer mask -----------------------------------------------
-def test_int32_mask_through_packing_is_refused(qwen):
+def test_int32_mask_through_packing_masks_and_never_indexes(qwen):
+    """Story 2's all-ones int32 mask: converted to bool once at the boundary, so it masks (equal to the bool one)."""
     model, _ = qwen
     batch = Collator.for_model(model, 0, max_tokens=256)(synthetic_samples(model, (1, 0, 1)))
-    with pytest.raises(TypeError):
-        model(**{**batch, "attention_mask": torch.ones_like(batch["attention_mask"], dtype=torch.int32)})
+    ones = torch.ones_like(batch["attention_mask"], dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.equal(model(**{**batch, "attention_mask": ones}).logits,
+                           model(**{**batch, "attention_mask": ones.bool()}).logits)
 
 
 def index_with_all_ones_mask(model: nn.Module, dtype: torch.dtype) -> None:

@@ -79,12 +79,14 @@ def test_packed_equals_padded_and_samples_are_isolated(names):
 
 
 @pytest.mark.parametrize("names", COMBOS, ids=lambda n: "-".join(n))
-def test_integer_mask_is_refused_with_the_reason(names):
-    model = build(names)
+def test_zero_one_integer_masks_equal_bool_masks_in_packed_rows(names):
+    """A packed batch with transformers' int masks converts at the boundary and gives the bool mask's logits."""
+    model = build(names).eval()
     batch = Collator.for_model(model, pad_token_id=0, max_tokens=128)(synthetic_samples(model, (1, 1)))
-    for dtype in (torch.int32, torch.long):
-        with pytest.raises(TypeError, match="indexes instead of masking"):
-            model(**{**batch, "attention_mask": batch["attention_mask"].to(dtype)})
+    with torch.no_grad():
+        expected = model(**batch).logits
+        for dtype in (torch.int32, torch.long):
+            assert torch.equal(model(**{**batch, "attention_mask": batch["attention_mask"].to(dtype)}).logits, expected)
 
 
 def test_packed_training_forward_never_builds_a_cache():

@@ -4,6 +4,13 @@ A backbone is a transformers causal LM used as is (`model.backbone` *is* the
 `...ForCausalLM`), plus: its position scheme (1-D RoPE or M-RoPE), its image-span tokens
 and their ids, its chat template and its default LoRA targets. Presets are dicts of
 transformers config fields plus the three mmadapt token-id fields.
+
+`from_pretrained(path)` works for every registered backbone with no code of its own: a directory
+of the causal LM itself (`model_type == hf_model_type`, e.g. Vicuna's `LlamaForCausalLM`, sharded
+`.bin` files included), a VLM directory whose `text_config` is that model type (llava-hf,
+Qwen3.5-VL: the language model and `lm_head`, both key layouts transformers has used), or an
+mmadapt model directory. Span token ids come from the VLM config when it has them. Tied embeddings
+follow the top-level `tie_word_embeddings` of a VLM config (text configs often lack it).
 """
 
 from __future__ import annotations
@@ -14,6 +21,13 @@ from typing import Any, Literal
 
 from mmadapt.options import hf_options, resolve_preset
 from mmadapt.registry import Registry, import_object
+from mmadapt.weights import Checkpoint, Rules
+
+# Key layouts of a causal LM inside VLM checkpoints: transformers 5 (`model.language_model.`) and the
+# older layout the hub still ships (llava-hf: `language_model.model.`, `language_model.lm_head.`).
+VLM_TEXT_RULES: Rules = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+LM_RULES: Rules = (("model.language_model.", "model."), ("", ""))
 
 TOKEN_FIELDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -22,13 +36,9 @@ TOKEN_FIELDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id"
 class SpanTokens:
     """Ids of the image placeholder and, for Qwen-style spans, the tokens around it."""
 
-    image_token_id: int
+    image_token_id: int | None  # None: not known yet (a text LLM's checkpoint); images then fail loudly
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.image_token_id is None:
-            raise ValueError("image_token_id is required: the id of the image placeholder token")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +85,49 @@ class BackboneSpec:
         """A freshly initialised transformers causal LM and its span token ids."""
         config, tokens = self.build_config(self.options(preset, overrides))
         return import_object(self.model_class)(config), tokens
+
+    def from_pretrained(self, path: str, *, dtype: Any = None, **overrides: Any) -> tuple[Any, SpanTokens]:
+        """The causal LM and span token ids from a checkpoint, built on the meta device and loaded strictly."""
+        from mmadapt.weights import Provenance, empty_weights, finish, load_part, merge_options, parse_dtype
+
+        what = f"backbone {self.name!r}"
+        checkpoint = Checkpoint.open(path, what=what)
+        options, rules = self.checkpoint_layout(checkpoint, what)
+        config, tokens = self.build_config(merge_options(options, overrides, what=what, path=checkpoint.path))
+        with empty_weights():
+            lm = import_object(self.model_class)(config)
+        tied = (getattr(lm, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else {}
+        tied = {**tied, **{v: k for k, v in tied.items()}}  # either side may be the one the checkpoint stores
+        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied)
+        if config.tie_word_embeddings:
+            lm.tie_weights()
+        lm.provenance = Provenance(checkpoint)
+        return finish(lm, what), tokens
+
+    def checkpoint_layout(self, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules]:
+        """(options: the LM config plus span token ids, key rules) for this backbone inside `checkpoint`."""
+        from mmadapt.weights import hf_config, mmadapt_part, wrong_family
+
+        if checkpoint.model_type == "mmadapt":
+            return mmadapt_part(checkpoint, "backbone", self.name, what)
+        expected = f"{self.hf_model_type!r} or a VLM whose text_config is {self.hf_model_type!r}"
+        if not checkpoint.config:
+            raise wrong_family(what, checkpoint, expected)
+        config = hf_config(checkpoint, what)
+        if config.model_type == self.hf_model_type:
+            return hf_options(config), LM_RULES
+        text = getattr(config, "text_config", None)
+        if getattr(text, "model_type", None) != self.hf_model_type:
+            raise wrong_family(what, checkpoint, expected)
+        options = hf_options(text)
+        if "tie_word_embeddings" in checkpoint.config:  # the VLM's flag decides; text configs often lack it
+            options["tie_word_embeddings"] = bool(checkpoint.config["tie_word_embeddings"])
+        legacy = {"image_token_id": checkpoint.config.get("image_token_index")}
+        for key in TOKEN_FIELDS:
+            value = checkpoint.config.get(key, legacy.get(key))
+            if value is not None:
+                options[key] = value
+        return options, VLM_TEXT_RULES
 
     def saved_options(self, lm: Any, tokens: SpanTokens) -> dict[str, Any]:
         """Options that rebuild exactly this backbone, with no preset."""

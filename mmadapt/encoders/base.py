@@ -19,6 +19,7 @@ from torch import nn
 from mmadapt.contract import ImageTokenContractError
 from mmadapt.options import resolve_preset
 from mmadapt.registry import Registry, import_object
+from mmadapt.weights import Checkpoint, Rules
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -57,6 +58,25 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
         raise NotImplementedError
+
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules, tuple[str, ...]]:
+        """(options from the checkpoint, key rules, key prefixes to skip); each family reads its own checkpoints."""
+        raise ValueError(f"{what} cannot load pretrained weights: {cls.__name__} defines no checkpoint_layout()")
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, what: str, dtype: Any = None, **overrides: Any) -> VisionEncoder:
+        """Architecture and weights from `path` (built on the meta device, loaded strictly); `overrides` may
+        change non-architecture options such as `feature_layer`."""
+        from mmadapt.weights import Provenance, empty_weights, finish, load_part, merge_options, parse_dtype
+
+        checkpoint = Checkpoint.open(path, what=what)
+        options, rules, skip = cls.checkpoint_layout(checkpoint, what)
+        with empty_weights():
+            encoder = cls(**merge_options(options, overrides, what=what, path=checkpoint.path))
+        load_part(encoder, checkpoint, rules, what=what, skip=skip, dtype=parse_dtype(dtype))
+        encoder.provenance = Provenance(checkpoint)
+        return finish(encoder, what)
 
     def processor_defaults(self) -> dict[str, Any]:
         """Keyword arguments of this encoder's image processor (`mmadapt.data.processors`)."""
@@ -129,7 +149,14 @@ class EncoderSpec:
         return resolve_preset(self.presets, preset, overrides, kind=f"encoder {self.name!r}")
 
     def build(self, preset: str | None = "tiny", **overrides: Any) -> VisionEncoder:
-        encoder = import_object(self.factory)(**self.options(preset, overrides))
+        return self._checked(import_object(self.factory)(**self.options(preset, overrides)))
+
+    def from_pretrained(self, path: str, *, dtype: Any = None, **overrides: Any) -> VisionEncoder:
+        """This encoder's architecture and weights from a checkpoint (see the family's `checkpoint_layout`)."""
+        factory = import_object(self.factory)
+        return self._checked(factory.from_pretrained(path, what=f"encoder {self.name!r}", dtype=dtype, **overrides))
+
+    def _checked(self, encoder: VisionEncoder) -> VisionEncoder:
         if encoder.dynamic != self.dynamic:
             raise TypeError(f"encoder {self.name!r} registered dynamic={self.dynamic} but built {encoder.dynamic}")
         return encoder

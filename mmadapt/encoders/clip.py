@@ -2,6 +2,10 @@
 
 Shapes: I images, S image side, P patch, h = w = S / P, D width.
 pixel_values (I, 3, S, S) -> hidden states (I, 1 + h*w, D) -> VisualTokens((I*h*w, D), grids (I, 3)).
+
+Pretrained from a `CLIPModel` directory (text + vision, as openai/clip-vit-large-patch14-336 ships;
+the text tower is ignored), a `CLIPVisionModel` one, or a llava-hf directory (its vision tower, with
+the LLaVA config's feature layer and CLS handling).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from mmadapt.encoders.base import FixedSizeEncoder, VisualTokens
 from mmadapt.options import hf_options
+from mmadapt.weights import Checkpoint, Rules, hf_config, mmadapt_part, wrong_family
 
 
 class ClipEncoder(FixedSizeEncoder):
@@ -19,6 +24,8 @@ class ClipEncoder(FixedSizeEncoder):
 
     config_class: ClassVar[str] = "CLIPVisionConfig"
     model_class: ClassVar[str] = "CLIPVisionModel"
+    registry_name: ClassVar[str] = "clip"
+    model_type: ClassVar[str] = "clip"  # the dual-tower model; its vision config is "<model_type>_vision_model"
     has_cls: ClassVar[bool] = True
     # OpenAI CLIP's normalisation; "pad" is LLaVA-1.5's expand2square (image_aspect_ratio="pad").
     processor_mean: ClassVar[tuple[float, float, float]] = (0.48145466, 0.4578275, 0.40821073)
@@ -39,6 +46,25 @@ class ClipEncoder(FixedSizeEncoder):
         self.patch_size = hf_config.patch_size
         self.image_size = hf_config.image_size
         self.num_channels = hf_config.num_channels
+
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules, tuple[str, ...]]:
+        vision_type = f"{cls.model_type}_vision_model"
+        if checkpoint.model_type == "mmadapt":
+            return (*mmadapt_part(checkpoint, "encoder", cls.registry_name, what), ())
+        if checkpoint.model_type in (cls.model_type, vision_type):
+            config = hf_config(checkpoint, what)
+            vision = config.vision_config if checkpoint.model_type == cls.model_type else config
+            return hf_options(vision), (("vision_model.", "tower.vision_model."),), ()
+        if checkpoint.model_type == "llava":
+            config = hf_config(checkpoint, what)
+            if config.vision_config.model_type == vision_type and isinstance(config.vision_feature_layer, int):
+                options = {**hf_options(config.vision_config), "feature_layer": config.vision_feature_layer,
+                           "drop_cls": cls.has_cls and config.vision_feature_select_strategy == "default"}
+                return options, (("model.vision_tower.", "tower."), ("vision_tower.", "tower.")), ()
+        dual = cls.model_class.replace("Vision", "")
+        raise wrong_family(what, checkpoint, f"{cls.model_type!r} ({dual}), {vision_type!r} ({cls.model_class}) "
+                           f"or a LLaVA directory ('llava') with a {cls.model_type} tower")
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
         self.check_pixels(pixel_values, image_grid_thw)

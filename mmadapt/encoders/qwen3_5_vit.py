@@ -6,10 +6,15 @@ follow this tower and the merger can follow any encoder.
 Shapes: I images, N = sum_i t_i*h_i*w_i patches, F = C*T*P*P flattened patch, D width.
 pixel_values (N, F) + image_grid_thw (I, 3) -> VisualTokens((N, D), grids = image_grid_thw,
 window = spatial_merge_size), patches arriving in merge-window order as Qwen's processor emits them.
+
+Pretrained from a Qwen3.5-VL directory: `model.visual.*` without `model.visual.merger.*` (that is the
+`qwen_merger` projector's); pixel bounds from its preprocessor_config.json when it has one.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +23,7 @@ from torch import nn
 from mmadapt.contract import ImageTokenContractError
 from mmadapt.encoders.base import VisionEncoder, VisualTokens
 from mmadapt.options import hf_options
+from mmadapt.weights import Checkpoint, Rules, hf_config, mmadapt_part, wrong_family
 
 
 class QwenViTEncoder(VisionEncoder):
@@ -38,6 +44,16 @@ class QwenViTEncoder(VisionEncoder):
         self.temporal_patch_size = hf_config.temporal_patch_size
         self.merge_size = hf_config.spatial_merge_size
         self.patch_dim = hf_config.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def checkpoint_layout(cls, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules, tuple[str, ...]]:
+        if checkpoint.model_type == "mmadapt":
+            return (*mmadapt_part(checkpoint, "encoder", "qwen3_5_vit", what), ())
+        vision = getattr(hf_config(checkpoint, what), "vision_config", None) if checkpoint.config else None
+        if getattr(vision, "model_type", None) != "qwen3_5_vision":
+            raise wrong_family(what, checkpoint, "a Qwen3.5-VL directory ('qwen3_5', vision_config 'qwen3_5_vision')")
+        options = {**hf_options(vision), **preprocessor_pixels(checkpoint.directory)}
+        return options, (("model.visual.", "tower."),), ("model.visual.merger.",)
 
     def processor_defaults(self) -> dict[str, Any]:
         """Qwen3.5's processor (mean = std = 0.5) with this encoder's pixel bounds (saved with the model)."""
@@ -83,6 +99,17 @@ class QwenViTEncoder(VisionEncoder):
         self.check_pixels(pixel_values, image_grid_thw)
         hidden = self.tower(pixel_values.to(self.tower.dtype), grid_thw=image_grid_thw).last_hidden_state
         return VisualTokens(hidden, image_grid_thw, window=self.merge_size)
+
+
+def preprocessor_pixels(directory: Path) -> dict[str, int]:
+    """min/max pixels of a Qwen directory's preprocessor_config.json (`size` edges, or the Qwen2-VL keys)."""
+    path = directory / "preprocessor_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    size = config.get("size") or {}
+    low, high = config.get("min_pixels", size.get("shortest_edge")), config.get("max_pixels", size.get("longest_edge"))
+    return {k: int(v) for k, v in (("min_pixels", low), ("max_pixels", high)) if v is not None}
 
 
 def _preset(depth: int, hidden: int, intermediate: int, heads: int, out: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """SigLIP vision tower: a CLIP-style fixed-resolution encoder without a CLS token.
 
-Same contract and shapes as `clip.py`; only the transformers classes and the CLS handling differ.
+Same contract, shapes and checkpoint sources as `clip.py` (`SiglipModel`, `SiglipVisionModel`, LLaVA
+directories with a SigLIP tower); only the transformers classes and the CLS handling differ.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from mmadapt.encoders.clip import ClipEncoder
 class SiglipEncoder(ClipEncoder):
     config_class: ClassVar[str] = "SiglipVisionConfig"
     model_class: ClassVar[str] = "SiglipVisionModel"
+    registry_name: ClassVar[str] = "siglip"
+    model_type: ClassVar[str] = "siglip"
     has_cls: ClassVar[bool] = False
     # SiglipImageProcessor: plain resize to the square input, mean = std = 0.5.
     processor_mean: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)

@@ -1,0 +1,318 @@
+"""Weights from checkpoints, as the hub ships them: find the files, read only a part's tensors, load strictly.
+
+Every component family loads itself (`ClipEncoder.from_pretrained`, `BackboneSpec.from_pretrained`, ...)
+with the three pieces here:
+
+- `Checkpoint.open(path)`: a directory (its `config.json` and weight files: safetensors or `.bin`,
+  single or sharded through `*.index.json`) or a single weight file. Keys are listed from headers;
+  tensors are read lazily and memory-mapped (safetensors, `torch.load(mmap=True, weights_only=True)`),
+  so reading one part of a composite checkpoint touches only that part's bytes.
+- `empty_weights()`: build a module with its parameters on the meta device (no random init, no
+  memory); buffers are real, so computed non-persistent buffers (rotary `inv_freq`) stay correct.
+- `load_part(module, checkpoint, rules)`: rename the checkpoint's keys by prefix rules, materialise
+  the module from them (`assign=True`: zero-copy when no dtype change is asked), and raise
+  `MissingWeightsError` naming the checkpoint and the first missing keys when any parameter of the
+  part is not in it. Keys of the checkpoint that the rules do not map belong to other parts: ignored.
+
+`Provenance` records where a part came from: its path, files and a SHA-256 over the weight files,
+hashed in a background thread while the model is built (so it costs no load time on a second core).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
+BIN_INDEX, BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+SHOW_KEYS = 5
+
+
+class MissingWeightsError(ValueError):
+    """A pretrained part lacks weights in its checkpoint (or they have the wrong shape)."""
+
+
+def _short_list(keys: list[str]) -> str:
+    shown = ", ".join(keys[:SHOW_KEYS])
+    return shown + (f" (and {len(keys) - SHOW_KEYS} more)" if len(keys) > SHOW_KEYS else "")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint on disk: `path`, its `config` (config.json as a dict; {} for a bare file), weight `files`."""
+
+    path: Path
+    config: dict[str, Any]
+    files: list[Path]
+    _index: dict[str, Path] = field(default_factory=dict, repr=False)
+    _open: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, what: str = "checkpoint",
+             weights: Iterable[str] = ()) -> Checkpoint:
+        """`path`: a model directory or a weight file; `weights`: extra file names to look for (mm_projector.bin)."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"{what}: pretrained path {path} does not exist")
+        if path.is_file():
+            if not path.name.endswith(WEIGHT_SUFFIXES):
+                raise ValueError(f"{what}: {path} is not a weight file ({', '.join(WEIGHT_SUFFIXES)}) or a directory")
+            config_file = path.parent / "config.json"
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            return cls(path, config, [path])
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(path, config, _weight_files(path, what, list(weights)))
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+    @property
+    def model_type(self) -> str | None:
+        if "mmadapt" in self.config:
+            return "mmadapt"
+        return self.config.get("model_type")
+
+    def describe_type(self) -> str:
+        text = self.config.get("text_config", {}).get("model_type") if isinstance(
+            self.config.get("text_config"), dict) else None
+        found = repr(self.model_type) if self.model_type else "no model_type (no config.json)"
+        return found + (f" (text_config {text!r})" if text else "")
+
+    def keys(self) -> list[str]:
+        if not self._index:
+            for file in self.files:
+                for key in self._reader(file).keys():
+                    self._index.setdefault(key, file)
+        return list(self._index)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        self.keys()
+        reader = self._reader(self._index[key])
+        return reader.get_tensor(key) if hasattr(reader, "get_tensor") else reader[key]
+
+    def _reader(self, file: Path) -> Any:
+        if file not in self._open:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self._open[file] = safe_open(str(file), framework="pt")
+            else:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                self._open[file] = _unwrap_state(state, file)
+        return self._open[file]
+
+    def close(self) -> None:
+        """Drop the open files; tensors already read stay valid (they hold their own mapping)."""
+        self._open.clear()
+
+
+def _unwrap_state(state: Any, file: Path) -> dict[str, torch.Tensor]:
+    """Training checkpoints nest the weights under 'state_dict' or 'model' (timm, Lightning)."""
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{file} does not hold a flat dict of tensors")
+    return state
+
+
+def _weight_files(directory: Path, what: str, extra: list[str]) -> list[Path]:
+    for index in (SAFETENSORS_INDEX, BIN_INDEX):
+        if (directory / index).is_file():
+            shards = json.loads((directory / index).read_text())["weight_map"].values()
+            files = [directory / name for name in dict.fromkeys(shards)]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise FileNotFoundError(f"{what}: {directory / index} lists shards that are missing: {absent}")
+            return files
+    for name in (SAFETENSORS, BIN, *extra):
+        if (directory / name).is_file():
+            return [directory / name]
+    found = sorted(p for p in directory.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    if len(found) == 1:
+        return found
+    looked = ", ".join([SAFETENSORS_INDEX, SAFETENSORS, BIN_INDEX, BIN, *extra])
+    raise FileNotFoundError(f"{what}: no weights in {directory} (looked for {looked}"
+                            + (f"; found several candidates: {[p.name for p in found]}" if found else "") + ")")
+
+
+# ---- building without initialising ------------------------------------------------------------------
+@contextmanager
+def empty_weights() -> Iterator[None]:
+    """Parameters created inside go to the meta device (shapes only); buffers stay real."""
+    from accelerate import init_empty_weights
+    from transformers.initialization import no_init_weights
+
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        yield
+
+
+def meta_parameters(module: nn.Module) -> list[str]:
+    return [name for name, p in module.named_parameters(remove_duplicate=False) if p.is_meta]
+
+
+# ---- loading a part ---------------------------------------------------------------------------------
+Rules = tuple[tuple[str, str], ...]
+
+
+def renamed_keys(keys: Iterable[str], rules: Rules, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """{checkpoint key: module key} for keys matching a rule's prefix (first rule wins) and no `skip` prefix."""
+    out = {}
+    for key in keys:
+        if key.startswith(skip):
+            continue
+        for old, new in rules:
+            if key.startswith(old):
+                out.setdefault(new + key[len(old):], key)
+                break
+    return {source: target for target, source in out.items()}
+
+
+def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: str, skip: tuple[str, ...] = (),
+              dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
+              hint: str | None = None) -> nn.Module:
+    """Materialise `module` (built under `empty_weights`) from `checkpoint`, strictly.
+
+    `tied` maps a module key to the key it is tied to: either may be absent from the checkpoint (the
+    caller ties them after loading). `dtype` casts floating tensors; None keeps the checkpoint's dtype
+    (and its memory map). `hint` replaces the generic advice of the shape-mismatch error.
+    """
+    mapping = renamed_keys(checkpoint.keys(), rules, skip)
+    expected = module.state_dict()
+    state, wrong = {}, []
+    for source, target in mapping.items():
+        if target not in expected:
+            continue  # e.g. a persistent buffer of an older transformers version; harmless
+        tensor = checkpoint.tensor(source)
+        if tuple(tensor.shape) != tuple(expected[target].shape):
+            wrong.append(f"{source} {tuple(tensor.shape)} vs {tuple(expected[target].shape)}")
+            continue
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        state[target] = tensor
+    if wrong:
+        advice = hint or ("the options describe another architecture than the checkpoint; drop the architecture "
+                          "options (they come from the checkpoint)")
+        raise MissingWeightsError(f"{what}: {len(wrong)} weights in {checkpoint.path} have another shape than this "
+                                  f"part (checkpoint vs part): {_short_list(wrong)}. Likely cause: {advice}.")
+    for key, partner in (tied or {}).items():
+        if key not in state and partner in state:
+            state[key] = state[partner]
+    missing = [k for k in expected if k not in state and not _is_buffer(module, k)]
+    if missing:
+        raise MissingWeightsError(
+            f"{what}: {checkpoint.path} lacks {len(missing)} of the {len(expected)} weights of this part: "
+            f"{_short_list(missing)}. Is it a complete checkpoint of this family (model_type "
+            f"{checkpoint.describe_type()})? Key prefixes tried: {[old for old, _ in rules]}.")
+    module.load_state_dict(state, strict=False, assign=True)
+    return module
+
+
+def _is_buffer(module: nn.Module, key: str) -> bool:
+    parent, _, name = key.rpartition(".")
+    owner = module.get_submodule(parent) if parent else module
+    return name in owner._buffers
+
+
+def finish(module: nn.Module, what: str) -> nn.Module:
+    """After loading (and tying): no parameter may be left on the meta device."""
+    left = meta_parameters(module)
+    if left:
+        raise MissingWeightsError(f"{what}: {len(left)} parameters were not loaded: {_short_list(left)}")
+    return module
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'bfloat16' / 'bf16' / torch.bfloat16 / None ('the checkpoint's')."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    value = getattr(torch, aliases.get(dtype, dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating torch dtype; use float32, bfloat16 or float16")
+    return value
+
+
+# ---- provenance -----------------------------------------------------------------------------------------
+class Provenance:
+    """Where a pretrained part came from: path, weight files, and their SHA-256 (hashed in the background)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.path = str(checkpoint.path.resolve())
+        self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
+                      for f in checkpoint.files]
+        self._paths = list(checkpoint.files)
+        self._digest: str | None = None
+        self._thread = threading.Thread(target=self._hash, daemon=True)
+        self._thread.start()
+
+    def _hash(self) -> None:
+        digest = hashlib.sha256()
+        for path in self._paths:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        self._digest = digest.hexdigest()
+
+    @property
+    def sha256(self) -> str:
+        self._thread.join()
+        return self._digest or ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "files": self.files, "sha256": self.sha256}
+
+
+# ---- what every family's loader shares ------------------------------------------------------------------
+# Config keys a pretrained part may still change: they do not alter the weights' meaning.
+RUNTIME_KEYS = frozenset({"attention_dropout", "dropout", "hidden_dropout", "hidden_dropout_prob",
+                          "attention_probs_dropout_prob", "use_cache", "attn_implementation", "pad_token_id",
+                          "bos_token_id", "eos_token_id", "output_hidden_states", "initializer_range"})
+
+
+def hf_config(checkpoint: Checkpoint, what: str) -> Any:
+    """The checkpoint's transformers config (legacy fields and defaults handled by transformers)."""
+    from transformers import AutoConfig
+
+    if not checkpoint.config:
+        raise ValueError(f"{what}: {checkpoint.path} has no config.json; a pretrained part needs its architecture")
+    return AutoConfig.from_pretrained(checkpoint.directory)
+
+
+def wrong_family(what: str, checkpoint: Checkpoint, expected: str) -> ValueError:
+    return ValueError(f"{what}: {checkpoint.path} is not a checkpoint of this family: its config.json has model_type "
+                      f"{checkpoint.describe_type()}, expected {expected}")
+
+
+def merge_options(from_checkpoint: dict[str, Any], overrides: dict[str, Any], *, what: str,
+                  path: Path) -> dict[str, Any]:
+    """The checkpoint's options updated by `overrides`; changing an architecture setting is an error."""
+    clash = {k: v for k, v in overrides.items()
+             if k in from_checkpoint and k not in RUNTIME_KEYS and v != from_checkpoint[k]}
+    if clash:
+        detail = ", ".join(f"{k}={v!r} (checkpoint: {from_checkpoint[k]!r})" for k, v in clash.items())
+        raise ValueError(f"{what}: options {detail} contradict {path}; a pretrained part's architecture comes from "
+                         "its checkpoint. Drop these options, or build the part from a preset instead.")
+    return {**from_checkpoint, **overrides}
+
+
+def mmadapt_part(checkpoint: Checkpoint, part: str, name: str, what: str) -> tuple[dict[str, Any], Rules]:
+    """Options and key rules of one part of a saved mmadapt model directory (or training checkpoint)."""
+    saved = checkpoint.config["mmadapt"][part]
+    if saved["name"] != name:
+        raise ValueError(f"{what}: the {part} saved in {checkpoint.path} is {saved['name']!r}, not {name!r}. "
+                         f"Fix: name the component {saved['name']!r}, or point at another checkpoint.")
+    return dict(saved.get("options") or {}), ((f"{part}.", ""),)
