@@ -64,6 +64,24 @@ def prepare_tokenizer(model: Any, tokenizer: Any) -> Any:
         model.set_span_tokens(**ids)
     size = model.backbone.get_input_embeddings().num_embeddings
     if len(tokenizer) > size:
-        log.info("resizing the backbone's embeddings from %d to %d tokens for the tokenizer", size, len(tokenizer))
-        model.backbone.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        resize_embeddings(model.backbone, len(tokenizer))
     return tokenizer
+
+
+def resize_embeddings(lm: Any, size: int) -> None:
+    """Grow the input embeddings (and an untied lm_head) to `size` rows; new rows = the mean of the old ones.
+
+    LLaVA's initialisation for added tokens: the mean keeps the new tokens' logits and inputs ordinary,
+    where a random row would be an outlier. transformers' `mean_resizing` samples around the mean instead.
+    """
+    import torch
+
+    old = lm.get_input_embeddings().num_embeddings
+    lm.resize_token_embeddings(size, mean_resizing=False)
+    output = lm.get_output_embeddings()
+    weights = [lm.get_input_embeddings().weight] + ([output.weight] if output is not None else [])
+    with torch.no_grad():
+        for weight in {id(w): w for w in weights}.values():  # once when tied
+            weight[old:] = weight[:old].mean(0, keepdim=True)
+    log.info("vocabulary %d -> %d tokens: resized the backbone's embeddings%s; new rows are the mean of the existing "
+             "rows", old, size, "" if lm.config.tie_word_embeddings else " and lm_head")

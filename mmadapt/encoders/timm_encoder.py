@@ -2,7 +2,14 @@
 
 ViTs give (I, prefix + h*w, D); CNNs give (I, D, h, w), flattened row-major to (I, h*w, D).
 Preprocessing comes from timm's own data config (`self.data_config`: input size, mean, std,
-interpolation). No weights are downloaded: pass `checkpoint_path` to load a local file.
+interpolation).
+
+Pretrained: a local weights file (`.safetensors` / `.pth` / `.bin`) or a timm hub directory
+(config.json with `architecture`), in timm's format or an original one (OpenCLIP, OpenAI CLIP,
+DINOv2, ...). Loading goes through timm's own `pretrained_cfg_overlay=dict(file=...)` path, which
+runs the model's checkpoint converters (`checkpoint_path` would not), strictly; the classifier head
+is dropped after. timm builds and initialises its modules itself, so this is the one family not
+built on the meta device. No weights are ever downloaded.
 """
 
 from __future__ import annotations
@@ -12,18 +19,19 @@ from typing import Any
 import torch
 
 from mmadapt.encoders.base import FixedSizeEncoder, VisualTokens
+from mmadapt.weights import Checkpoint, MissingWeightsError, parse_dtype
 
 
 class TimmEncoder(FixedSizeEncoder):
-    def __init__(self, *, model_name: str, checkpoint_path: str | None = None, **model_kwargs: Any) -> None:
+    def __init__(self, *, model_name: str, tower: Any = None, **model_kwargs: Any) -> None:
+        """A fresh timm model, or `tower`: one `create_timm_tower` already loaded (see `from_pretrained`)."""
         import timm
 
-        super().__init__({"model_name": model_name, "checkpoint_path": checkpoint_path, **model_kwargs})
+        super().__init__({"model_name": model_name, **model_kwargs})
         if model_name not in timm.list_models():
             raise ValueError(f"timm has no model {model_name!r}; see timm.list_models('*pattern*')")
-        self.tower = timm.create_model(model_name, pretrained=False, num_classes=0, **model_kwargs)
-        if checkpoint_path is not None:
-            timm.models.load_checkpoint(self.tower, checkpoint_path, strict=True)
+        self.tower = tower if tower is not None else timm.create_model(model_name, pretrained=False, num_classes=0,
+                                                                         **model_kwargs)
         self.data_config = timm.data.resolve_data_config(model=self.tower)
         img_size = getattr(getattr(self.tower, "patch_embed", None), "img_size", None)
         if img_size is not None:  # a ViT built with img_size=... keeps its pretrained cfg's input size
@@ -35,6 +43,27 @@ class TimmEncoder(FixedSizeEncoder):
         self.patch_size = self.tower.feature_info[-1]["reduction"]
         self.num_prefix_tokens = getattr(self.tower, "num_prefix_tokens", 0)
         self.output_dim = self.tower.num_features
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, what: str, dtype: Any = None, model_name: str | None = None,
+                        **model_kwargs: Any) -> TimmEncoder:
+        from mmadapt.weights import Provenance
+
+        checkpoint = Checkpoint.open(path, what=what)
+        model_name = model_name or checkpoint.config.get("architecture")
+        if not model_name:
+            raise ValueError(f"{what}: {checkpoint.path} does not say which timm architecture it holds (no config.json "
+                             "with 'architecture'). Fix: set options.model_name, e.g. 'vit_base_patch16_224'.")
+        if len(checkpoint.files) != 1:
+            raise ValueError(f"{what}: timm loads one weight file; {checkpoint.path} has {len(checkpoint.files)}")
+        file = checkpoint.files[0]
+        tower = create_timm_tower(model_name, file, what, **model_kwargs)
+        tensors = map(checkpoint.tensor, checkpoint.keys())
+        file_dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+        tower.to(parse_dtype(dtype) or file_dtype)  # default: the file's dtype
+        encoder = cls(model_name=model_name, tower=tower, **model_kwargs)
+        encoder.provenance = Provenance(checkpoint)
+        return encoder
 
     def processor_defaults(self) -> dict[str, Any]:
         """Mean, std, interpolation from timm's data config; "pad" (prismatic's letterbox) keeps the whole image."""
@@ -54,6 +83,29 @@ class TimmEncoder(FixedSizeEncoder):
         assert features.shape[1] == expected, f"timm gave {features.shape[1]} tokens, grid says {expected}"
         grids = self.grids_for(pixel_values.shape[0], pixel_values.device)
         return VisualTokens(features.reshape(-1, features.shape[-1]), grids)
+
+
+def create_timm_tower(model_name: str, file: Any, what: str, **model_kwargs: Any) -> Any:
+    """timm's own pretrained path on a local file, strict; the head is loaded if the file has one, then dropped.
+
+    First with the pretrained config's classifier (files that carry a head load strictly), then headless
+    (`num_classes=0` in the overlay too, so timm keeps its strict check); either way timm runs the
+    model's checkpoint converters.
+    """
+    import timm
+
+    errors = []
+    for overlay in ({"file": str(file)}, {"file": str(file), "num_classes": 0}):
+        kwargs = dict(model_kwargs) if "num_classes" not in overlay else {**model_kwargs, "num_classes": 0}
+        try:
+            tower = timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+        except RuntimeError as e:  # timm's strict load_state_dict: missing / unexpected / mis-shaped keys
+            errors.append(" ".join(str(e).split())[:500])
+            continue
+        tower.reset_classifier(0)
+        return tower
+    raise MissingWeightsError(f"{what}: {file} does not fit timm model {model_name!r} (with or without its classifier "
+                              f"head): {errors[-1]}")
 
 
 TIMM_PRESETS: dict[str, dict[str, Any]] = {

@@ -25,11 +25,32 @@ STAGE_PRESETS: dict[str, dict[str, str]] = {
 
 @dataclass(kw_only=True)
 class ModelSection:
-    encoder: str = "qwen3_5_vit"
-    projector: str = "qwen_merger"
-    backbone: str = "qwen3_5"
+    """Each part is a registry name (built from `preset`) or a mapping {name, preset, options, pretrained, dtype}.
+
+    `pretrained` here is one whole model directory (mmadapt or transformers); per-part `pretrained`
+    starts a part from a checkpoint (`model.backbone: {name: qwen3_5, pretrained: Qwen3.5-0.8B}`).
+    """
+
+    encoder: str | dict[str, Any] = "qwen3_5_vit"
+    projector: str | dict[str, Any] = "qwen_merger"
+    backbone: str | dict[str, Any] = "qwen3_5"
     preset: str | None = "tiny"
-    pretrained: str | None = None  # an mmadapt or transformers directory; overrides the names
+    pretrained: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = self.model_config()  # unknown names, keys and preset + pretrained fail here, at load time
+        from_parts = [p for p in ("encoder", "projector", "backbone") if getattr(parts, p).pretrained]
+        if self.pretrained and from_parts:
+            raise ValueError(f"model.pretrained loads one whole model; it cannot be combined with pretrained parts "
+                             f"(model.{from_parts[0]}.pretrained). Use one or the other.")
+
+    def model_config(self) -> Any:
+        """The parts as a `ModelConfig` (names take `preset`; the projector has options, not presets)."""
+        from mmadapt.config import ComponentConfig, ModelConfig
+
+        parts = {part: ComponentConfig.coerce(getattr(self, part), preset=None if part == "projector" else self.preset,
+                                              where=f"model.{part}") for part in ("encoder", "projector", "backbone")}
+        return ModelConfig(**parts)
 
 
 @dataclass(kw_only=True)
@@ -37,7 +58,9 @@ class DataSection:
     train: str | None = None
     eval: str | None = None
     image_root: str | None = None
-    tokenizer: str | None = None  # a transformers tokenizer directory; None = mmadapt's char tokenizer
+    # a transformers tokenizer directory; None = the pretrained backbone's (or model's) directory when it
+    # holds tokenizer files, else mmadapt's char tokenizer (with a warning when the backbone is pretrained)
+    tokenizer: str | None = None
     max_length: int = 2048
     truncation: Literal["drop", "raise", "text"] = "drop"
     batch_size: int = 8

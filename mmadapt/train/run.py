@@ -6,10 +6,15 @@ trains and returns the trainer's summary. Works the same under torchrun.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mmadapt.train.config import RunConfig
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -23,12 +28,27 @@ class RunParts:
 
 
 def build_model_from(config: RunConfig) -> Any:
-    from mmadapt import VisionLanguageModel, build_model
+    from mmadapt import VisionLanguageModel
 
     m = config.model
     if m.pretrained:
         return VisionLanguageModel.from_pretrained(m.pretrained)
-    return build_model(m.encoder, m.projector, m.backbone, preset=m.preset)
+    return VisionLanguageModel(m.model_config())
+
+
+def tokenizer_source(config: RunConfig) -> str | None:
+    """`data.tokenizer`, else the pretrained backbone's (or whole model's) directory if it has tokenizer files."""
+    if config.data.tokenizer is not None:
+        return config.data.tokenizer
+    backbone = config.model.model_config().backbone.pretrained
+    for candidate in (backbone, config.model.pretrained):
+        if candidate and any((Path(candidate) / name).is_file() for name in TOKENIZER_FILES):
+            return candidate
+    if backbone:
+        log.warning("the pretrained backbone %s has no tokenizer files; using mmadapt's character tokenizer, which "
+                    "the backbone was not trained with. Set data.tokenizer to the backbone's tokenizer directory.",
+                    backbone)
+    return None
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -50,7 +70,7 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
         raise ValueError("data.train is not set: give a LLaVA or messages .json/.jsonl file (data.train=PATH)")
     torch.manual_seed(config.train.seed)
     model = model if model is not None else build_model_from(config)
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokenizer = load_tokenizer(tokenizer_source(config))
     d = config.data
     encoder = SampleEncoder.for_model(model, tokenizer, image_root=d.image_root, max_length=d.max_length,
                                       truncation=d.truncation)
