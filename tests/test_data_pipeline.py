@@ -214,10 +214,16 @@ def test_a_transformers_tokenizer_directory_gets_missing_tokens_and_the_model_is
     torch.manual_seed(0)
     model = build_model("qwen3_5_vit", "qwen_merger", "qwen3_5")
     assert "<|image_pad|>" not in tokenizer.get_vocab() and len(tokenizer) > model.backbone.config.vocab_size
+    old = model.backbone.get_input_embeddings().weight.detach().clone()
+    old_head = model.backbone.lm_head.weight.detach().clone()
     with caplog.at_level(logging.INFO, logger="mmadapt"):
         encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(image_dir))
-    assert "added special tokens" in caplog.text and "resizing" in caplog.text
+    assert "added special tokens" in caplog.text and f"vocabulary 256 -> {len(tokenizer)} tokens" in caplog.text
     assert model.backbone.get_input_embeddings().num_embeddings == len(tokenizer)
+    embed, head = model.backbone.get_input_embeddings().weight, model.backbone.lm_head.weight
+    assert torch.equal(embed[:256], old) and torch.equal(head[:256], old_head)  # existing rows untouched
+    assert torch.allclose(embed[256:], old.mean(0).expand(len(tokenizer) - 256, -1))  # LLaVA's mean init
+    assert torch.allclose(head[256:], old_head.mean(0).expand(len(tokenizer) - 256, -1))
     assert model.tokens.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     sample = encoder.encode(GOOD["photo"], 0)
     assert tokenizer.decode(sample.input_ids[sample.labels != IGNORE]) == "An astronaut.<|im_end|>"
