@@ -93,6 +93,21 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def upcast_trainable(model: torch.nn.Module) -> int:
+    """fp32 master weights: trainable parameters loaded in bf16/fp16 (a pretrained part's dtype) become fp32.
+
+    Frozen parts keep their dtype (a frozen bf16 LLM costs half the memory); the model casts at part
+    boundaries. Returns the number of tensors upcast.
+    """
+    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        log.info("master weights fp32: upcasting %d trainable tensors (%s parameters) from %s", len(low),
+                 f"{sum(p.numel() for p in low):,}", sorted({str(p.dtype) for p in low}))
+    for p in low:
+        p.data = p.data.float()
+    return len(low)
+
+
 class Trainer:
     """`Trainer(model, config, train_data, collate_fn).fit()`; works for 1 process or under torchrun."""
 
@@ -109,6 +124,7 @@ class Trainer:
             lora = config.lora
             self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
                                              dropout=lora.dropout, targets=lora.targets)
+        upcast_trainable(model)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
