@@ -73,7 +73,7 @@ class BackboneSpec:
     def build_config(self, options: dict[str, Any]) -> tuple[Any, SpanTokens]:
         options = dict(options)
         tokens = SpanTokens(**{k: options.pop(k, None) for k in TOKEN_FIELDS})
-        if self.vision_start_token and tokens.vision_start_token_id is None:
+        if self.vision_start_token and tokens.image_token_id is not None and tokens.vision_start_token_id is None:
             raise ValueError(f"backbone {self.name!r} brackets images with {self.vision_start_token}/"
                              f"{self.vision_end_token}: set vision_start_token_id and vision_end_token_id")
         config = import_object(self.config_class)(**options)

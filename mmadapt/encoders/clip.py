@@ -52,16 +52,21 @@ class ClipEncoder(FixedSizeEncoder):
         vision_type = f"{cls.model_type}_vision_model"
         if checkpoint.model_type == "mmadapt":
             return (*mmadapt_part(checkpoint, "encoder", cls.registry_name, what), ())
-        if checkpoint.model_type in (cls.model_type, vision_type):
+        # transformers 5 keeps a vision model's weights at its top level (`embeddings.*`); the hub's files and
+        # dual-tower models nest them under `vision_model.`. LLaVA files prefix either with `vision_tower.`.
+        if checkpoint.model_type == cls.model_type:
             config = hf_config(checkpoint, what)
-            vision = config.vision_config if checkpoint.model_type == cls.model_type else config
-            return hf_options(vision), (("vision_model.", "tower.vision_model."),), ()
+            return hf_options(config.vision_config), (("vision_model.", "tower."),), ()
+        if checkpoint.model_type == vision_type:
+            return hf_options(hf_config(checkpoint, what)), (("vision_model.", "tower."), ("", "tower.")), ()
         if checkpoint.model_type == "llava":
             config = hf_config(checkpoint, what)
             if config.vision_config.model_type == vision_type and isinstance(config.vision_feature_layer, int):
                 options = {**hf_options(config.vision_config), "feature_layer": config.vision_feature_layer,
                            "drop_cls": cls.has_cls and config.vision_feature_select_strategy == "default"}
-                return options, (("model.vision_tower.", "tower."), ("vision_tower.", "tower.")), ()
+                rules = tuple((f"{outer}{inner}", "tower.") for outer in ("model.vision_tower.", "vision_tower.")
+                              for inner in ("vision_model.", ""))
+                return options, rules, ()
         dual = cls.model_class.replace("Vision", "")
         raise wrong_family(what, checkpoint, f"{cls.model_type!r} ({dual}), {vision_type!r} ({cls.model_class}) "
                            f"or a LLaVA directory ('llava') with a {cls.model_type} tower")

@@ -88,7 +88,8 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}, tmp / "model.safetensors")
+    weights, aliases = without_aliases(model_state)
+    save_file(weights, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -105,6 +106,21 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
     _fsync(final)
     prune(out, keep)
     return final
+
+
+def without_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tied weights (one tensor under two names, e.g. lm_head and embed_tokens) stored once: safetensors refuses
+    shared tensors. Returns the weights and {alias: stored name}."""
+    weights, aliases, seen = {}, {}, {}
+    for key, value in state.items():
+        value = value.detach()
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        weights[key] = value.to("cpu").contiguous()
+    return weights, aliases
 
 
 def prune(out: str | os.PathLike, keep: int) -> None:
@@ -124,7 +140,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not (path / MARKER).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was being written when "
                          "the run stopped. Use mmadapt.train.latest_checkpoint(out) to find the newest complete one.")
-    return {"model": load_file(path / "model.safetensors"),
+    from safetensors import safe_open
+
+    model = load_file(path / "model.safetensors")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    model.update({alias: model[stored] for alias, stored in aliases.items()})
+    return {"model": model,
             "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
             "rng": torch.load(path / "rng.pt", weights_only=True),
             "trainer": json.loads((path / "trainer_state.json").read_text())}
