@@ -381,9 +381,9 @@ def test_a_directory_of_another_family_names_both_model_types(hf_qwen_dir, clip_
         ENCODERS.get("clip").from_pretrained(str(hf_qwen_dir))
     with pytest.raises(ValueError, match=r"model_type 'clip'.*expected 'llama' or a VLM whose text_config is 'llama'"):
         BACKBONES.get("llama").from_pretrained(str(clip_dirs[0]))
-    with pytest.raises(ValueError, match="expected a Qwen3.5-VL directory"):
+    with pytest.raises(ValueError, match=r"expected a Qwen3\.5-VL directory"):
         ENCODERS.get("qwen3_5_vit").from_pretrained(str(clip_dirs[0]))
-    with pytest.raises(ValueError, match="expected LLaVA's mm_projector.bin"):
+    with pytest.raises(ValueError, match=r"expected LLaVA's mm_projector\.bin"):
         mmadapt.PROJECTORS.get("mlp2x_gelu").from_pretrained(str(hf_qwen_dir), 64, 64)
 
 
@@ -509,5 +509,5 @@ def test_run_yaml_takes_names_or_part_mappings_and_finds_the_backbones_tokenizer
     assert RunConfig.load(None, ["model.encoder=siglip"]).model.model_config().encoder.preset == "tiny"  # names work
     with pytest.raises(ValueError, match=r"model.encoder: unknown keys \['pretraind'\]"):
         RunConfig.load(None, ["model.encoder={name: clip, pretraind: x}"])
-    with pytest.raises(ValueError, match="model.pretrained loads one whole model"):
+    with pytest.raises(ValueError, match=r"model\.pretrained loads one whole model"):
         RunConfig.load(None, ["model.pretrained=x", f"model.encoder={{name: clip, pretrained: {clip_dirs[0]}}}"])
