@@ -1,9 +1,9 @@
 """Checkpoints both ways between mmadapt and transformers' LLaVA and Qwen3.5-VL classes.
 
-Loading goes through transformers' own `from_pretrained` (it knows its on-disk layouts and
-shards), then parameters are renamed by prefix into mmadapt's modules; exporting builds the
-transformers model, loads the renamed weights strictly and calls its `save_pretrained`.
-Missing or unexpected keys are errors on both paths.
+Loading a transformers directory is loading its three parts from it: each family reads its own
+weights (`ComponentConfig(pretrained=directory)`, see `mmadapt.weights`), built on the meta device,
+strictly, recording the directory as each part's source. Exporting builds the transformers model on
+the meta device, loads the renamed weights strictly and calls its `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from mmadapt.backbones import BACKBONES
-from mmadapt.backbones.base import TOKEN_FIELDS
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.options import hf_options
 from mmadapt.projectors import MLPProjector, QwenMergerProjector
@@ -61,51 +60,30 @@ def _backbone_for(model_type: str) -> str:
                      f"Register one (see README, 'A new backbone in a few lines').")
 
 
-def _model_config(hf_config: Any) -> ModelConfig:
-    """The mmadapt components equivalent to a transformers LLaVA / Qwen3.5 config."""
-    text = hf_options(hf_config.text_config)
-    if hf_config.model_type == "qwen3_5":
-        tokens = {k: getattr(hf_config, k) for k in TOKEN_FIELDS}
-        encoder = ComponentConfig(name="qwen3_5_vit", preset=None, options=hf_options(hf_config.vision_config))
-        projector = ComponentConfig(name="qwen_merger", preset=None,
-                                    options={"merge_size": hf_config.vision_config.spatial_merge_size})
-        return ModelConfig(encoder=encoder, projector=projector,
-                           backbone=ComponentConfig(name="qwen3_5", preset=None, options={**text, **tokens}))
-    vision_type = hf_config.vision_config.model_type
-    if vision_type not in LLAVA_ENCODERS:
-        raise ValueError(
-            f"LLaVA vision tower {vision_type!r} has no mmadapt encoder; supported: {sorted(LLAVA_ENCODERS)}"
-        )
-    if not isinstance(hf_config.vision_feature_layer, int):
-        raise ValueError("LLaVA configs with several vision_feature_layer values are not supported")
-    encoder = ComponentConfig(name=LLAVA_ENCODERS[vision_type], preset=None, options={
-        **hf_options(hf_config.vision_config), "feature_layer": hf_config.vision_feature_layer,
-        "drop_cls": hf_config.vision_feature_select_strategy == "default"})
-    projector = ComponentConfig(name="mlp2x_gelu", preset=None, options={
-        "act": hf_config.projector_hidden_act, "bias": hf_config.multimodal_projector_bias})
-    backbone = ComponentConfig(name=_backbone_for(hf_config.text_config.model_type), preset=None,
-                               options={**text, "image_token_id": hf_config.image_token_id})
-    return ModelConfig(encoder=encoder, projector=projector, backbone=backbone)
-
-
-def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, Any], *, strict: bool = True) -> Any:
+def component_names(directory: str | os.PathLike, saved: dict[str, Any]) -> tuple[str, str, str]:
+    """The mmadapt encoder, projector and backbone equivalent to a transformers LLaVA / Qwen3.5-VL config."""
     model_type = saved.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{directory}: model_type {model_type!r} is neither an mmadapt directory nor a supported "
                          f"transformers architecture ({sorted(ARCHITECTURES)})")
-    import transformers
+    if model_type == "qwen3_5":
+        return "qwen3_5_vit", "qwen_merger", "qwen3_5"
+    vision_type = (saved.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type not in LLAVA_ENCODERS:
+        raise ValueError(f"LLaVA vision tower {vision_type!r} has no mmadapt encoder; "
+                         f"supported: {sorted(LLAVA_ENCODERS)}")
+    if not isinstance(saved.get("vision_feature_layer", -2), int):
+        raise ValueError("LLaVA configs with several vision_feature_layer values are not supported")
+    text_type = (saved.get("text_config") or {}).get("model_type", "llama")
+    return LLAVA_ENCODERS[vision_type], "mlp2x_gelu", _backbone_for(text_type)
 
-    from mmadapt.model import raise_on_key_mismatch
 
-    arch = ARCHITECTURES[model_type]
-    hf_model, info = getattr(transformers, arch.model_class).from_pretrained(directory, output_loading_info=True)
-    raise_on_key_mismatch(info["missing_keys"], info["unexpected_keys"], directory, strict)
-    model = cls(_model_config(hf_model.config))
-    missing, unexpected = model.load_state_dict(rename(hf_model.state_dict(), arch.keys), strict=False, assign=True)
-    raise_on_key_mismatch(missing, unexpected, directory, strict)
-    if getattr(model.backbone.config, "tie_word_embeddings", False):
-        model.backbone.tie_weights()
-    return model.to(hf_model.dtype)
+def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, Any]) -> Any:
+    """A transformers LLaVA / Qwen3.5-VL directory as three pretrained parts (keys no part reads are ignored)."""
+    names = component_names(directory, saved)
+    parts = {part: ComponentConfig(name=name, pretrained=str(directory))
+             for part, name in zip(("encoder", "projector", "backbone"), names, strict=True)}
+    return cls(ModelConfig(**parts))
 
 
 def _export_target(model: Any) -> tuple[str, Any]:

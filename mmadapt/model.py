@@ -279,8 +279,9 @@ class VisionLanguageModel(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:
         """Load mmadapt's format or a transformers LLaVA / Qwen3.5-VL directory (detected from config.json).
 
-        The model is built on the meta device and materialised from the files. `strict=False` tolerates
-        unexpected keys; a missing weight is always an error (nothing is left randomly initialised).
+        The model is built on the meta device and materialised from the files; a missing weight is always
+        an error (nothing is left randomly initialised). `strict=False` tolerates unexpected keys in an
+        mmadapt directory; a transformers directory is read as three parts, which ignore keys of no part.
         """
         path = os.path.join(directory, CONFIG_FILE)
         if not os.path.isfile(path):
@@ -290,7 +291,7 @@ class VisionLanguageModel(nn.Module):
         if "mmadapt" not in saved:
             from mmadapt.convert import load_transformers
 
-            return load_transformers(cls, directory, saved, strict=strict)
+            return load_transformers(cls, directory, saved)
         from mmadapt.weights import Checkpoint, empty_weights, finish, load_part
 
         with empty_weights():
