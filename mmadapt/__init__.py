@@ -12,11 +12,13 @@ from mmadapt.model import VisionLanguageModel
 from mmadapt.projectors import PROJECTORS, ProjectorSpec
 from mmadapt.registry import Registry, UnknownComponentError
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
-def build_model(encoder: str, projector: str, backbone: str, *, preset: str | None = "tiny") -> VisionLanguageModel:
-    """Build a model from registry names; `preset` picks the encoder's and backbone's preset."""
+def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,
+                backbone: str | dict | ComponentConfig, *, preset: str | None = "tiny") -> VisionLanguageModel:
+    """Build a model from parts: registry names (built from `preset`) or mappings / `ComponentConfig`s
+    `{name, preset, options, pretrained, dtype}`, e.g. `{"name": "qwen3_5", "pretrained": "Qwen3.5-0.8B"}`."""
     return VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset)
 
 

@@ -66,7 +66,10 @@ def clip_dirs(tmp_path_factory):
     CLIPModel(CLIPConfig(vision_config=vision, text_config=CLIP_TEXT, projection_dim=32)).save_pretrained(full)
     alone = tmp_path_factory.mktemp("clip_vision")
     CLIPVisionModel(CLIPVisionConfig(**vision)).save_pretrained(alone)
-    return full, alone
+    sharded = tmp_path_factory.mktemp("clip_sharded")
+    CLIPModel.from_pretrained(full).save_pretrained(sharded, max_shard_size="60KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    return full, alone, sharded
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +210,8 @@ def test_llava_directory_as_three_parts_equals_transformers(layout, llava_layout
 
 
 # ---- each source: weights equal, outputs equal --------------------------------------------------------------
-@pytest.mark.parametrize(("family", "which"), [("clip", 0), ("clip", 1), ("siglip", 0), ("siglip", 1)],
-                         ids=["CLIPModel", "CLIPVisionModel", "SiglipModel", "SiglipVisionModel"])
+@pytest.mark.parametrize(("family", "which"), [("clip", 0), ("clip", 1), ("clip", 2), ("siglip", 0), ("siglip", 1)],
+                         ids=["CLIPModel", "CLIPVisionModel", "CLIPModel-sharded", "SiglipModel", "SiglipVisionModel"])
 def test_clip_and_siglip_directories(family, which, request):
     import transformers
 

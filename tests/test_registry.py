@@ -60,7 +60,7 @@ def test_presets_match_published_sizes():
     assert (options["image_size"], options["patch_size"], options["hidden_size"]) == (336, 14, 1024)
 
 
-def test_register_a_backbone_in_a_few_lines():
+def test_register_a_backbone_in_a_few_lines(tmp_path):
     # --- the README's example, verbatim in spirit: 12 lines ---
     from mmadapt import BACKBONES, BackboneSpec
 
@@ -82,5 +82,15 @@ def test_register_a_backbone_in_a_few_lines():
         loss.backward()
         optimizer.step()
         assert torch.isfinite(loss) and model.projector.linear_1.weight.grad.abs().sum() > 0
+        # ... and it receives pretrained weights with no code of its own (a Qwen3ForCausalLM directory)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        options = {k: v for k, v in BACKBONES.get("qwen3").options("tiny").items() if k != "image_token_id"}
+        reference = Qwen3ForCausalLM(Qwen3Config(**options))
+        reference.save_pretrained(tmp_path)
+        model = mmadapt.build_model("siglip", "mlp2x_gelu", {"name": "qwen3", "pretrained": str(tmp_path),
+                                                            "options": {"image_token_id": 250}})
+        assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.backbone.state_dict().items())
+        assert torch.isfinite(model(**synthetic_batch(model, (1, 2))).loss)
     finally:
         BACKBONES.unregister("qwen3")
