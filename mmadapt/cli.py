@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:  # user errors: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -31,3 +31,12 @@ def test_unknown_name_is_a_clean_error(capsys):
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "mmadapt", "list"], capture_output=True, text=True, check=True)
     assert "qwen3_5_vit" in out.stdout
+
+
+def test_train_with_a_missing_pretrained_part_is_one_line(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(f"model:\n  backbone: {{name: llama, pretrained: {tmp_path}/vicuna}}\n"
+                                       f"data: {{train: {tmp_path}/train.jsonl}}\ntrain: {{out: {tmp_path}/out}}\n")
+    (tmp_path / "train.jsonl").write_text("")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: backbone 'llama': pretrained path {tmp_path}/vicuna does not exist"
