@@ -15,7 +15,7 @@ with the three pieces here:
   part is not in it. Keys of the checkpoint that the rules do not map belong to other parts: ignored.
 
 `Provenance` records where a part came from: its path, files and a SHA-256 over the weight files,
-hashed in a background thread while the model is built (so it costs no load time on a second core).
+hashed once per set of files in a background thread while the model is built.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,30 +247,38 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 # ---- provenance -----------------------------------------------------------------------------------------
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmadapt-sha256")
+_DIGESTS: dict[tuple, Future[str]] = {}
+
+
+def _sha256(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 class Provenance:
-    """Where a pretrained part came from: path, weight files, and their SHA-256 (hashed in the background)."""
+    """Where a pretrained part came from: path, weight files, and their SHA-256.
+
+    The hash runs in a background thread while the model is built (hashlib releases the GIL), once per
+    set of files: the three parts of one VLM directory share it.
+    """
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.path = str(checkpoint.path.resolve())
         self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
                       for f in checkpoint.files]
-        self._paths = list(checkpoint.files)
-        self._digest: str | None = None
-        self._thread = threading.Thread(target=self._hash, daemon=True)
-        self._thread.start()
-
-    def _hash(self) -> None:
-        digest = hashlib.sha256()
-        for path in self._paths:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-        self._digest = digest.hexdigest()
+        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)
+        if key not in _DIGESTS:
+            _DIGESTS[key] = _HASHER.submit(_sha256, list(checkpoint.files))
+        self._digest = _DIGESTS[key]
 
     @property
     def sha256(self) -> str:
-        self._thread.join()
-        return self._digest or ""
+        return self._digest.result()
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "files": self.files, "sha256": self.sha256}
