@@ -17,6 +17,7 @@ CI_PARAMETERS = {
     "01_quickstart.ipynb": "STEPS = 40\nEVAL_SAMPLES = 60",
     "02_register_a_backbone.ipynb": "STEPS = 10",
     "03_debug_numerics.ipynb": "SEED = 0",
+    "04_llava_to_qwen3_5.ipynb": "STEPS = 3",
 }
 BUDGET_SECONDS = 120
 
