@@ -23,8 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,17 +248,21 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 # ---- provenance -----------------------------------------------------------------------------------------
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmadapt-sha256")
 _DIGESTS: dict[tuple, Future[str]] = {}
 
 
-def _sha256(paths: list[Path]) -> str:
+def _sha256(paths: list[Path], result: Future[str]) -> None:
     digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
+    try:
+        for path in paths:
+            with open(path, "rb") as f:
+                buffer = bytearray(1 << 20)  # one small reused buffer: no peak-memory cost
+                view = memoryview(buffer)
+                while n := f.readinto(buffer):
+                    digest.update(view[:n])
+        result.set_result(digest.hexdigest())
+    except OSError as e:
+        result.set_exception(e)
 
 
 class Provenance:
@@ -272,8 +277,10 @@ class Provenance:
         self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
                       for f in checkpoint.files]
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)
-        if key not in _DIGESTS:
-            _DIGESTS[key] = _HASHER.submit(_sha256, list(checkpoint.files))
+        if key not in _DIGESTS:  # a daemon thread: a script that loads and exits does not wait for the hash
+            _DIGESTS[key] = Future()
+            threading.Thread(target=_sha256, args=(list(checkpoint.files), _DIGESTS[key]), daemon=True,
+                             name="mmadapt-sha256").start()
         self._digest = _DIGESTS[key]
 
     @property

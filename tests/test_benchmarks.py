@@ -33,3 +33,14 @@ def test_run_all_quick_prints_every_section():
     for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 4. Packed vs padded",
                     "### 5. Preprocessing", "### 6. Peak memory"):
         assert section in out
+
+
+@pytest.mark.slow
+def test_bench_load_quick_run_prints_its_table():
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_load.py"
+    out = subprocess.run([sys.executable, str(script), "--quick", "--reps", "1"], capture_output=True, text=True,
+                         check=True, timeout=600, cwd=script.parent).stdout
+    assert "### Loading a saved Qwen3.5-0.8B-shaped random VLM" in out and "2 text layers" in out
+    assert "| mmadapt.build_model (qwen3_5_vit + qwen_merger + qwen3_5) |" in out
+    assert "| transformers Qwen3_5ForConditionalGeneration.from_pretrained |" in out
+    assert "| mmadapt peak RSS <= 1.2x checkpoint bytes |" in out and "max |mmadapt - transformers|" in out
