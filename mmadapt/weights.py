@@ -111,7 +111,10 @@ class Checkpoint:
 
                 self._open[file] = safe_open(str(file), framework="pt")
             else:
-                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                except RuntimeError:  # files of torch < 1.6 (legacy format) cannot be memory-mapped
+                    state = torch.load(file, map_location="cpu", weights_only=True)
                 self._open[file] = _unwrap_state(state, file)
         return self._open[file]
 

@@ -324,6 +324,10 @@ def test_projectors_from_mm_projector_bin_and_llava_hf(mm_projector_files, hf_ll
     assert torch.allclose(projector(mmadapt.VisualTokens(x, grids)).features, expected, atol=1e-6)
     single = mmadapt.PROJECTORS.get("linear").from_pretrained(str(linear_file), 64, 64)
     assert torch.equal(single.linear_1.weight, linear["model.mm_projector.weight"])
+    legacy = linear_file.with_name("legacy.bin")  # torch < 1.6's format: cannot be memory-mapped
+    torch.save(linear, legacy, _use_new_zipfile_serialization=False)
+    single = mmadapt.PROJECTORS.get("linear").from_pretrained(str(legacy), 64, 64)
+    assert torch.equal(single.linear_1.bias, linear["model.mm_projector.bias"])
     hf = mmadapt.PROJECTORS.get("mlp2x_gelu").from_pretrained(str(hf_llava_dir), 64, 64)
     reference = LlavaForConditionalGeneration.from_pretrained(hf_llava_dir).model.multi_modal_projector
     assert_same_state(hf, reference.state_dict(), ("", ""))
