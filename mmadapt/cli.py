@@ -305,7 +305,13 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """User errors (a missing file, a bad config value, an unknown name) print one line; `--debug` (anywhere on the
+    command line) shows the traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = argparse.ArgumentParser(prog="mmadapt", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="registered backbones, encoders and projectors").set_defaults(func=cmd_list)
     check = sub.add_parser("check-model", help="build a combination and check its image-token contract")
@@ -319,10 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     add_numerics_commands(sub)
     add_demo_command(sub)
     args = parser.parse_args(argv)
+    import yaml
+
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:  # user errors: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:  # user errors: one line, no traceback
+        if debug:
+            raise
+        message = " ".join(str(e).split())  # one line, whatever the exception's formatting
+        print(f"error: {message} (rerun with --debug for the traceback)", file=sys.stderr)
         return 2
 
 

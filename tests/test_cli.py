@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from mmadapt import BACKBONES, ENCODERS, PROJECTORS
 from mmadapt.cli import main
 
@@ -39,4 +41,21 @@ def test_train_with_a_missing_pretrained_part_is_one_line(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text("")
     assert main(["train", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: backbone 'llama': pretrained path {tmp_path}/vicuna does not exist"
+    assert err == f"error: backbone 'llama': pretrained path {tmp_path}/vicuna does not exist (rerun with --debug " \
+                  "for the traceback)"
+    with pytest.raises(FileNotFoundError):
+        main(["train", str(tmp_path / "run.yaml"), "--debug"])
+
+
+@pytest.mark.parametrize(("yaml_text", "expected"), [
+    ("data: {train: DIR/missing.jsonl}\n", "missing.jsonl"),
+    ("data: {train: DIR/train.jsonl}\ntrain: {lr: fast}\n", "train.lr must be a number"),
+    ("data: {train: DIR/train.jsonl}\nmodel: {encoder: clipp}\n", "unknown encoder 'clipp'; known: clip"),
+    ("data: {train: DIR/train.jsonl\n", "while parsing"),
+], ids=["missing-data-file", "bad-value", "unknown-name", "bad-yaml"])
+def test_every_train_user_error_is_one_line(yaml_text, expected, tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "run.yaml").write_text(yaml_text.replace("DIR", str(tmp_path)))
+    assert main(["train", str(tmp_path / "run.yaml"), f"train.out={tmp_path}/out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err

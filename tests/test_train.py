@@ -151,6 +151,46 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pat
     assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())  # cleaned up
 
 
+def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_naming_the_file(tmp_path, caplog):
+    """A truncated model.safetensors in the newest checkpoint: --resume warns and uses the one before it."""
+    out = tmp_path / "run"
+    run(QWEN, out, "train.steps=4", "checkpoint.every=2")
+    newest = latest_checkpoint(out)
+    marker = json.loads((newest / "COMPLETE").read_text())
+    assert marker["step"] == 4 and set(marker["files"]) == {p.name for p in newest.iterdir()} - {"COMPLETE"}
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert latest_checkpoint(out).name == "step-0000004"  # without verification it looks complete
+    with caplog.at_level("WARNING"):
+        assert latest_checkpoint(out, verify=True).name == "step-0000002"
+    assert "step-0000004" in caplog.text and "model.safetensors is corrupt" in caplog.text
+    _, resumed = run(QWEN, out, "train.steps=4", "checkpoint.every=2", "checkpoint.resume=true")
+    _, full = run(QWEN, tmp_path / "full", "train.steps=4", "checkpoint.every=2")
+    assert losses(resumed) == losses(full)  # redone from step 2, exactly
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    import mmadapt.train.checkpoint as ckpt
+
+    out = tmp_path / "run"
+    run(QWEN, out, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=5")
+    real_save = ckpt.torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"No space left on device.*The previous checkpoint "
+                                                        r"step-0000002 is intact. Fix: free disk space"):
+        run(QWEN, out, "train.steps=3", "checkpoint.every=1", "checkpoint.resume=true", "checkpoint.keep=5")
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-0000001", "step-0000002"]  # no half-written step 3, no temporary left
+    assert ckpt.verify_checkpoint(out / "checkpoints" / "step-0000002") is None
+
+
 def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path):
     run(QWEN, tmp_path, "train.steps=3")
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]

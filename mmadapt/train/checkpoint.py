@@ -7,17 +7,22 @@ A checkpoint is a directory `OUT/checkpoints/step-000123/`:
     rng.pt                torch / CUDA / numpy / Python RNG states (weights_only-safe)
     trainer_state.json    step, data position, counters, log history
     config.yaml           the resolved run config
-    COMPLETE              written last: a directory without it is never loaded
+    COMPLETE              written last: JSON {step, files: {name: sha256}}; without it a directory is never loaded
 
 Writing goes to a temporary sibling directory; every file is fsync'ed, the directory is
 renamed into place, and only then the `COMPLETE` marker is written and fsync'ed. A process
-killed at any point leaves the previous complete checkpoint as the newest loadable one.
-Only rank 0 writes; every rank loads.
+killed at any point leaves the previous complete checkpoint as the newest loadable one; a write
+that fails (a full disk) removes the temporary directory and raises `CheckpointWriteError`, the
+previous checkpoint intact. `latest_checkpoint(out, verify=True)` (what `--resume` uses) checks
+every file against the marker's checksums and skips a corrupt checkpoint with a warning that names
+the bad file. Only rank 0 writes; every rank loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -28,17 +33,47 @@ import numpy as np
 import torch
 
 MARKER = "COMPLETE"
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous one is intact."""
 
 
 def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
     return Path(out) / "checkpoints" / f"step-{step:07d}"
 
 
-def latest_checkpoint(out: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under OUT, or None."""
+def latest_checkpoint(out: str | os.PathLike, *, verify: bool = False) -> Path | None:
+    """The newest complete checkpoint under OUT, or None. `verify`: the newest whose files match their checksums."""
     root = Path(out) / "checkpoints"
     done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file()) if root.is_dir() else []
-    return done[-1] if done else None
+    for path in reversed(done):
+        problem = verify_checkpoint(path) if verify else None
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s; trying the one before it", path, problem)
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file matches the marker's checksum, else what is wrong (naming the file)."""
+    try:
+        recorded = json.loads((path / MARKER).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return None  # a marker of mmadapt < 0.4 (no checksums): trusted as before
+    for name, digest in recorded.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file_sha256(file) != digest:
+            return f"{name} is corrupt (its SHA-256 differs from the one recorded when it was written)"
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -87,21 +122,30 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
     final = checkpoint_dir(out, step)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights, aliases = without_aliases(model_state)
-    save_file(weights, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    config.save(tmp / "config.yaml")
-    for path in tmp.iterdir():
-        _fsync(path)
-    _fsync(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        weights, aliases = without_aliases(model_state)
+        save_file(weights, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        config.save(tmp / "config.yaml")
+        for path in tmp.iterdir():
+            _fsync(path)
+        _fsync(tmp)
+        checksums = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(out)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {e}. The previous checkpoint "
+            f"{previous.name if previous else '(none)'} is intact. Fix: free disk space (or lower checkpoint.keep), "
+            "then continue with --resume.") from e
     if final.exists():  # an incomplete leftover of a killed run at the same step
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(final.parent)
-    (final / MARKER).write_text(f"step {step}\n")
+    (final / MARKER).write_text(json.dumps({"step": step, "files": checksums}, indent=1))
     _fsync(final / MARKER)
     _fsync(final)
     prune(out, keep)

@@ -329,7 +329,7 @@ class Trainer:
         return path
 
     def resume(self) -> None:
-        path = latest_checkpoint(self.out)
+        path = latest_checkpoint(self.out, verify=True)
         if path is None:
             log.info("resume: no complete checkpoint in %s; starting from step 0", self.out)
             return
