@@ -132,6 +132,25 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
+    from mmadapt.train.export import export
+
+    export(args.src, args.dst, format=args.format)
+    print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")
+    return 0
+
+
+def add_export_command(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser("export", help="turn a run directory (its newest checkpoint), a checkpoint or a model "
+                            "directory into a model directory")
+    export.add_argument("src", help="OUT of `mmadapt train`, OUT/checkpoints/step-N, or a model directory")
+    export.add_argument("dst", help="the model directory to write")
+    export.add_argument("--format", choices=("mmadapt", "transformers"), default="mmadapt",
+                        help="transformers: LlavaForConditionalGeneration / Qwen3_5ForConditionalGeneration layout")
+    export.set_defaults(func=cmd_export)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a tiny model on handwritten digits; exit 1 unless it clearly reads the images."""
     import logging
@@ -322,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=cmd_check_model)
     add_data_commands(sub)
     add_train_command(sub)
+    add_export_command(sub)
     add_numerics_commands(sub)
     add_demo_command(sub)
     args = parser.parse_args(argv)

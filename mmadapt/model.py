@@ -40,7 +40,7 @@ from mmadapt.packing import VARLEN, Segments, additive_mask, use_varlen_attentio
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+CONFIG_FILE = "config.json"
 
 
 class VisionLanguageModel(nn.Module):
@@ -255,25 +255,36 @@ class VisionLanguageModel(nn.Module):
                                           source=source)
         return ModelConfig(**parts, check_contract=self.config.check_contract)
 
-    def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt") -> None:
-        """mmadapt's format (config.json + model.safetensors), or `format="transformers"`."""
+    def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt", *, tokenizer: Any = None,
+                        max_shard_size: int | str = "5GB") -> None:
+        """A model directory: everything inference needs. `format="transformers"` writes the equivalent
+        transformers model instead (LLaVA / Qwen3.5-VL combinations only).
+
+        mmadapt's format: `config.json` (the components with their full options and provenance, the image
+        processor's settings, the chat template's name), safetensors weights (sharded above `max_shard_size`)
+        and, given a `tokenizer`, its files. `from_pretrained(directory)` needs nothing else.
+        """
         if format == "transformers":
             from mmadapt.convert import save_transformers
 
-            return save_transformers(self, directory)
+            save_transformers(self, directory)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+            return
         if format != "mmadapt":
             raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
-        from safetensors.torch import save_model
+        from mmadapt.weights import save_weights
 
         os.makedirs(directory, exist_ok=True)
-        config = json.dumps({"mmadapt": self.resolved_config().to_dict()}, indent=2)
-        # Written beside and renamed: the weights of a model loaded from this directory are memory-mapped
-        # from the old file, which must stay intact while they are in use.
-        for name, write in ((CONFIG_FILE, lambda p: open(p, "w").write(config)),
-                            (WEIGHTS_FILE, lambda p: save_model(self, p))):
-            final = os.path.join(directory, name)
-            write(final + ".tmp")
-            os.replace(final + ".tmp", final)
+        save_weights(self.state_dict(), directory, max_shard_size=max_shard_size)
+        config = {"mmadapt": self.resolved_config().to_dict(), "processor": self.encoder.processor_defaults(),
+                  "chat_template": self.backbone_spec.chat_template}
+        path = os.path.join(directory, CONFIG_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(config, f, indent=2)
+        os.replace(path + ".tmp", path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:

@@ -250,6 +250,49 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return value
 
 
+def without_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tied weights (one tensor under two names, e.g. lm_head and embed_tokens) stored once: safetensors refuses
+    shared tensors. Returns the weights and {alias: stored name}."""
+    weights, aliases, seen = {}, {}, {}
+    for key, value in state.items():
+        value = value.detach()
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        weights[key] = value.to("cpu").contiguous()
+    return weights, aliases
+
+
+def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *,
+                 max_shard_size: int | str = "5GB") -> list[str]:
+    """safetensors, sharded above `max_shard_size` (`model-0000k-of-0000n.safetensors` + index, as transformers
+    writes them); tied tensors stored once. Each file is written beside and renamed: weights memory-mapped
+    from the old files stay valid. Files of an earlier layout in `directory` are removed. Returns the names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights, aliases = without_aliases(state)
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
+    metadata = {"format": "pt", "aliases": json.dumps(aliases)}
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: weights[k] for k in keys}, directory / f"{name}.tmp", metadata=metadata)
+        os.replace(directory / f"{name}.tmp", directory / name)
+    index = directory / SAFETENSORS_INDEX
+    if split.is_sharded:
+        body = {"metadata": {**split.metadata, "aliases": aliases}, "weight_map": split.tensor_to_filename}
+        index.with_suffix(".tmp").write_text(json.dumps(body, indent=2))
+        os.replace(index.with_suffix(".tmp"), index)
+    written = set(split.filename_to_tensors) | ({index.name} if split.is_sharded else set())
+    for stale in [directory / SAFETENSORS, index, *directory.glob("model-*-of-*.safetensors")]:
+        if stale.name not in written:
+            stale.unlink(missing_ok=True)
+    return sorted(written)
+
+
 # ---- provenance -----------------------------------------------------------------------------------------
 _DIGESTS: dict[tuple, Future[str]] = {}
 

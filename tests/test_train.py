@@ -198,8 +198,52 @@ def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     ckpt = latest_checkpoint(tmp_path)
     assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json",
-                                               "config.yaml", "COMPLETE"}
+                                               "config.yaml", "config.json", "COMPLETE"}
     assert RunConfig.load(ckpt / "config.yaml") == RunConfig.load(tmp_path / "config.yaml")
+
+
+@pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
+def test_out_model_loads_alone_with_the_final_logits_and_export_equals_it(names, tmp_path):
+    """OUT/model (LoRA merged, tokenizer saved) reloads with from_pretrained alone: logits within 1e-5 of the
+    trainer's final (unmerged) model; `mmadapt export` of the run equals it tensor for tensor."""
+    from transformers import AutoTokenizer
+
+    from mmadapt import VisionLanguageModel
+    from mmadapt.cli import main
+    from mmadapt.data import char_tokenizer, prepare_tokenizer
+    from mmadapt.testing import synthetic_batch
+
+    model, tokenizer = tiny(names), char_tokenizer()
+    prepare_tokenizer(model, tokenizer)
+    cfg = config(tmp_path, "train.steps=2", "stages.preset=lora", "train.lr=1e-2")
+    trainer = Trainer(model, cfg, samples_for(model), Collator.for_model(model, 0), tokenizer=tokenizer)
+    trainer.fit()
+    loaded = VisionLanguageModel.from_pretrained(tmp_path / "model").eval()
+    assert not any("lora_" in k for k in loaded.state_dict())
+    batch = synthetic_batch(loaded, (1, 2))
+    with torch.no_grad():
+        assert (model.eval()(**batch).logits - loaded(**batch).logits).abs().max() <= 1e-5
+    again = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert again("What is <image>?")["input_ids"] == tokenizer("What is <image>?")["input_ids"]
+    saved = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert saved["chat_template"] == model.backbone_spec.chat_template and saved["processor"]
+    assert main(["export", str(tmp_path), str(tmp_path / "exported")]) == 0
+    exported = VisionLanguageModel.from_pretrained(tmp_path / "exported").state_dict()
+    assert all(torch.equal(v, exported[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_model_directory_is_sharded_above_the_limit(tmp_path):
+    from mmadapt import VisionLanguageModel
+    from mmadapt.testing import synthetic_batch
+
+    model = tiny(QWEN).eval()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json")
+    batch = synthetic_batch(model, (1, 1))
+    with torch.no_grad():
+        assert torch.equal(VisionLanguageModel.from_pretrained(tmp_path).eval()(**batch).logits, model(**batch).logits)
+    model.save_pretrained(tmp_path)  # back to one file: the shards of the earlier save are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 
 # ---- stages and LoRA ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 A checkpoint is a directory `OUT/checkpoints/step-000123/`:
 
     model.safetensors     every parameter and buffer of the (unwrapped) model, full precision
+    config.json           the model's components (as in a model directory), tokenizer files beside it
     optimizer.pt          optimizer + scheduler state (tensors only: loaded with weights_only=True)
     rng.pt                torch / CUDA / numpy / Python RNG states (weights_only-safe)
     trainer_state.json    step, data position, counters, log history
@@ -26,11 +27,14 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from mmadapt.weights import without_aliases
 
 MARKER = "COMPLETE"
 log = logging.getLogger(__name__)
@@ -115,8 +119,10 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str, torch.Tensor],
                     optimizer_state: dict[str, Any], trainer_state: dict[str, Any], config: Any,
-                    keep: int = 2) -> Path:
-    """Write step `step` atomically (see module docstring); keep the newest `keep` complete ones."""
+                    keep: int = 2, extras: Callable[[Path], None] | None = None) -> Path:
+    """Write step `step` atomically (see module docstring); keep the newest `keep` complete ones.
+
+    `extras(directory)` writes more files into the checkpoint (the model config, the tokenizer)."""
     from safetensors.torch import save_file
 
     final = checkpoint_dir(out, step)
@@ -130,6 +136,8 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         config.save(tmp / "config.yaml")
+        if extras is not None:
+            extras(tmp)
         for path in tmp.iterdir():
             _fsync(path)
         _fsync(tmp)
@@ -150,21 +158,6 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
     _fsync(final)
     prune(out, keep)
     return final
-
-
-def without_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tied weights (one tensor under two names, e.g. lm_head and embed_tokens) stored once: safetensors refuses
-    shared tensors. Returns the weights and {alias: stored name}."""
-    weights, aliases, seen = {}, {}, {}
-    for key, value in state.items():
-        value = value.detach()
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
-        if ident in seen:
-            aliases[key] = seen[ident]
-            continue
-        seen[ident] = key
-        weights[key] = value.to("cpu").contiguous()
-    return weights, aliases
 
 
 def prune(out: str | os.PathLike, keep: int) -> None:

@@ -84,5 +84,6 @@ def run(config: RunConfig) -> dict[str, Any]:
     from mmadapt.train.trainer import Trainer
 
     parts = build_run(config)
-    trainer = Trainer(parts.model, config, parts.train_data, parts.collate, eval_data=parts.eval_data)
+    trainer = Trainer(parts.model, config, parts.train_data, parts.collate, eval_data=parts.eval_data,
+                      tokenizer=parts.tokenizer)
     return trainer.fit()

@@ -113,8 +113,10 @@ class Trainer:
 
     def __init__(self, model: Any, config: RunConfig, train_data: Dataset, collate_fn: Callable,
                  *, eval_data: Dataset | None = None, evaluate: Callable[[Any, int], dict[str, float]] | None = None,
-                 apply_stage_modes: bool = True) -> None:
+                 apply_stage_modes: bool = True, tokenizer: Any = None) -> None:
+        """`tokenizer` is saved with every checkpoint and with `OUT/model`, so both are complete for inference."""
         self.cfg, self.model, self.train_data, self.collate_fn = config, model, train_data, collate_fn
+        self.tokenizer = tokenizer
         self.eval_data, self.evaluate = eval_data, evaluate
         self.dist = dist_utils.init()
         self.device = self.dist.device
@@ -198,9 +200,11 @@ class Trainer:
             final_eval = self.run_eval()
         else:
             final_eval = {}
-        self.save()
+        final = self.save()
         if self.is_main:
             self.plot()
+            self.export_model(final)
+        dist_utils.barrier()
         return {"steps": self.step, "skipped": self.skipped, "seconds": time.perf_counter() - started,
                 "history": self.history, **final_eval}
 
@@ -323,10 +327,29 @@ class Trainer:
             state = {"step": self.step, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
                      "history": self.history}
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
-                                   trainer_state=state, config=self.cfg, keep=self.cfg.checkpoint.keep)
+                                   trainer_state=state, config=self.cfg, keep=self.cfg.checkpoint.keep,
+                                   extras=self.write_model_files)
             save_adapters(self.model, self.out / "adapters")
         dist_utils.barrier()
         return path
+
+    def write_model_files(self, directory: Path) -> None:
+        """What a checkpoint needs to become a model directory: the model's config and the tokenizer."""
+        config = {"mmadapt": self.model.resolved_config().to_dict(),
+                  "processor": self.model.encoder.processor_defaults(),
+                  "chat_template": self.model.backbone_spec.chat_template}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+
+    def export_model(self, checkpoint: Path) -> Path:
+        """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
+        from mmadapt.train.export import export
+
+        target = self.out / "model"
+        export(checkpoint, target)
+        log.info("model directory: %s (load it with VisionLanguageModel.from_pretrained)", target)
+        return target
 
     def resume(self) -> None:
         path = latest_checkpoint(self.out, verify=True)
