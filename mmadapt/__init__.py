@@ -9,6 +9,7 @@ from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import BatchReport, ImageTokenContractError, check_batch
 from mmadapt.encoders import ENCODERS, EncoderSpec, VisualTokens
 from mmadapt.model import VisionLanguageModel
+from mmadapt.processor import Processor
 from mmadapt.projectors import PROJECTORS, ProjectorSpec
 from mmadapt.registry import Registry, UnknownComponentError
 
@@ -24,6 +25,6 @@ def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | C
 
 __all__ = [
     "BACKBONES", "ENCODERS", "PROJECTORS", "BackboneSpec", "BatchReport", "ComponentConfig", "EncoderSpec",
-    "ImageTokenContractError", "ModelConfig", "ProjectorSpec", "Registry", "SpanTokens",
+    "ImageTokenContractError", "ModelConfig", "Processor", "ProjectorSpec", "Registry", "SpanTokens",
     "UnknownComponentError", "VisionLanguageModel", "VisualTokens", "build_model", "check_batch",
 ]

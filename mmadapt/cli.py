@@ -151,6 +151,68 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     export.set_defaults(func=cmd_export)
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Answer PROMPT and exit, or hold a conversation read from stdin (one user turn per line)."""
+    import torch
+
+    from mmadapt import Processor
+    from mmadapt.train.export import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model)
+    processor = Processor.for_model(model, tokenizer)
+    generator = torch.Generator().manual_seed(args.seed)
+    messages: list[dict] = []
+    pending = list(args.image)
+
+    def answer(text: str) -> str:
+        nonlocal pending
+        placeholders = "" if "<image>" in text else "<image>\n" * len(pending)
+        messages.append({"role": "user", "content": placeholders + text})
+        images = [img for m in messages for img in m.get("images", [])] + pending
+        messages[-1]["images"], pending = pending, []
+        inputs = processor([{"role": m["role"], "content": m["content"]} for m in messages], images=images)
+        printed, ids = "", []
+
+        def stream(token: torch.Tensor) -> None:
+            nonlocal printed
+            ids.append(int(token[0]))
+            text_so_far = processor.decode(ids)
+            print(text_so_far[len(printed):], end="", flush=True)
+            printed = text_so_far
+
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, eos_token_id=processor.eos_token_ids,
+                             pad_token_id=processor.encoder.pad_token_id, temperature=args.temperature,
+                             top_p=args.top_p, generator=generator, on_token=stream)
+        reply = processor.decode(out[0])
+        print(reply[len(printed):], flush=True)
+        messages.append({"role": "assistant", "content": reply})
+        return reply
+
+    if args.prompt:
+        answer(" ".join(args.prompt))
+        return 0
+    for line in sys.stdin:
+        line = line.strip()
+        if line.startswith("/image "):
+            pending.append(line[len("/image "):].strip())
+        elif line:
+            answer(line)
+    return 0
+
+
+def add_chat_command(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="ask a trained model about images (one prompt, or a conversation on stdin)")
+    chat.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
+    chat.add_argument("prompt", nargs="*", help="the question; none: read turns from stdin (`/image PATH` attaches "
+                      "an image to the next turn)")
+    chat.add_argument("--image", action="append", default=[], help="an image for the first turn (repeatable)")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.set_defaults(func=cmd_chat)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a tiny model on handwritten digits; exit 1 unless it clearly reads the images."""
     import logging
@@ -342,9 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     add_data_commands(sub)
     add_train_command(sub)
     add_export_command(sub)
+    add_chat_command(sub)
     add_numerics_commands(sub)
     add_demo_command(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "chat" and not any(a.startswith("-") for a in extra):
+        # argparse leaves prompt words that follow an option unparsed
+        args.prompt = [*args.prompt, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     import yaml
 
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -208,8 +209,13 @@ class VisionLanguageModel(nn.Module):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                  max_new_tokens: int = 32, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int = 0) -> torch.Tensor:
-        """Greedy decoding with images. Returns only the new tokens (B, T), `pad_token_id` after EOS.
+                 pad_token_id: int = 0, *, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
+                 images_per_sample: torch.Tensor | None = None,
+                 mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
+        `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
+        `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
 
         Rows may be padded on either side: they are left-aligned internally.
         """
@@ -219,7 +225,8 @@ class VisionLanguageModel(nn.Module):
         spans = contract.locate(input_ids, self.tokens.image_token_id)
         visual = self.encode_checked(pixel_values, image_grid_thw, spans)
         if self.config.check_contract:
-            self.check_inputs(input_ids, spans, visual, valid)
+            types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
+            self.check_inputs(input_ids, spans, visual, valid, types, images_per_sample=images_per_sample)
         embeds = self.embed(input_ids, spans, visual)
         positions = self.positions(valid, spans, visual)
         next_position = positions.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
@@ -228,8 +235,10 @@ class VisionLanguageModel(nn.Module):
         out = self.backbone(inputs_embeds=embeds, attention_mask=valid, position_ids=positions, use_cache=True)
         new_tokens = []
         for _ in range(max_new_tokens):
-            token = out.logits[:, -1].argmax(-1).masked_fill(done, pad_token_id)
+            token = next_token(out.logits[:, -1], temperature, top_p, generator).masked_fill(done, pad_token_id)
             new_tokens.append(token)
+            if on_token is not None:
+                on_token(token)
             done |= torch.isin(token, eos)
             if bool(done.all()):
                 break
@@ -323,6 +332,19 @@ class VisionLanguageModel(nn.Module):
             return {}
         pairs = getattr(self.backbone, "_tied_weights_keys", None) or {}
         return {f"backbone.{a}": f"backbone.{b}" for k, v in pairs.items() for a, b in ((k, v), (v, k))}
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: argmax for temperature 0, else a sample from the top-p nucleus."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, index = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps at least the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bool) -> None:

@@ -114,25 +114,30 @@ class SampleEncoder:
         """The prompt for generation: `encode` without the last assistant turn, plus the template's generation
         prompt; labels are all -100. Raises `DataProblem` as `encode` does (`too_long` when over `max_length`)."""
         sample = self.check_placeholders(self.parse(record, index))
-        turns = sample.turns
-        if turns and turns[-1].role == "assistant":
-            if IMAGE in turns[-1].text:
-                raise DataProblem("placeholder_mismatch", f"the last assistant turn holds {IMAGE}, so it cannot be "
-                                  "dropped for a generation prompt. Fix: put images in user turns",
-                                  sample_id=sample.id)
-            turns = turns[:-1]
         try:
             images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
         except DataProblem as problem:
             raise problem.for_sample(sample.id) from None
-        processed = self.processor(images)
-        pieces = self.template.pieces(turns, self.tokenizer, add_generation_prompt=True)
+        return self.prompt_for(sample.id, sample.turns, images)
+
+    def prompt_for(self, sample_id: str, turns: Sequence[Turn], images: Sequence[Any]) -> EncodedSample:
+        """A generation prompt from turns and decoded RGB images (the `Processor`'s entry, shared with datasets)."""
+        turns = tuple(turns)
+        if turns and turns[-1].role == "assistant":
+            if IMAGE in turns[-1].text:
+                raise DataProblem("placeholder_mismatch", f"the last assistant turn holds {IMAGE}, so it cannot be "
+                                  "dropped for a generation prompt. Fix: put images in user turns",
+                                  sample_id=sample_id)
+            turns = turns[:-1]
+        sample = self.check_placeholders(Sample(sample_id, tuple(images), turns))
+        processed = self.processor(list(images))
+        pieces = self.template.pieces(sample.turns, self.tokenizer, add_generation_prompt=True)
         ids, _ = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
         self.check_span_tokens(sample, ids, processed.tokens_per_image)
         if len(ids) > self.config.max_length:
             raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
-                              sample_id=sample.id, fatal=self.config.truncation == "raise")
-        return EncodedSample(id=sample.id, input_ids=torch.tensor(ids), labels=torch.full((len(ids),), IGNORE),
+                              sample_id=sample_id, fatal=self.config.truncation == "raise")
+        return EncodedSample(id=sample_id, input_ids=torch.tensor(ids), labels=torch.full((len(ids),), IGNORE),
                              pixel_values=processed.pixel_values if images else None,
                              image_grid_thw=processed.image_grid_thw if images else None,
                              tokens_per_image=list(processed.tokens_per_image))

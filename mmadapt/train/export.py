@@ -83,3 +83,18 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt") -> Path
     model.save_pretrained(dst, format=format, tokenizer=tokenizer)
     log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
     return Path(dst)
+
+
+def load_for_inference(src: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) for chat / eval: a model directory, a run directory (its OUT/model, else its newest
+    checkpoint), a checkpoint, or a run's adapters directory (its run)."""
+    src = Path(src)
+    if src.name == "adapters" and (src.parent / "checkpoints").is_dir():
+        src = src.parent
+    if (src / "model" / "config.json").is_file() and (src / "checkpoints").is_dir():
+        src = src / "model"
+    model, tokenizer = load_trained(src)
+    if tokenizer is None:
+        raise ValueError(f"{src} holds no tokenizer files; export it again from its run (mmadapt export), or save it "
+                         "with save_pretrained(dir, tokenizer=tokenizer)")
+    return model, tokenizer

@@ -1,0 +1,100 @@
+"""`Processor`: text or chat messages + images -> the model's keyword inputs, as transformers users expect.
+
+    processor = Processor.from_pretrained("OUT/model")          # or Processor.for_model(model, tokenizer)
+    inputs = processor("<image>\nWhat digit is this?", images=[Image.open("7.png")], return_tensors="pt")
+    answer = processor.decode(model.generate(**inputs)[0])
+
+A prompt is a string (one user turn; `<image>` marks each image), a list of messages
+(`{"role", "content"}`, content a string or OpenAI-style parts with `{"type": "image"}`), or a list
+of prompts for a batch (then `images` is one list per prompt). Images are PIL images or paths. The
+code is the dataset path's (`SampleEncoder.prompt_for` and `Collator`), so inference inputs are
+built exactly as training inputs were: same template, same image preprocessing and token counts,
+bool masks, right padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mmadapt.data import Collator, SampleEncoder
+from mmadapt.data.images import load_image, to_rgb
+from mmadapt.data.samples import Turn, _message_turns
+
+
+class Processor:
+    def __init__(self, encoder: SampleEncoder, collator: Collator) -> None:
+        self.encoder, self.collator = encoder, collator
+        self.tokenizer = encoder.tokenizer
+
+    @classmethod
+    def for_model(cls, model: Any, tokenizer: Any, **data_config: Any) -> Processor:
+        """The processor of `model` with `tokenizer` (missing span tokens are added, as for training)."""
+        encoder = SampleEncoder.for_model(model, tokenizer, **data_config)
+        return cls(encoder, Collator.for_model(model, encoder.pad_token_id))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **data_config: Any) -> Processor:
+        """From a model directory alone: its tokenizer files and its config (the model is built on meta only)."""
+        from mmadapt.config import ModelConfig
+        from mmadapt.model import VisionLanguageModel
+        from mmadapt.train.export import load_tokenizer_from
+        from mmadapt.weights import empty_weights
+
+        directory = Path(directory)
+        tokenizer = load_tokenizer_from(directory)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{directory} holds no tokenizer files (tokenizer.json, tokenizer_config.json); "
+                                    "save the model with save_pretrained(dir, tokenizer=tokenizer)")
+        saved = json.loads((directory / "config.json").read_text())
+        if "mmadapt" in saved:  # the components' structure is enough: no weights are read
+            with empty_weights():
+                model = VisionLanguageModel(ModelConfig.from_dict(saved["mmadapt"]))
+        else:
+            model = VisionLanguageModel.from_pretrained(directory)
+        return cls.for_model(model, tokenizer, **data_config)
+
+    def __call__(self, prompts: str | Sequence[Any], images: Sequence[Any] | None = None,
+                 return_tensors: str = "pt") -> dict[str, Any]:
+        if return_tensors != "pt":
+            raise ValueError(f"return_tensors={return_tensors!r}: mmadapt returns torch tensors ('pt') only")
+        batch = isinstance(prompts, (list, tuple)) and prompts and not _is_message(prompts[0])
+        prompts_list = list(prompts) if batch else [prompts]
+        images_list = (list(images) if images is not None else [[] for _ in prompts_list]) if batch else [images or []]
+        if len(images_list) != len(prompts_list):
+            raise ValueError(f"{len(prompts_list)} prompts but {len(images_list)} image lists: one list per prompt")
+        samples = [self.encoder.prompt_for(f"prompt {k}", self.turns(prompt, k), [self.image(i) for i in imgs])
+                   for k, (prompt, imgs) in enumerate(zip(prompts_list, images_list, strict=True))]
+        batch = self.collator(samples)
+        return {k: v for k, v in batch.items() if k not in ("labels", "meta")}  # generate()'s inputs
+
+    def turns(self, prompt: Any, k: int) -> list[Turn]:
+        if isinstance(prompt, str):
+            return [Turn("user", prompt)]
+        if isinstance(prompt, (list, tuple)):
+            return list(_message_turns(list(prompt), f"prompt {k}"))
+        raise TypeError(f"prompt {k}: give a string or a list of messages, got {type(prompt).__name__}")
+
+    def image(self, image: Any) -> Any:
+        if isinstance(image, (str, os.PathLike)):
+            return load_image(image, max_pixels=self.encoder.config.max_image_pixels)
+        if hasattr(image, "mode") and hasattr(image, "size"):  # a PIL image
+            return to_rgb(image)
+        raise TypeError(f"images must be PIL images or paths, got {type(image).__name__}")
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens).strip()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end an answer: the tokenizer's EOS and the template's end of turn."""
+        end = self.encoder.template.end_of_turn(self.tokenizer)
+        ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids(end)}
+        return sorted(i for i in ids if i is not None)
+
+
+def _is_message(value: Any) -> bool:
+    return isinstance(value, dict) and "role" in value
