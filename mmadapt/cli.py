@@ -213,6 +213,103 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=cmd_chat)
 
 
+def _inference_data(args: argparse.Namespace) -> tuple:
+    """(model, sample encoder, collator, records) for `eval` / `sees` on the user's own data file."""
+    from pathlib import Path
+
+    from mmadapt.data import Collator, SampleEncoder
+    from mmadapt.data.samples import read_records
+    from mmadapt.train.export import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model)
+    root = args.image_root or str(Path(args.data).parent)
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length)
+    records = read_records(args.data)
+    if not records:
+        raise ValueError(f"{args.data} holds no records")
+    return model, encoder, Collator.for_model(model, encoder.pad_token_id), records
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help."""
+    import json
+
+    from mmadapt.evaluate import VARIANTS, evaluate_records, plot_report, write_predictions
+
+    model, encoder, collate, records = _inference_data(args)
+    report = evaluate_records(model, encoder, collate, records, margin=args.margin,
+                              max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
+    print(f"{report['samples']} samples ({report['skipped']} skipped), up to {report['max_new_tokens']} new tokens")
+    print(f"{'with':<10} {'exact':>7} {'contained':>10}")
+    for name in VARIANTS:
+        print(f"{name:<10} {report[f'accuracy_{name}']:>7.3f} {report[f'contained_{name}']:>10.3f}")
+    print(f"{'chance':<10} {report['chance']:>7.3f}")
+    print(report["verdict"])
+    if args.predictions:
+        write_predictions(report, args.predictions)
+    if args.plot:
+        plot_report(report, args.plot)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "predictions"}, f, indent=2)
+    return 1 if args.require_sees and not report["passed"] else 0
+
+
+def cmd_sees(args: argparse.Namespace) -> int:
+    """The loss-based check (`sees_images`) on a few batches of the user's data: a table and an exit code."""
+    from mmadapt.data import DataProblem
+    from mmadapt.sees import sees_images
+
+    model, encoder, collate, records = _inference_data(args)
+    samples = []
+    for i, record in enumerate(records):
+        try:
+            samples.append(encoder.encode(record, i))
+        except DataProblem as problem:
+            if problem.fatal:
+                raise
+        if len(samples) == args.batches * args.batch_size:
+            break
+    if not samples:
+        raise ValueError(f"none of the records of {args.data} could be encoded (see `mmadapt data check`)")
+    print(f"{'batch':>5} {'loss':>8} {'blanked':>8} {'shuffled':>8} {'grad proj':>10}  verdict")
+    reports = []
+    for b in range(0, len(samples), args.batch_size):
+        report = sees_images(model, collate(samples[b : b + args.batch_size]))
+        reports.append(report)
+        shuffled = "n/a" if report.loss_shuffled is None else f"{report.loss_shuffled:.4f}"
+        print(f"{b // args.batch_size:>5} {report.loss:>8.4f} {report.loss_blank:>8.4f} {shuffled:>8} "
+              f"{report.grad_projector:>10.3g}  {report.verdict}")
+    ok = all(r.ok for r in reports)
+    print(f"the model {'sees' if ok else 'does NOT see'} its images on {len(reports)} batch(es) of {args.data}")
+    return 0 if ok else 1
+
+
+def add_eval_commands(sub: argparse._SubParsersAction) -> None:
+    for name, func, helptext in (
+            ("eval", cmd_eval, "answer held-out questions with real, blanked and shuffled images; score them"),
+            ("sees", cmd_sees, "does the answer loss on your data depend on the images? (no generation)")):
+        command = sub.add_parser(name, help=helptext)
+        command.add_argument("model", help="a model directory, a run directory (OUT) or a checkpoint")
+        command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
+        command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
+                             "data file's directory)")
+        command.add_argument("--max-length", type=int, default=4096)
+        command.set_defaults(func=func)
+        if name == "eval":
+            command.add_argument("--json", default=None, help="write the report here")
+            command.add_argument("--predictions", default=None, help="per-sample answers (.jsonl)")
+            command.add_argument("--plot", default=None, help="a bar chart of the accuracies (.png)")
+            command.add_argument("--margin", type=float, default=0.2)
+            command.add_argument("--max-new-tokens", type=int, default=None,
+                                 help="default: enough for the longest reference answer")
+            command.add_argument("--require-sees", action="store_true",
+                                 help="exit 1 unless images beat blanked and shuffled ones by the margin")
+        else:
+            command.add_argument("--batches", type=int, default=4)
+            command.add_argument("--batch-size", type=int, default=8)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a tiny model on handwritten digits; exit 1 unless it clearly reads the images."""
     import logging
@@ -405,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     add_train_command(sub)
     add_export_command(sub)
     add_chat_command(sub)
+    add_eval_commands(sub)
     add_numerics_commands(sub)
     add_demo_command(sub)
     args, extra = parser.parse_known_args(argv)

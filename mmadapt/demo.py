@@ -11,11 +11,11 @@ and the answer is the digit. The data go through mmadapt's own pipeline (`Sample
 `VLMDataset`, `Collator`) and trainer (`Trainer`, every component trained in full: the tiny
 models start from random weights).
 
-After training, greedy answers on the held-out split are scored three ways: with the real
-images, with blanked images (pixel_values zeroed = the processor's mean colour) and with
-images shuffled across samples (each prompt gets the next prompt's image). A model that reads
-the images beats both by a clear margin (`margin`, default 0.2 accuracy points); one that
-answers from the text alone scores about the same on all three. `sees_images` runs on one
+After training, greedy answers on the held-out split are scored three ways by `mmadapt.evaluate`
+(what `mmadapt eval` runs): with the real images, with blanked images (pixel_values zeroed = the
+processor's mean colour) and with images shuffled across samples (each prompt gets the next
+prompt's image). A model that reads the images beats both by a clear margin (`margin`, default 0.2
+accuracy points); one that answers from the text alone scores about the same on all three. `sees_images` runs on one
 batch before and after training, as the quick check a user can run without training.
 
 OUT receives: data/ (PNGs, train.jsonl, eval.jsonl), report.json, loss.png (the trainer's
@@ -26,7 +26,6 @@ into the same OUT replaces them; an OUT holding another run's checkpoints is ref
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -40,11 +39,9 @@ log = logging.getLogger(__name__)
 
 QUESTION = "What digit is this?"
 DEFAULT_COMPONENTS = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
-DEFAULT_MARGIN = 0.2
 # The default run: held-out accuracy 0.96 with images, 0.10 / 0.09 blanked / shuffled, in 90-105 s of
 # wall time on 2 shared CPU cores (`time mmadapt demo`; 75-92 s of it training).
 DEFAULTS: dict[str, Any] = {"steps": 300, "lr": 1e-3, "batch_size": 32, "warmup_steps": 20, "image_size": 32}
-EVAL_BATCH = 128
 MARKER = ".mmadapt-demo"  # marks OUT as a demo directory that a rerun may clear
 
 
@@ -76,86 +73,6 @@ def digit_records(directory: str | Path, *, image_size: int = 32, eval_fraction:
 
 def answer_of(record: dict[str, Any]) -> str:
     return record["conversations"][-1]["value"]
-
-
-def chance_level(answers: Sequence[str], classes: int = 10) -> float:
-    """Accuracy of the best constant answer: max(1 / classes, the majority share)."""
-    majority = max(answers.count(a) for a in set(answers)) / len(answers)
-    return max(1 / classes, majority)
-
-
-# ---- evaluation -----------------------------------------------------------------------------------
-def end_token_ids(encoder: Any) -> list[int]:
-    """The token that ends an assistant turn (`<|im_end|>`, `</s>`): generation stops there."""
-    return [encoder.tokenizer.convert_tokens_to_ids(encoder.template.end_of_turn(encoder.tokenizer))]
-
-
-def blanked(samples: Sequence[Any]) -> list[Any]:
-    """Each image replaced by the processor's mean colour (normalised pixels = 0); token counts unchanged."""
-    return [dataclasses.replace(s, pixel_values=torch.zeros_like(s.pixel_values)) for s in samples]
-
-
-def shuffled(samples: Sequence[Any]) -> list[Any]:
-    """Each sample gets the image of the next sample with the same grid (cyclic), so its span still fits.
-
-    A sample whose grid no other sample shares keeps its image (the digits all share one grid)."""
-    def key(s: Any) -> tuple:
-        grid = () if s.image_grid_thw is None else tuple(s.image_grid_thw.flatten().tolist())
-        return tuple(s.tokens_per_image), grid
-
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(key(s), []).append(i)
-    out = list(samples)
-    for members in groups.values():
-        for k, i in enumerate(members):
-            donor = samples[members[(k + 1) % len(members)]]
-            out[i] = dataclasses.replace(samples[i], pixel_values=donor.pixel_values,
-                                         image_grid_thw=donor.image_grid_thw)
-    return out
-
-
-@torch.no_grad()
-def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_new_tokens: int = 4) -> list[str]:
-    """Greedy answers to generation prompts, in batches; text up to the end-of-turn token, stripped."""
-    ends = end_token_ids(encoder)
-    answers: list[str] = []
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(prompts), EVAL_BATCH):
-        batch = collate(prompts[start : start + EVAL_BATCH])
-        new = model.generate(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"),
-                             batch.get("image_grid_thw"), max_new_tokens=max_new_tokens, eos_token_id=ends,
-                             pad_token_id=encoder.pad_token_id)
-        for row in new.tolist():
-            cut = next((k for k, t in enumerate(row) if t in ends), len(row))
-            answers.append(encoder.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-    model.train(was_training)
-    return answers
-
-
-def predict_three_ways(model: Any, encoder: Any, collate: Any, records: Sequence[dict[str, Any]]) -> dict[str, list]:
-    """Answers to each record's question with its image (`images`), a blanked one and another record's."""
-    prompts = [encoder.encode_prompt(r, i) for i, r in enumerate(records)]
-    return {name: predict(model, encoder, collate, variant) for name, variant in
-            (("images", prompts), ("blank", blanked(prompts)), ("shuffled", shuffled(prompts)))}
-
-
-def accuracy(predictions: Sequence[str], answers: Sequence[str]) -> float:
-    return sum(p == a for p, a in zip(predictions, answers, strict=True)) / len(answers)
-
-
-def verdict(report: dict[str, Any]) -> tuple[bool, str]:
-    """Passed when accuracy with real images beats blanked and shuffled images by >= the margin."""
-    best_without = max(report["accuracy_blank"], report["accuracy_shuffled"])
-    gap = report["accuracy_images"] - best_without
-    passed = gap >= report["margin"]
-    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with images {report['accuracy_images']:.3f}, blanked "
-            f"{report['accuracy_blank']:.3f}, shuffled {report['accuracy_shuffled']:.3f} (chance "
-            f"{report['chance']:.3f}); images beat the better of blanked/shuffled by {gap:+.3f}, "
-            f"{'>=' if passed else '<'} the margin {report['margin']:.2f}: the model "
-            f"{'reads' if passed else 'does not clearly read'} the images")
-    return passed, text
 
 
 # ---- figures --------------------------------------------------------------------------------------
@@ -226,7 +143,7 @@ def run_config(out: Path, *, steps: int, lr: float, batch_size: int, warmup_step
 def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_COMPONENTS[1],
              backbone: str = DEFAULT_COMPONENTS[2], preset: str = "tiny", steps: int | None = None,
              lr: float | None = None, batch_size: int | None = None, warmup_steps: int | None = None,
-             image_size: int | None = None, margin: float = DEFAULT_MARGIN, out: str | Path = "runs/demo",
+             image_size: int | None = None, margin: float = 0.2, out: str | Path = "runs/demo",
              seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Train on the digits, score held-out answers with real / blanked / shuffled images; write OUT; the report.
 
@@ -235,6 +152,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     """
     import mmadapt
     from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
+    from mmadapt.evaluate import VARIANTS, evaluate_records
     from mmadapt.sees import sees_images
     from mmadapt.train import Trainer
 
@@ -261,12 +179,12 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
                         warmup_steps=hp["warmup_steps"], seed=seed, progress=progress)
     summary = Trainer(model, config, train_data, collate).fit()
 
-    predictions = predict_three_ways(model, sample_encoder, collate, eval_records)
-    answers = [answer_of(r) for r in eval_records]
+    scored = evaluate_records(model, sample_encoder, collate, eval_records, margin=margin, classes=10)
+    predictions = {name: [row[name] for row in scored["predictions"]] for name in VARIANTS}
     sees_after = sees_images(model, probe)
     report: dict[str, Any] = {
-        **{f"accuracy_{name}": accuracy(guesses, answers) for name, guesses in predictions.items()},
-        "chance": chance_level(answers), "margin": margin,
+        **{f"accuracy_{name}": scored[f"accuracy_{name}"] for name in VARIANTS},
+        "chance": scored["chance"], "margin": margin,
         "steps": summary["steps"], "skipped": summary["skipped"], "train_seconds": round(summary["seconds"], 2),
         "final_loss": summary["history"][-1]["loss"] if summary["history"] else None,
         "model": {"encoder": encoder, "projector": projector, "backbone": backbone, "preset": preset},
@@ -274,7 +192,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
         "eval_samples": len(eval_records), "question": QUESTION,
         "sees_images_before": sees_before.to_dict(), "sees_images_after": sees_after.to_dict(),
     }
-    report["passed"], report["verdict"] = verdict(report)
+    report["passed"], report["verdict"] = scored["passed"], scored["verdict"]
     report["files"] = {"loss_curve": str(out / "loss.png"), "predictions": str(
         plot_predictions(out / "predictions.png", out / "data", eval_records, predictions)),
         "data": str(out / "data"), "log": str(out / "log.jsonl")}

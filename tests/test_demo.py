@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mmadapt
-from mmadapt import demo
+from mmadapt import demo, evaluate
 from mmadapt.cli import main
 from mmadapt.data import SampleEncoder, char_tokenizer
 
@@ -37,7 +37,8 @@ def test_digit_records_are_llava_jsonl_with_png_images_and_a_stratified_split(di
     assert Image.open(root / record["image"]).size == (32, 32)
     shares = [sum(demo.answer_of(r) == str(d) for r in held_out) / len(held_out) for d in range(10)]
     assert max(shares) - min(shares) < 0.02  # stratified: every digit about 1/10
-    assert demo.chance_level([demo.answer_of(r) for r in held_out]) == pytest.approx(max(0.1, max(shares)))
+    chance = evaluate.chance_level([demo.answer_of(r) for r in held_out], classes=10)
+    assert chance == pytest.approx(max(0.1, max(shares)))
 
 
 @pytest.mark.parametrize("names", [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")])
@@ -53,7 +54,7 @@ def test_encode_prompt_drops_the_answer_and_adds_the_generation_prompt(digits, n
     assert torch.equal(prompt.input_ids, prefix)  # exactly what preceded the answer in training
     assert text.endswith("<|im_start|>assistant\n" if names[2] == "qwen3_5" else " ASSISTANT:")
     assert torch.equal(prompt.pixel_values, full.pixel_values) and prompt.tokens_per_image == full.tokens_per_image
-    assert demo.end_token_ids(encoder) == [encoder.tokenizer.convert_tokens_to_ids(
+    assert evaluate.end_token_ids(encoder) == [encoder.tokenizer.convert_tokens_to_ids(
         "<|im_end|>" if names[2] == "qwen3_5" else "</s>")]
 
 
@@ -62,7 +63,7 @@ def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digit
     model = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5")
     encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root))
     prompts = [encoder.encode_prompt(r, i) for i, r in enumerate(held_out[:5])]
-    blank, shuffled = demo.blanked(prompts), demo.shuffled(prompts)
+    blank, shuffled = evaluate.blanked(prompts), evaluate.shuffled(prompts)
     for k, p in enumerate(prompts):
         assert not blank[k].pixel_values.any() and torch.equal(blank[k].input_ids, p.input_ids)
         assert torch.equal(shuffled[k].pixel_values, prompts[(k + 1) % 5].pixel_values)
@@ -72,10 +73,10 @@ def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digit
 
 def test_the_verdict_needs_the_margin_over_both_blank_and_shuffled():
     base = {"accuracy_images": 0.5, "accuracy_blank": 0.1, "accuracy_shuffled": 0.1, "chance": 0.1, "margin": 0.2}
-    assert demo.verdict(base)[0]
-    assert not demo.verdict({**base, "accuracy_shuffled": 0.35})[0]
-    assert not demo.verdict({**base, "accuracy_blank": 0.45})[0]
-    passed, text = demo.verdict({**base, "accuracy_images": 0.12})
+    assert evaluate.verdict(base)[0]
+    assert not evaluate.verdict({**base, "accuracy_shuffled": 0.35})[0]
+    assert not evaluate.verdict({**base, "accuracy_blank": 0.45})[0]
+    passed, text = evaluate.verdict({**base, "accuracy_images": 0.12})
     assert not passed and text.startswith("FAILED") and "margin 0.20" in text
 
 
@@ -114,7 +115,7 @@ def test_the_cli_exits_non_zero_when_the_model_does_not_read_the_images(monkeypa
                   "margin": kwargs["margin"], "steps": kwargs["steps"], "train_samples": 1437, "eval_samples": 360,
                   "train_seconds": 1.0, "seconds": 2.0, "final_loss": 1.2,
                   "files": {"loss_curve": "loss.png", "predictions": "predictions.png"}}
-        report["passed"], report["verdict"] = demo.verdict(report)
+        report["passed"], report["verdict"] = evaluate.verdict(report)
         return report
 
     monkeypatch.setattr(demo, "run_demo", blind_run)
