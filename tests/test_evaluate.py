@@ -93,3 +93,10 @@ def test_scoring_ignores_case_whitespace_and_final_punctuation():
     assert evaluate.exact(" Red. ", "red") and evaluate.exact("RED!", "red.") and not evaluate.exact("red car", "red")
     assert evaluate.contained("It is red.", "Red") and not evaluate.contained("green", "red")
     assert evaluate.chance_level(["a", "a", "b", "c"]) == 0.5
+
+
+@pytest.mark.slow
+def test_chat_answers_from_a_run_directory(trained, capsys):
+    root, _ = trained
+    assert main(["chat", str(root / "out"), "--image", str(root / "eval-2.png"), "What colour is this?"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].rstrip(".") == "blue"  # eval-2 is blue
