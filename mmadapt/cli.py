@@ -503,10 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     add_export_command(sub)
     add_chat_command(sub)
     add_eval_commands(sub)
+    from mmadapt.evidence import add_explain_command
+
+    add_explain_command(sub)
     add_numerics_commands(sub)
     add_demo_command(sub)
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "chat" and not any(a.startswith("-") for a in extra):
+    if extra and args.command in ("chat", "explain") and not any(a.startswith("-") for a in extra):
         # argparse leaves prompt words that follow an option unparsed
         args.prompt = [*args.prompt, *extra]
     elif extra:
