@@ -249,10 +249,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
         write_predictions(report, args.predictions)
     if args.plot:
         plot_report(report, args.plot)
+    if args.evidence:
+        report["evidence"] = write_evidence(args, model, encoder, records)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: v for k, v in report.items() if k != "predictions"}, f, indent=2)
     return 1 if args.require_sees and not report["passed"] else 0
+
+
+def write_evidence(args: argparse.Namespace, model: object, encoder: object, records: list) -> list[dict]:
+    """Evidence maps of the first `--evidence` single-image records, as PNGs in `--evidence-dir`."""
+    from pathlib import Path
+
+    from mmadapt import Processor
+    from mmadapt.data.samples import IMAGE, parse_record
+    from mmadapt.evidence import explain
+
+    processor, out, written = Processor.for_model(model, encoder.tokenizer), Path(args.evidence_dir), []
+    out.mkdir(parents=True, exist_ok=True)
+    for i, record in enumerate(records):
+        sample = parse_record(record, i, encoder.config.image_root)
+        users = [t for t in sample.turns if t.role == "user"]
+        if len(sample.images) != 1 or len(users) != 1:
+            continue  # maps are drawn for one image and one question
+        prompt = users[0].text.replace(f"{IMAGE}\n", "").replace(IMAGE, "").strip()
+        result = explain(model, processor, sample.images[0], prompt, out=out / f"{len(written):03d}-{sample.id}.png")
+        written.append({"id": sample.id, "answer": result["answer"], "png": result["png"],
+                        "quadrants": result["quadrants"]})
+        print(f"evidence map of {sample.id}: {result['png']}")
+        if len(written) == args.evidence:
+            break
+    return written
 
 
 def cmd_sees(args: argparse.Namespace) -> int:
@@ -305,6 +332,9 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
                                  help="default: enough for the longest reference answer")
             command.add_argument("--require-sees", action="store_true",
                                  help="exit 1 unless images beat blanked and shuffled ones by the margin")
+            command.add_argument("--evidence", type=int, default=0, metavar="K",
+                                 help="draw evidence maps (mmadapt explain) of the first K single-image samples")
+            command.add_argument("--evidence-dir", default="evidence", help="where the maps go (default: evidence/)")
         else:
             command.add_argument("--batches", type=int, default=4)
             command.add_argument("--batch-size", type=int, default=8)

@@ -7,6 +7,7 @@ dozen steps. A trained model must beat blanked and shuffled images; an untrained
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,7 +52,8 @@ def trained(tmp_path_factory):
 def test_eval_reports_three_ways_and_the_trained_model_passes(trained, capsys):
     root, held_out = trained
     args = ["eval", str(root / "out"), held_out, "--json", str(root / "r.json"), "--predictions",
-            str(root / "p.jsonl"), "--plot", str(root / "r.png"), "--require-sees"]
+            str(root / "p.jsonl"), "--plot", str(root / "r.png"), "--require-sees", "--evidence", "2",
+            "--evidence-dir", str(root / "maps")]
     assert main(args) == 0
     report = json.loads((root / "r.json").read_text())
     assert {"accuracy_images", "accuracy_blank", "accuracy_shuffled", "chance", "margin", "passed",
@@ -61,6 +63,9 @@ def test_eval_reports_three_ways_and_the_trained_model_passes(trained, capsys):
     rows = [json.loads(line) for line in (root / "p.jsonl").read_text().splitlines()]
     assert len(rows) == 24 and {"id", "reference", "images", "blank", "shuffled", "exact"} <= set(rows[0])
     assert (root / "r.png").stat().st_size > 1000
+    assert [e["id"] for e in report["evidence"]] == ["eval-0", "eval-1"]
+    assert all(Path(e["png"]).stat().st_size > 1000 and abs(sum(e["quadrants"].values()) - 1) < 1e-6
+               for e in report["evidence"])
     out = capsys.readouterr().out
     assert "PASSED" in out and "contained" in out
 
