@@ -599,7 +599,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def add_explain_command(sub: argparse._SubParsersAction) -> None:
     explain_ = sub.add_parser("explain", help="answer a question about an image and map which parts of the image "
-                              "the answer rests on (gradient x input on the visual tokens; PNG)")
+                              "the answer rests on (integrated gradients on the visual tokens; PNG)")
     explain_.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
     explain_.add_argument("prompt", nargs="*", help="the question (words are joined); <image> marks where the image "
                           "goes (default: before the question)")
