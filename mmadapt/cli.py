@@ -158,7 +158,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from mmadapt import Processor
     from mmadapt.train.export import load_for_inference
 
-    model, tokenizer = load_for_inference(args.model)
+    model, tokenizer = load_for_inference(args.model, args.adapters)
     processor = Processor.for_model(model, tokenizer)
     generator = torch.Generator().manual_seed(args.seed)
     messages: list[dict] = []
@@ -200,9 +200,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_arguments(command: argparse.ArgumentParser) -> None:
+    """MODEL and --adapters, the same for chat, eval, sees and explain."""
+    command.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
+    command.add_argument("--adapters", default=None, help="LoRA adapters (an OUT/adapters directory) to merge into "
+                         "MODEL, their base model")
+
+
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="ask a trained model about images (one prompt, or a conversation on stdin)")
-    chat.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
+    add_model_arguments(chat)
     chat.add_argument("prompt", nargs="*", help="the question; none: read turns from stdin (`/image PATH` attaches "
                       "an image to the next turn)")
     chat.add_argument("--image", action="append", default=[], help="an image for the first turn (repeatable)")
@@ -221,7 +228,7 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     from mmadapt.data.samples import read_records
     from mmadapt.train.export import load_for_inference
 
-    model, tokenizer = load_for_inference(args.model)
+    model, tokenizer = load_for_inference(args.model, args.adapters)
     root = args.image_root or str(Path(args.data).parent)
     encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length)
     records = read_records(args.data)
@@ -317,7 +324,7 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
             ("eval", cmd_eval, "answer held-out questions with real, blanked and shuffled images; score them"),
             ("sees", cmd_sees, "does the answer loss on your data depend on the images? (no generation)")):
         command = sub.add_parser(name, help=helptext)
-        command.add_argument("model", help="a model directory, a run directory (OUT) or a checkpoint")
+        add_model_arguments(command)
         command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
         command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
                              "data file's directory)")

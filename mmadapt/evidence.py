@@ -41,16 +41,21 @@ Why attribute at the injected visual tokens, by gradients
 - Why the path (the default) and not only the end point: measured on the quadrant task of
   tests/test_evidence.py (clip + mlp2x_gelu + llama, the answer determined by the top-left quadrant, 24
   held-out images, 100% answered right), mean share of the evidence on the top-left quadrant (uniform: 0.25):
-  plain gradient x input 0.39 (positive) / 0.51 (absolute), integrated 0.93 / 0.88 (8 to 64 steps alike; over
-  seeds 0 / 1 / 2: 0.93 / 0.86 / 0.84). The end-point gradient is a poor witness because a pre-norm LLM is
+  over all answers, plain gradient x input 0.39 (positive) / 0.51 (absolute), integrated 0.93 / 0.88 (8 to 64
+  steps alike; over seeds 0 / 1 / 2: 0.93 / 0.86 / 0.84); over the answers that rest on the image (below),
+  plain 0.22, integrated 0.97. The end-point gradient is a poor witness because a pre-norm LLM is
   scale-invariant in each token through its first RMSNorm (d/d alpha of RMSNorm(alpha * x) is about 0 at alpha = 1),
   so gradient x input sees only the residual path; the path from the empty token crosses the point where the
   token's direction appears (alpha ~ sqrt(eps / mean(x^2)), hence the log spacing) and is complete.
-- Known limits, measured the same way: an encoder that is trained can move the answer's information into other
-  tokens, and the map shows where the LLM reads it (qwen3_5_vit + qwen_merger + llama, 64 px -> 4 x 4 tokens:
-  top-left 0.86 / 0.96 / 0.91 with a frozen ViT, 0.42 / 0.80 / 0.88 with a trained one). With the Qwen3.5
-  backbone (Gated DeltaNet + gated attention) the maps favour the right quadrant but are a weaker witness: 0.53
-  / 0.59 / 0.39, although occluding that quadrant's pixels is the only thing that changes the answer.
+- Known limits, measured the same way, both properties of the model that the map reports faithfully:
+  (1) An answer the model gives without looking (its default: log p(answer | empty visual tokens) about as high
+  as with the image) has no evidence; `image_effect` (F(x) - F(0), in nats) says so and `rests_on_image` is
+  False below `MIN_EFFECT` (the CLI prints it): such a map is noise, not evidence. (2) An encoder with global
+  attention, once trained, can copy the answer's information into every token, and the map then spreads over
+  the copies (qwen3_5_vit + qwen_merger + llama, 64 px -> 4 x 4 tokens: top-left 0.86 / 0.96 / 0.91 with a
+  frozen ViT, 0.42 / 0.80 / 0.88 with a trained one; with the qwen3_5 backbone and a trained ViT, zeroing the
+  corner's tokens or all the others leaves log p(answer) unchanged, and the share is 0.45 / 0.64 for seeds 0 / 1).
+  The token map shows where the LLM reads the evidence, which is not always where the pixels were.
 
 Why the positive part (default)
 - With the empty-token baseline the sign has a meaning: a positive score is a token whose presence raises the
@@ -97,6 +102,7 @@ from mmadapt.encoders.base import grid_coords
 RULES: Final[tuple[str, ...]] = ("positive", "absolute")
 QUADRANTS: Final[tuple[str, ...]] = ("top_left", "top_right", "bottom_left", "bottom_right")
 DEFAULT_STEPS: Final[int] = 32
+MIN_EFFECT: Final[float] = 0.1  # nats (a probability ratio of 1.1): below it an answer does not rest on the images
 Box = tuple[float, float, float, float]  # (x0, y0, x1, y1) in original pixel coordinates
 
 
@@ -207,9 +213,11 @@ class EvidenceMap:
     `mass` == 0); `mass`: the evidence before normalising; `image_share`: this image's part of the prompt's
     evidence. With the original image known: `geometry`, `pixels` (H, W) summing to 1 over the pixels the model
     saw, and `outside`: the share of `tokens` that fell on padding rather than on the original.
-    Prompt-level (the same in every map of one call): `objective`, the answer's log-probability; with
-    `steps` > 1 `baseline_objective`, the same with every visual token empty (zero), and then the scores of all
-    maps sum to about `objective - baseline_objective` (completeness of integrated gradients).
+    Prompt-level (the same in every map of one call): `objective`, the answer's log-probability;
+    `baseline_objective`, the same with every visual token empty (zero); their difference `image_effect`, in
+    nats, is what the images do for the answer; with `steps` > 1 the scores of all maps sum to about it
+    (completeness of integrated gradients). An answer the model gives as readily without its images
+    (`rests_on_image` False: the image effect is below `MIN_EFFECT`) has no evidence to map: its map shows noise.
     """
 
     image: int
@@ -224,6 +232,19 @@ class EvidenceMap:
     objective: float | None = None
     baseline_objective: float | None = None
     steps: int = 1
+
+    @property
+    def image_effect(self) -> float | None:
+        """log p(answer) - log p(answer | empty visual tokens), in nats (None when not computed)."""
+        if self.objective is None or self.baseline_objective is None:
+            return None
+        return self.objective - self.baseline_objective
+
+    @property
+    def rests_on_image(self) -> bool:
+        """Whether the images raise the answer's log-probability by at least `MIN_EFFECT` nats."""
+        effect = self.image_effect
+        return effect is not None and effect >= MIN_EFFECT
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -249,6 +270,7 @@ class EvidenceMap:
         """JSON-ready: rule, mass, shares, peak cell (and its box), quadrants."""
         out: dict[str, Any] = {"image_index": self.image, "rule": self.rule, "steps": self.steps, "mass": self.mass,
                                "objective": self.objective, "baseline_objective": self.baseline_objective,
+                               "image_effect": self.image_effect, "rests_on_image": self.rests_on_image,
                                "image_share": self.image_share, "grid": list(self.grid), "peak": list(self.peak()),
                                "quadrants": self.quadrants(), "tokens": self.tokens.round(4).tolist()}
         if self.geometry is not None:
@@ -318,7 +340,6 @@ def evidence(model: Any, inputs: dict[str, Any], answer_ids: Any, *, images: Seq
         features = visual.features.detach()
         alphas, weights = path_points(steps)
         gradient = torch.zeros(features.shape, dtype=torch.float32, device=device)
-        objective = baseline = None
         for chunk, chunk_weights in zip(alphas.split(batch_size), weights.split(batch_size), strict=True):
             scaled = (chunk.to(device, torch.float32).view(-1, 1, 1) * features.float()).to(features.dtype)
             scaled.requires_grad_(True)
@@ -326,12 +347,9 @@ def evidence(model: Any, inputs: dict[str, Any], answer_ids: Any, *, images: Seq
                 values = answer_log_probs(model, ids, answer, visual, scaled)
                 (grad,) = torch.autograd.grad(values.sum(), scaled)
             gradient += (chunk_weights.to(device, torch.float32).view(-1, 1, 1) * grad.float()).sum(0)
-            if steps == 1:
-                objective = values[0].item()
-        if steps > 1:  # the two ends of the path: with the features, and with every visual token empty
-            with torch.no_grad():
-                ends = answer_log_probs(model, ids, answer, visual, torch.stack([features, torch.zeros_like(features)]))
-            objective, baseline = float(ends[0]), float(ends[1])
+        with torch.no_grad():  # the two ends of the path: with the features, and with every visual token empty
+            ends = answer_log_probs(model, ids, answer, visual, torch.stack([features, torch.zeros_like(features)]))
+        objective, baseline = float(ends[0]), float(ends[1])
     finally:
         model.train(was_training)
     scores = (gradient * features.float()).sum(-1).cpu()
@@ -524,7 +542,8 @@ def explain(model: Any, processor: Any, image: Any, prompt: str, *, max_new_toke
     `processor`: `mmadapt.Processor` of the model; `image`: a PIL image or a path (loaded like training data:
     EXIF rotation, RGB); `prompt`: one user turn, `<image>` where the image goes (default: before the text).
     Returns {"answer", "answer_ids", "map" (`EvidenceMap`), "quadrants", "peak", "peak_box", "outside",
-    "completeness" (see `completeness`), "png" (the rendered file when `out` is given, else None)}. An empty
+    "completeness" (see `completeness`), "image_effect", "rests_on_image" (see `EvidenceMap`), "png" (the
+    rendered file when `out` is given, else None)}. An empty
     answer (the end token first) is explained through that end token.
     """
     picture = processor.image(image)
@@ -549,14 +568,15 @@ def explain(model: Any, processor: Any, image: Any, prompt: str, *, max_new_toke
     png = None if out is None else render(picture, heat, out, prompt=prompt, answer=answer)
     return {"answer": answer, "answer_ids": answer_ids.tolist(), "map": heat, "quadrants": heat.quadrants(),
             "peak": heat.peak(), "peak_box": heat.cell_box(*heat.peak()), "outside": heat.outside,
-            "completeness": completeness([heat]), "png": None if png is None else str(png)}
+            "completeness": completeness([heat]), "image_effect": heat.image_effect,
+            "rests_on_image": heat.rests_on_image, "png": None if png is None else str(png)}
 
 
 def completeness(maps: Sequence[EvidenceMap]) -> float | None:
     """Sum of the scores of all the prompt's maps / (log p(answer) - log p(answer | empty visual tokens)); about 1
     when the path integral is resolved (raise `steps` otherwise). None for plain gradient x input (steps 1)."""
     first = maps[0]
-    if first.baseline_objective is None:
+    if first.steps == 1 or first.baseline_objective is None:
         return None
     delta = first.objective - first.baseline_objective
     total = float(sum(m.scores.sum() for m in maps))
@@ -575,7 +595,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.image):
         raise FileNotFoundError(f"--image {args.image} is not a file")
     out = args.out or f"{Path(args.image).stem}.evidence.png"
-    model, tokenizer = load_for_inference(args.model)
+    model, tokenizer = load_for_inference(args.model, args.adapters)
     processor = Processor.for_model(model, tokenizer)
     result = explain(model, processor, args.image, prompt, max_new_tokens=args.max_new_tokens, out=out,
                      rule=args.rule, steps=args.steps)
@@ -587,6 +607,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         + f"; peak token {list(result['peak'])} at x {result['peak_box'][0]:.0f}-{result['peak_box'][2]:.0f}, "
           f"y {result['peak_box'][1]:.0f}-{result['peak_box'][3]:.0f}"
         + ("" if result["completeness"] is None else f"; completeness {result['completeness']:.2f}"))
+    effect = result["image_effect"]
+    print(f"image effect: log p(answer) is {effect:+.2f} nats with the image than with empty visual tokens"
+          + ("" if result["rests_on_image"] else
+             f" - below {MIN_EFFECT}: the model gives this answer about as readily without the image, so the map "
+             "has no evidence to show (it is noise)"))
     if args.json:
         summary = {"prompt": prompt, "image": args.image, "answer": result["answer"],
                    "answer_ids": result["answer_ids"], "png": result["png"], "completeness": result["completeness"],
@@ -598,9 +623,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def add_explain_command(sub: argparse._SubParsersAction) -> None:
+    from mmadapt.cli import add_model_arguments
+
     explain_ = sub.add_parser("explain", help="answer a question about an image and map which parts of the image "
                               "the answer rests on (integrated gradients on the visual tokens; PNG)")
-    explain_.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
+    add_model_arguments(explain_)
     explain_.add_argument("prompt", nargs="*", help="the question (words are joined); <image> marks where the image "
                           "goes (default: before the question)")
     explain_.add_argument("--image", required=True, help="the image file")

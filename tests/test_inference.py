@@ -103,3 +103,54 @@ def test_sampling_is_reproducible_with_a_seed(model_dir, images):
     greedy_ids = model.generate(**inputs, max_new_tokens=6)
     nucleus_of_one = model.generate(**inputs, max_new_tokens=6, temperature=1.0, top_p=1e-9)
     assert torch.equal(greedy_ids, nucleus_of_one)  # top_p -> 0 keeps only the most likely token
+
+
+def lora_run(out, stages, seed=0):
+    """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer); returns the base model's directory."""
+    from mmadapt.testing import synthetic_samples
+    from mmadapt.train import RunConfig, Trainer
+
+    torch.manual_seed(seed)
+    model, tokenizer = mmadapt.build_model(*COMBOS[1]), char_tokenizer()
+    Processor.for_model(model, tokenizer)
+    model.save_pretrained(out / "base", tokenizer=tokenizer)
+    config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=3",
+                                   "train.lr=5e-2", "lora.r=4", "data.batch_size=4", *stages])
+    samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[6, 9, 5, 8], seed=seed)
+    Trainer(model, config, samples, Collator.for_model(model, 0), tokenizer=tokenizer).fit()
+    return out / "base"
+
+
+def test_chat_from_an_adapters_directory_and_from_a_base_model_with_adapters(tmp_path, images, capsys):
+    """OUT/adapters stands for its run; BASE --adapters OUT/adapters merges peft's files into the base model: both
+    answer as OUT/model does, and the merged weights equal OUT/model's (so the adapters did change the model)."""
+    from mmadapt.train.export import load_for_inference
+
+    base = lora_run(tmp_path, ["stages.encoder=frozen", "stages.projector=frozen", "stages.backbone=lora"])
+    run = tmp_path / "run"
+    assert (run / "adapters" / "stages.json").is_file() and (run / "adapters" / "backbone").is_dir()
+    prompt = ["--image", str(images / "astronaut.png"), "--max-new-tokens", "10", "Who", "is", "this?"]
+    answers = []
+    for model_args in ([str(run / "model")], [str(run / "adapters")], [str(base), "--adapters", str(run / "adapters")]):
+        assert main(["chat", *model_args, *prompt]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] == answers[2]
+    merged, _ = load_for_inference(base, run / "adapters")
+    trained = VisionLanguageModel.from_pretrained(run / "model").state_dict()
+    untrained = VisionLanguageModel.from_pretrained(base).state_dict()
+    changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, untrained[k])]
+    assert changed and all(k.startswith("backbone.") for k in changed)
+    assert all((v - trained[k]).abs().max() <= 1e-6 for k, v in merged.state_dict().items())
+
+
+def test_adapters_alone_are_refused_with_the_fix(tmp_path, images, capsys):
+    import shutil
+
+    base = lora_run(tmp_path, ["stages.preset=lora"])  # the projector trained fully: not in the adapters
+    adapters = tmp_path / "run" / "adapters"
+    assert main(["chat", str(base), "--adapters", str(adapters), "Hi"]) == 2
+    assert "also trained projector fully" in capsys.readouterr().err
+    shutil.copytree(adapters, tmp_path / "copied")
+    assert main(["chat", str(tmp_path / "copied"), "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds only LoRA adapters" in err and "--adapters" in err

@@ -85,15 +85,28 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt") -> Path
     return Path(dst)
 
 
-def load_for_inference(src: str | Path) -> tuple[Any, Any]:
-    """(model, tokenizer) for chat / eval: a model directory, a run directory (its OUT/model, else its newest
-    checkpoint), a checkpoint, or a run's adapters directory (its run)."""
+def load_for_inference(src: str | Path, adapters: str | Path | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for chat / eval / sees / explain: a model directory, a run directory (its OUT/model,
+    else its newest valid checkpoint), a checkpoint, or a run's adapters directory (its run); with `adapters`,
+    a base model from any of those and then the LoRA adapters of `adapters` merged into it (`load_adapters`)."""
+    from mmadapt.train.stages import adapter_components, load_adapters
+
     src = Path(src)
-    if src.name == "adapters" and (src.parent / "checkpoints").is_dir():
+    if adapter_components(src):
+        if adapters is not None:
+            raise ValueError(f"{src} is an adapters directory; give the base model first: MODEL --adapters {src}")
+        if not (src.parent / "checkpoints").is_dir():
+            raise ValueError(f"{src} holds only LoRA adapters, not a model: give the run directory it came from, or "
+                             f"the base model they were trained on and --adapters {src}")
         src = src.parent
     if (src / "model" / "config.json").is_file() and (src / "checkpoints").is_dir():
         src = src / "model"
     model, tokenizer = load_trained(src)
+    if adapters is not None:
+        if not Path(adapters).is_dir():
+            raise FileNotFoundError(f"--adapters {adapters} is not a directory")
+        load_adapters(model, adapters)
+        model.eval()
     if tokenizer is None:
         raise ValueError(f"{src} holds no tokenizer files; export it again from its run (mmadapt export), or save it "
                          "with save_pretrained(dir, tokenizer=tokenizer)")

@@ -6,7 +6,8 @@ sets `requires_grad` per component and injects LoRA layers in place (peft's
 are the backbone's declared `lora_targets` (exact module names, matched by peft as name
 suffixes inside the backbone only); encoder LoRA targets every linear layer of the tower and
 only when asked. `merge_lora` folds adapters into the base weights for export;
-`lora_state` / `save_adapters` write the adapters alone, in peft's format.
+`save_adapters` writes the adapters alone, in peft's format (with the run's stages), and
+`load_adapters` applies them to a model without them (`mmadapt chat BASE --adapters DIR`).
 """
 
 from __future__ import annotations
@@ -85,12 +86,20 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def save_adapters(model: Any, directory: str | os.PathLike) -> list[str]:
-    """Each LoRA'd component's adapters in peft's format: DIR/<component>/adapter_model.safetensors + config."""
+ADAPTER_STAGES = "stages.json"
+
+
+def save_adapters(model: Any, directory: str | os.PathLike, modes: dict[str, str] | None = None) -> list[str]:
+    """Each LoRA'd component's adapters in peft's format: DIR/<component>/adapter_model.safetensors + config,
+    and DIR/stages.json with the run's stages `modes` (what else the run trained, which the adapters lack)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     written = []
+    if modes is not None and any(lora_modules(getattr(model, c)) for c in COMPONENTS):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, ADAPTER_STAGES), "w") as f:
+            json.dump({"stages": {c: modes.get(c, "full") for c in COMPONENTS}}, f, indent=2)
     for component in COMPONENTS:
         module = getattr(model, component)
         if not lora_modules(module):
@@ -105,6 +114,54 @@ def save_adapters(model: Any, directory: str | os.PathLike) -> list[str]:
                       default=str)
         written.append(target)
     return written
+
+
+def adapter_components(directory: str | os.PathLike) -> list[str]:
+    """The components with peft adapters under `directory` (DIR/<component>/adapter_config.json)."""
+    return [c for c in COMPONENTS if os.path.isfile(os.path.join(directory, c, "adapter_config.json"))]
+
+
+def load_adapters(model: Any, directory: str | os.PathLike, *, merge: bool = True) -> list[str]:
+    """Apply the adapters `save_adapters` wrote to a model without them (peft's format, loaded strictly), merged
+    into the base weights by default; returns the components. Refuses adapters of a run that also trained a
+    component fully (those weights are not in DIR: load the run directory or its OUT/model instead)."""
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    components = adapter_components(directory)
+    if not components:
+        raise ValueError(f"{directory} holds no adapters (no <component>/adapter_config.json under it)")
+    stages_file = os.path.join(directory, ADAPTER_STAGES)
+    if os.path.isfile(stages_file):
+        with open(stages_file) as f:
+            modes = json.load(f)["stages"]
+        full = [c for c, mode in modes.items() if mode == "full"]
+        if full:
+            raise ValueError(
+                f"the run that wrote {directory} also trained {', '.join(full)} fully, and those weights are not in "
+                "the adapters: give the run directory (or its model/ directory) instead of a base model + adapters")
+    for component in components:
+        module = getattr(model, component)
+        if lora_modules(module):
+            raise ValueError(f"the model's {component} already has LoRA layers; load the adapters into a plain model")
+        target = os.path.join(directory, component)
+        config = LoraConfig.from_pretrained(target)
+        inject_adapter_in_model(config, module)
+        state = load_file(os.path.join(target, "adapter_model.safetensors"))
+        expected = {k for k in module.state_dict() if "lora_" in k}
+        result = set_peft_model_state_dict(module, state)
+        missing = sorted(k for k in result.missing_keys if k in expected)
+        unexpected = sorted(result.unexpected_keys)
+        if missing or unexpected:
+            raise ValueError(
+                f"{target} does not fit the model's {component}: {len(missing)} LoRA weight(s) missing (e.g. "
+                f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}); "
+                "the adapters were trained on another architecture or with other lora.targets")
+        module.requires_grad_(False)
+    if merge:
+        merge_lora(model)
+    log.info("applied LoRA adapters of %s from %s%s", ", ".join(components), directory, " (merged)" if merge else "")
+    return components
 
 
 def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
