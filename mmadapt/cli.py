@@ -118,7 +118,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"trained {summary['steps']} steps ({summary['skipped']} skipped) in {summary['seconds']:.0f} s; "
+        bad = f", {summary['bad_samples']} of {summary['samples_seen']} samples bad and dropped" if summary[
+            "bad_samples"] else ""
+        print(f"trained {summary['steps']} steps ({summary['skipped']} skipped{bad}) in {summary['seconds']:.0f} s; "
               f"outputs in {config.train.out}")
     return 0
 

@@ -232,6 +232,41 @@ def test_out_model_loads_alone_with_the_final_logits_and_export_equals_it(names,
     assert all(torch.equal(v, exported[k]) for k, v in loaded.state_dict().items())
 
 
+def test_mmadapt_train_writes_out_model_with_the_final_logits(tmp_path):
+    """`mmadapt train` (LoRA, a LLaVA file of real PNGs, the default tokenizer) writes OUT/model; from_pretrained alone
+    gives the logits of the trainer's final state (its last checkpoint, rebuilt with LoRA unmerged) within 1e-5."""
+    import numpy as np
+    from PIL import Image
+
+    from mmadapt import ModelConfig, VisionLanguageModel
+    from mmadapt.cli import main
+    from mmadapt.testing import synthetic_batch
+    from mmadapt.train.checkpoint import load_checkpoint
+
+    rng = np.random.default_rng(0)
+    records = []
+    for k in range(8):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / f"{k}.png")
+        records.append({"id": str(k), "image": f"{k}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": f"noise {k}"}]})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "run.yaml").write_text(
+        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
+        f"data: {{train: {tmp_path / 'train.jsonl'}, image_root: {tmp_path}, batch_size: 4}}\n"
+        f"train: {{steps: 2, lr: 1.0e-2, out: {tmp_path / 'out'}, progress: false}}\n"
+        "stages: {preset: lora}\nlora: {r: 4}\n")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    loaded = VisionLanguageModel.from_pretrained(tmp_path / "out" / "model").eval()
+    checkpoint = latest_checkpoint(tmp_path / "out")
+    final = VisionLanguageModel(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())["mmadapt"]))
+    apply_stages(final, RunConfig.load(checkpoint / "config.yaml").stages.modes(), r=4, alpha=32)
+    final.load_state_dict(load_checkpoint(checkpoint)["model"], strict=True)
+    assert lora_modules(final) and not lora_modules(loaded)
+    batch = synthetic_batch(loaded, (1, 2))
+    with torch.no_grad():
+        assert (final.eval()(**batch).logits - loaded(**batch).logits).abs().max() <= 1e-5
+
+
 def test_a_model_directory_is_sharded_above_the_limit(tmp_path):
     from mmadapt import VisionLanguageModel
     from mmadapt.testing import synthetic_batch
@@ -350,15 +385,46 @@ def test_a_micro_batch_of_only_bad_samples_does_not_stop_training(tmp_path):
     model = tiny(QWEN)
     good = samples_for(model, 8)
     bad = [DataProblem("missing_image", "no such file", sample_id=f"bad{k}") for k in range(8)]
-    trainer = Trainer(model, config(tmp_path, "train.steps=4", "data.batch_size=4", "train.grad_accum=2"), good + bad,
-                      Collator.for_model(model, 0))
+    trainer = Trainer(model, config(tmp_path, "train.steps=4", "data.batch_size=4", "train.grad_accum=2",
+                                    "data.max_bad_fraction=0.6"), good + bad, Collator.for_model(model, 0))
     collate = Collator.for_model(model, 0)
     loss, tokens = trainer.backward([collate(bad[:4]), collate(good[:4])])  # an all-bad micro-batch, then a good one
     assert math.isfinite(loss) and tokens == int(collate(good[:4])["labels"][:, 1:].ne(-100).sum())
     model.zero_grad()
     summary = trainer.fit()
     assert summary["skipped"] == 0 and all(math.isfinite(r["loss"]) for r in summary["history"])
-    assert sum(r["problems"] for r in summary["history"]) > 0
+    assert sum(r["problems"] for r in summary["history"]) == summary["bad_samples"] > 0
+    assert summary["samples_seen"] == 4 * 8
+
+
+def test_a_run_whose_samples_are_mostly_bad_stops_with_one_line_naming_the_first(tmp_path, capsys):
+    """Images that do not resolve (relative paths, data.image_root unset, another working directory): every sample
+    is dropped, so the run stops at step 1 instead of training on nothing; the CLI says it in one line."""
+    import numpy as np
+    from PIL import Image
+
+    from mmadapt.cli import main
+
+    (tmp_path / "data").mkdir()
+    records = []
+    for k in range(8):
+        Image.fromarray(np.full((32, 32, 3), 30 * k, dtype=np.uint8)).save(tmp_path / "data" / f"{k}.png")
+        records.append({"id": f"s{k}", "image": f"{k}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "grey"}]})
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "run.yaml").write_text(
+        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
+        f"data: {{train: {tmp_path / 'data' / 'train.jsonl'}, batch_size: 4}}\n"
+        f"train: {{steps: 3, out: {tmp_path / 'out'}, progress: false}}\n")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stopping at step 1: 4 of the 4 samples seen were bad (4 missing_image)" in err
+    assert "sample 's" in err and "data.image_root" in err and "mmadapt data check" in err
+    assert not (tmp_path / "out" / "model").exists()
+    (tmp_path / "run.yaml").write_text((tmp_path / "run.yaml").read_text().replace(
+        "batch_size: 4}", f"batch_size: 4, image_root: {tmp_path / 'data'}}}"))
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert "bad" not in capsys.readouterr().out
 
 
 def test_a_fresh_run_refuses_an_out_directory_holding_another_run(tmp_path):

@@ -3,9 +3,9 @@
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint
 from mmadapt.train.config import STAGE_PRESETS, RunConfig
 from mmadapt.train.stages import apply_stages, load_adapters, merge_lora, parameter_counts, save_adapters
-from mmadapt.train.trainer import GlobalBatchSampler, NonFiniteError, Trainer
+from mmadapt.train.trainer import BadDataError, GlobalBatchSampler, NonFiniteError, Trainer
 
 __all__ = [
-    "STAGE_PRESETS", "GlobalBatchSampler", "NonFiniteError", "RunConfig", "Trainer", "apply_stages",
+    "STAGE_PRESETS", "BadDataError", "GlobalBatchSampler", "NonFiniteError", "RunConfig", "Trainer", "apply_stages",
     "latest_checkpoint", "load_adapters", "load_checkpoint", "merge_lora", "parameter_counts", "save_adapters",
 ]

@@ -63,6 +63,10 @@ class DataSection:
     tokenizer: str | None = None
     max_length: int = 2048
     truncation: Literal["drop", "raise", "text"] = "drop"
+    # bad samples (missing image, placeholder mismatch, too long, ...) are skipped, counted and logged (the first of
+    # each reason in full); the run stops once more than this share of the samples seen were bad (after 32, or at
+    # once when every sample so far was bad): `mmadapt data check` the file
+    max_bad_fraction: float = 0.2
     batch_size: int = 8
     packing: bool = False
     max_tokens: int = 4096

@@ -6,6 +6,9 @@ One optimizer step = `grad_accum` micro-batches per rank. The loss of every micr
 Before the optimizer step the loss and the gradient norm are checked: a non-finite step is
 skipped (gradients dropped), counted and logged; after `max_consecutive_skips` in a row the
 run stops with `NonFiniteError`, naming the first module that produced non-finite values.
+Bad samples (`DataProblem`s: a missing image, too long, ...) are dropped by the collator, counted
+and logged (the first of each reason with its sample id and file); once more than
+`data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`.
 
 Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with
 fp32 master weights, fp32 AdamW state, fp32 gradient accumulation and fp32 gradient
@@ -29,12 +32,22 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from mmadapt.data.problems import DataProblem
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
 from mmadapt.train.stages import apply_stages, save_adapters
 
 log = logging.getLogger(__name__)
+
+
+class BadDataError(ValueError):
+    """More of the training samples were bad than `data.max_bad_fraction` allows (a user error: one CLI line)."""
+
+
+def as_problem(problem: dict[str, Any]) -> DataProblem:
+    """The `DataProblem` of a collated batch's `meta["problems"]` entry (for its message)."""
+    return DataProblem(problem["reason"], problem["detail"], sample_id=problem["id"], path=problem["path"])
 
 
 class NonFiniteError(RuntimeError):
@@ -139,6 +152,9 @@ class Trainer:
         self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=t.warmup_steps,
                                        num_training_steps=t.steps)
         self.step, self.skipped, self.consecutive_skips = 0, 0, 0
+        self.samples_seen, self.bad_samples = 0, 0
+        self.bad_counts: dict[str, int] = {}  # this rank's, by reason
+        self.first_bad: dict[str, dict[str, Any]] = {}  # this rank's first of each reason
         self.history: list[dict[str, Any]] = []
         if config.checkpoint.resume:
             self.resume()
@@ -205,7 +221,8 @@ class Trainer:
             self.plot()
             self.export_model(final)
         dist_utils.barrier()
-        return {"steps": self.step, "skipped": self.skipped, "seconds": time.perf_counter() - started,
+        return {"steps": self.step, "skipped": self.skipped, "bad_samples": self.bad_samples,
+                "samples_seen": self.samples_seen, "seconds": time.perf_counter() - started,
                 "history": self.history, **final_eval}
 
     def check_fresh_out(self) -> None:
@@ -222,7 +239,7 @@ class Trainer:
         clip = self.cfg.train.clip_grad_norm
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
         record = {"loss": loss_value, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                  "tokens": total_tokens, "problems": sum(len(b.get("meta", {}).get("problems", ())) for b in micro)}
+                  "tokens": total_tokens, "problems": self.count_problems(micro)}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             self.optimizer.step()
             self.consecutive_skips = 0
@@ -239,6 +256,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return record
+
+    def count_problems(self, micro: list[dict[str, Any]]) -> int:
+        """Count the bad samples of one global batch (all ranks), log the first of each reason (with its sample and
+        file), and stop with `BadDataError` once more than `data.max_bad_fraction` of the samples seen so far were
+        bad (after 32 samples, or at once when every one so far was bad). Returns the step's count."""
+        problems = [p for b in micro for p in b.get("meta", {}).get("problems", ())]
+        good = sum(len(row) for b in micro for row in b.get("meta", {}).get("sample_ids", ()))
+        counts = dist_utils.all_reduce_sum(torch.tensor([good + len(problems), len(problems)], device=self.device))
+        seen, bad = (int(v) for v in counts.tolist())
+        self.samples_seen += seen
+        self.bad_samples += bad
+        for problem in problems:
+            reason = problem["reason"]
+            if reason not in self.bad_counts:
+                log.warning("bad sample skipped (the first %s; the others are counted): %s", reason,
+                            as_problem(problem))
+                self.first_bad[reason] = problem
+            self.bad_counts[reason] = self.bad_counts.get(reason, 0) + 1
+        limit = self.cfg.data.max_bad_fraction
+        if bad and self.bad_samples > limit * self.samples_seen and (
+                self.samples_seen >= 32 or self.bad_samples == self.samples_seen):
+            reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.bad_counts.items())) or "on other ranks"
+            first = f" First: {as_problem(next(iter(self.first_bad.values())))}." if self.first_bad else ""
+            hint = (" Image paths are relative to data.image_root (unset: the current directory)."
+                    if "missing_image" in self.bad_counts else "")
+            raise BadDataError(
+                f"stopping at step {self.step + 1}: {self.bad_samples} of the {self.samples_seen} samples seen were "
+                f"bad ({reasons}), more than data.max_bad_fraction = {limit}.{first}{hint} Fix the data (mmadapt "
+                "data check FILE lists every problem) or raise data.max_bad_fraction.")
+        return bad
 
     def backward(self, micro: list[dict[str, Any]]) -> tuple[float, int]:
         """Accumulate the gradients of one global batch; returns (its mean token loss, its supervised tokens)."""
@@ -325,7 +372,8 @@ class Trainer:
         path = None
         if self.is_main:
             state = {"step": self.step, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
-                     "history": self.history}
+                     "samples_seen": self.samples_seen, "bad_samples": self.bad_samples,
+                     "bad_counts": self.bad_counts, "first_bad": self.first_bad, "history": self.history}
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=state, config=self.cfg, keep=self.cfg.checkpoint.keep,
                                    extras=self.write_model_files)
@@ -364,6 +412,8 @@ class Trainer:
         trainer = state["trainer"]
         self.step, self.skipped = trainer["step"], trainer["skipped"]
         self.consecutive_skips, self.history = trainer["consecutive_skips"], trainer["history"]
+        self.samples_seen, self.bad_samples = trainer.get("samples_seen", 0), trainer.get("bad_samples", 0)
+        self.bad_counts, self.first_bad = trainer.get("bad_counts", {}), trainer.get("first_bad", {})
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
             (self.out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
