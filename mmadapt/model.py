@@ -4,6 +4,10 @@
 Qwen3.5-VL) and returns a transformers `CausalLMOutputWithPast` with `loss` and `logits`.
 The backbone is the transformers causal LM itself; the glue only computes input embeddings
 (visual tokens scattered into the image positions) and position ids (1-D or M-RoPE).
+In training mode with `labels` the loss skips the full logits (`mmadapt.loss`: the backbone's
+base model, then `lm_head` + cross-entropy over the supervised positions only, in chunks; the
+same loss and gradients) and `logits` is None; eval mode, no labels, `return_logits=True` or
+`model.full_logits_loss = True` (`train.full_logits`) give transformers' full computation.
 
 Parts come from presets (random init) or from checkpoints (`ComponentConfig(pretrained=...)`: each
 family reads its own checkpoints, see `mmadapt.weights`); they may differ in dtype, and the glue casts
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +47,7 @@ from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
 CONFIG_FILE = "config.json"
+log = logging.getLogger(__name__)
 
 
 class VisionLanguageModel(nn.Module):
@@ -70,6 +76,8 @@ class VisionLanguageModel(nn.Module):
                 f"{config.backbone.name!r} expects {width}"
             )
         self.config = config
+        self._full_logits_reason: str | None = None  # see loss_without_logits
+        self.full_logits_loss = False  # True: the training loss from full logits, as transformers (train.full_logits)
 
     @classmethod
     def from_names(cls, encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,
@@ -159,9 +167,15 @@ class VisionLanguageModel(nn.Module):
         images_per_sample: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
+        return_logits: bool = False,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """`meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
+        """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
+
+        In training mode with `labels` the loss is computed without the full logits (`mmadapt.loss`: only the
+        supervised positions, `lm_head` + cross-entropy in chunks, the same loss and gradients) and the output's
+        `logits` is None; `return_logits=True`, eval mode or no labels give transformers' full computation.
+        `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
         valid = as_bool_mask(attention_mask, input_ids)
         segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
         spans = contract.locate(input_ids, self.tokens.image_token_id)
@@ -181,8 +195,35 @@ class VisionLanguageModel(nn.Module):
                                  "of a row. Fix: use_cache=False (the default) or generate from unpacked rows.")
             backbone_mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
             kwargs["packed_segments"] = segments.bounds
+        return_logits = return_logits or self.full_logits_loss
+        if labels is not None and self.training and not return_logits and self.loss_without_logits():
+            return self.supervised_loss(inputs_embeds, backbone_mask, position_ids, labels, **kwargs)
         return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
                              position_ids=position_ids, labels=labels, **kwargs)
+
+    def loss_without_logits(self) -> bool:
+        """Whether the training loss may skip the full logits (`mmadapt.loss`); logs once why not."""
+        if self._full_logits_reason is None:
+            from mmadapt.loss import full_path_reason
+
+            self._full_logits_reason = full_path_reason(self.backbone.config) or ""
+            if self._full_logits_reason:
+                log.info("backbone %r computes its training loss from full logits: %s", self.backbone_spec.name,
+                         self._full_logits_reason)
+        return not self._full_logits_reason
+
+    def supervised_loss(self, inputs_embeds: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
+                        labels: torch.Tensor, num_items_in_batch: Any = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """The backbone's base model, then the loss over the supervised positions only (`mmadapt.loss`)."""
+        from mmadapt.loss import causal_lm_loss
+
+        kwargs.pop("logits_to_keep", None)
+        out = self.backbone.get_decoder()(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                          position_ids=position_ids, **kwargs)
+        loss = causal_lm_loss(out.last_hidden_state, self.backbone.get_output_embeddings(), labels,
+                              num_items_in_batch)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states, attentions=out.attentions)
 
     def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                      valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,

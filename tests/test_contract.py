@@ -85,8 +85,9 @@ def test_every_combination_trains_and_enforces_the_contract(encoder, projector, 
     model.zero_grad()
     batch = synthetic_batch(model, (1, 2))
     assert check_batch(model, batch).ok
-    out = model(**batch)
-    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out = model(**batch)  # training mode with labels: the loss without full logits (mmadapt.loss)
+    assert out.logits is None and torch.isfinite(out.loss)
+    assert torch.isfinite(model(**batch, return_logits=True).logits).all()
     out.loss.backward()
     # identity has no parameters: then the gradient must reach the encoder through it
     params = list(model.projector.parameters()) or list(model.encoder.parameters())

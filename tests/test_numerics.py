@@ -174,8 +174,8 @@ def test_int32_mask_through_packing_masks_and_never_indexes(qwen):
     batch = Collator.for_model(model, 0, max_tokens=256)(synthetic_samples(model, (1, 0, 1)))
     ones = torch.ones_like(batch["attention_mask"], dtype=torch.int32)
     with torch.no_grad():
-        assert torch.equal(model(**{**batch, "attention_mask": ones}).logits,
-                           model(**{**batch, "attention_mask": ones.bool()}).logits)
+        assert torch.equal(model(**{**batch, "attention_mask": ones}, return_logits=True).logits,
+                           model(**{**batch, "attention_mask": ones.bool()}, return_logits=True).logits)
 
 
 def index_with_all_ones_mask(model: nn.Module, dtype: torch.dtype) -> None:

@@ -67,11 +67,13 @@ def test_config_overrides_unknown_keys_and_round_trip(tmp_path):
 @pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
 def test_gradient_accumulation_equals_one_batch(names, tmp_path):
     """4 micro-batches of 2 == 1 batch of 8: relative gradient difference <= 1e-6 overall, <= 1e-5 per tensor
-    (fp32 summation order differs; measured up to 5e-6 on small Gated DeltaNet tensors such as dt_bias).
+    whose gradient is at least 1e-4 of the largest one.
 
-    Rows are padded to one width so both runs do the same per-row arithmetic; tensors whose gradient
-    is below 1e-6 of the global norm (e.g. attention key biases, which get zero gradient up to rounding)
-    are covered by the global check only.
+    Rows are padded to one width so both runs do the same per-row arithmetic, except the loss's matmuls over
+    the supervised positions (mmadapt.loss), whose shapes follow the micro-batch: fp32 rounding at 1e-7, which
+    Gated DeltaNet's A_log / dt_bias gradients (1e-5 of the largest, sums that nearly cancel) amplify to 9e-5
+    relative (5e-6 with train.full_logits). Those, and tensors that get zero gradient up to rounding (attention
+    key biases), are covered by the global check.
     """
     grads = []
     for batch_size, accum in ((8, 1), (2, 4)):
@@ -91,8 +93,9 @@ def test_gradient_accumulation_equals_one_batch(names, tmp_path):
     global_norm = torch.stack([g.norm() for g in one.values()]).norm()
     global_diff = torch.stack([(accumulated[n] - g).norm() for n, g in one.items()]).norm()
     assert global_diff <= 1e-6 * global_norm
+    largest = max(g.norm() for g in one.values())
     for name, g in one.items():
-        if g.norm() >= 1e-6 * global_norm:
+        if g.norm() >= 1e-4 * largest:
             assert (accumulated[name] - g).norm() <= 1e-5 * g.norm(), name
 
 
@@ -329,17 +332,39 @@ def test_lora_merged_export_equals_unmerged_logits(names, tmp_path):
 
 # ---- transformers Trainer ---------------------------------------------------------------------------
 def test_transformers_trainer_runs_with_the_model_and_collator(tmp_path):
+    """transformers' Trainer (grad accumulation 2: it passes num_items_in_batch) trains the model through the loss
+    without full logits as through the full logits: losses within 1e-5 relative, weights after 3 AdamW steps at
+    lr 1e-3 within 1e-4 (the worst is Gated DeltaNet's A_log, whose gradient is 1e-8 of the largest). Its
+    evaluation with compute_metrics still gets the logits."""
     from transformers import Trainer as HFTrainer
     from transformers import TrainingArguments
 
-    model = tiny(QWEN)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
-                             report_to=[], use_cpu=True, remove_unused_columns=False, save_strategy="no",
-                             logging_steps=1, disable_tqdm=True)
-    trainer = HFTrainer(model=model, args=args, train_dataset=samples_for(model),
-                        data_collator=Collator.for_model(model, 0))
-    result = trainer.train()
-    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    runs = []
+    for full_logits in (False, True):
+        model = tiny(QWEN)
+        model.full_logits_loss = full_logits
+        seen = []
+
+        def metrics(prediction, seen=seen):
+            seen.append(prediction.predictions.shape)
+            return {"vocab": float(prediction.predictions.shape[-1])}
+
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
+                                 remove_unused_columns=False, save_strategy="no", logging_steps=1,
+                                 disable_tqdm=True, per_device_eval_batch_size=4)
+        trainer = HFTrainer(model=model, args=args, train_dataset=samples_for(model),
+                            eval_dataset=samples_for(model, 4), data_collator=Collator.for_model(model, 0),
+                            compute_metrics=metrics)
+        result = trainer.train()
+        assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+        assert trainer.evaluate()["eval_vocab"] == model.backbone.config.vocab_size and seen
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+    (chunked, chunked_state), (full, full_state) = runs
+    assert len(chunked) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(chunked, full, strict=True))
+    worst = max(((chunked_state[k] - v).abs().max().item(), k) for k, v in full_state.items() if v.is_floating_point())
+    assert worst[0] <= 1e-4, worst  # Adam divides near-zero gradients (A_log's) by their own size
 
 
 # ---- non-finite guard ------------------------------------------------------------------------------

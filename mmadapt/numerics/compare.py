@@ -298,7 +298,7 @@ def packed_vs_padded(model: nn.Module, samples: Sequence[Any], pad_token_id: int
 
 def _per_sample_logits(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """{sample id: logits over its own tokens}; packed rows are cut at `cu_seqlens`."""
-    logits = model(**batch).logits
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # logits also in training mode
     width = batch["input_ids"].shape[1]
     bounds = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else None
     out = {}

@@ -87,6 +87,9 @@ class TrainSection:
     eval_every: int = 0
     log_every: int = 10
     max_consecutive_skips: int = 5
+    # the loss from full (B, L, V) logits, as transformers computes it; default: supervised positions only,
+    # lm_head + cross-entropy in chunks (`mmadapt.loss`: the same loss and gradients, far less memory)
+    full_logits: bool = False
     out: str = "runs/train"
     progress: bool = True
 

@@ -140,6 +140,8 @@ class Trainer:
             self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
                                              dropout=lora.dropout, targets=lora.targets)
         upcast_trainable(model)
+        if hasattr(model, "full_logits_loss"):
+            model.full_logits_loss = config.train.full_logits
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]

@@ -1,0 +1,155 @@
+"""The training loss without the full logits: supervised positions only, `lm_head` + cross-entropy in chunks.
+
+transformers' causal LMs compute logits (B, L, V) for every position and then the loss. At a real
+vocabulary (Qwen3.5: V = 248,320) those logits and their fp32 copies dominate a training step's memory
+(4.6 fp32 logits tensors at the peak of one fwd+bwd), and in VLM fine-tuning most positions carry no
+label (image tokens, prompts), so most of that work is thrown away. In training mode with `labels`
+(Liger Kernel's convention) `VisionLanguageModel.forward` therefore runs the backbone's base model for
+hidden states and calls `causal_lm_loss` here:
+
+1. Skip: keep the positions whose next-token label is not -100 (transformers' shift: position t predicts
+   labels[t + 1]; a row's last position predicts nothing), (N, D) hidden states and (N,) targets.
+2. Chunk: `lm_head` + cross-entropy over `chunk_rows(V)` positions at a time (about `CHUNK_BYTES` of fp32
+   logits per chunk), never holding more than one chunk's logits.
+   - A plain `nn.Linear` head (the usual case, tied or not) goes through `LinearCrossEntropy`, an autograd
+     function that computes the loss *and* its gradients chunk by chunk in the forward pass (d loss / d
+     logits = softmax - one-hot), so no logits are stored or recomputed: 3 matmuls per chunk, as the full
+     path's forward + backward, over N positions instead of B * L.
+   - Any other head (a LoRA-wrapped `lm_head`, a custom module) goes through activation checkpointing per
+     chunk (`torch.utils.checkpoint`): the chunk's logits are recomputed in the backward pass.
+3. Reduce: the per-token losses are summed in fp32 and divided by `num_items_in_batch` when given (the
+   trainer's token-normalised gradient accumulation, transformers' `Trainer`), else by N: the same
+   numbers as transformers' `ForCausalLMLoss` (logits cast to fp32 before the cross-entropy), including
+   its NaN for a batch with no supervised token and no `num_items_in_batch`.
+
+Under autocast the matmuls run in the autocast dtype, as transformers' `lm_head` does, and the softmax in
+fp32. It is torch-native: the same code on CPU and GPU, under DDP and FSDP2 (the head's weight is a plain
+tensor inside the forward; its gradient flows back to the sharded parameter as usual).
+
+Backbones whose logits are more than `lm_head(hidden)` (a final soft-cap, a logit scale) or whose
+forward adds an auxiliary loss (MoE router logits) keep transformers' full path: `full_path_reason`.
+
+Shapes: B rows, L tokens, D width, V vocabulary, N supervised positions, C positions per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX: Final[int] = -100
+CHUNK_BYTES: Final[int] = 2**28  # fp32 logits per chunk: 256 MiB (270 positions at V = 248,320)
+# config fields that make the logits more than lm_head(hidden), or the loss more than the cross-entropy
+LOGIT_TRANSFORMS: Final[tuple[str, ...]] = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                                            "output_multiplier_scale")
+
+
+def full_path_reason(config: Any) -> str | None:
+    """Why a backbone with transformers config `config` must compute its loss from full logits, or None."""
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1:
+            return f"its config sets {name} = {value} (the logits are more than lm_head(hidden))"
+    if getattr(config, "output_router_logits", False):
+        return "it adds a router auxiliary loss (output_router_logits = True)"
+    return None
+
+
+def chunk_rows(vocab_size: int, budget: int | None = None) -> int:
+    """Positions per chunk so that one chunk's fp32 logits take about `budget` bytes (default `CHUNK_BYTES`)."""
+    return max(1, (CHUNK_BYTES if budget is None else budget) // (4 * vocab_size))
+
+
+def supervised(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, D) hidden states of the positions that predict a label, and the (N,) labels they predict."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    keep = shifted != IGNORE_INDEX
+    return hidden[keep], shifted[keep]
+
+
+def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
+                   num_items_in_batch: torch.Tensor | int | None = None, *, rows: int | None = None) -> torch.Tensor:
+    """transformers' causal-LM loss of `head(hidden)` for (B, L) `labels`, without the (B, L, V) logits.
+
+    hidden (B, L, D): the base model's last hidden states; `head`: the LM's output layer (`lm_head`).
+    Returns the fp32 scalar loss: sum of the token losses / `num_items_in_batch` (else / N).
+    """
+    states, targets = supervised(hidden, labels.to(hidden.device))
+    weight = getattr(head, "weight", None)
+    rows = rows or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
+    if type(head) is nn.Linear:
+        total = LinearCrossEntropy.apply(states, head.weight, head.bias, targets, rows)
+    else:
+        total = checkpointed_cross_entropy(states, head, targets, rows)
+    if num_items_in_batch is None:
+        return total / targets.numel()  # 0 / 0 = NaN with nothing supervised, as transformers' mean
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _chunk_cross_entropy(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(states).float(), targets, reduction="sum")
+
+
+def checkpointed_cross_entropy(states: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                               rows: int) -> torch.Tensor:
+    """Sum of the token losses, one chunk of logits at a time, each recomputed in the backward pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = states.new_zeros((), dtype=torch.float32)
+    for part, part_targets in zip(states.split(rows), targets.split(rows), strict=True):
+        total = total + checkpoint(_chunk_cross_entropy, head, part, part_targets, use_reentrant=False)
+    return total
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_n CE(states_n @ weight.T + bias, targets_n), fp32, with its gradients computed chunk by chunk in the
+    forward pass (no logits kept for the backward, none recomputed). states (N, D), weight (V, D), bias (V,) or
+    None, targets (N,) in [0, V). Gradients are only computed for the inputs that require them."""
+
+    @staticmethod
+    def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, rows: int) -> torch.Tensor:
+        want_states, want_weight = states.requires_grad, weight.requires_grad
+        want_bias = bias is not None and bias.requires_grad
+        grad_states = torch.empty_like(states) if want_states else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=states.device)
+        for start in range(0, states.shape[0], rows):
+            part, part_targets = states[start : start + rows], targets[start : start + rows]
+            logits = F.linear(part, weight, bias)  # in the autocast dtype when autocast is on, as lm_head
+            dtype = logits.dtype
+            logits = logits.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, part_targets[:, None]).squeeze(1)
+            total += (lse - picked).sum()
+            if not (want_states or want_weight or want_bias):
+                continue
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(grad.shape[0], device=grad.device), part_targets] -= 1.0
+            grad = grad.to(dtype)
+            if want_states:
+                grad_states[start : start + rows] = (grad @ weight.to(dtype)).to(states.dtype)
+            if want_weight:
+                grad_weight += (grad.t() @ part.to(dtype)).float()
+            if want_bias:
+                grad_bias += grad.float().sum(0)
+        ctx.save_for_backward(*(t for t in (grad_states, grad_weight, grad_bias) if t is not None))
+        ctx.present = (want_states, want_weight, want_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) * grad_total if present else None for present in ctx.present]
+        if grads[1] is not None:
+            grads[1] = grads[1].to(ctx.dtypes[0])
+        if grads[2] is not None:
+            grads[2] = grads[2].to(ctx.dtypes[1])
+        return grads[0], grads[1], grads[2], None, None
