@@ -42,7 +42,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
-from mmadapt.packing import VARLEN, Segments, additive_mask, use_varlen_attention
+from mmadapt.packing import VARLEN, PackedRows, Segments, additive_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
@@ -194,7 +194,7 @@ class VisionLanguageModel(nn.Module):
                 raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
                                  "of a row. Fix: use_cache=False (the default) or generate from unpacked rows.")
             backbone_mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
-            kwargs["packed_segments"] = segments.bounds
+            kwargs["packed_segments"] = PackedRows(segments, cu_seqlens, valid)
         return_logits = return_logits or self.full_logits_loss
         if labels is not None and self.training and not return_logits and self.loss_without_logits():
             return self.supervised_loss(inputs_embeds, backbone_mask, position_ids, labels, **kwargs)

@@ -7,8 +7,10 @@ attended to. From it the model derives:
 
 - `segment_ids` (B, L): which segment each token belongs to;
 - a block-diagonal causal mask (B, 1, L, L) for attention layers (True = may attend);
-- `Segments.bounds`: (row, start, end) of every real sample, for stateful layers (Gated
-  DeltaNet's causal conv and recurrence) that must restart at every sample boundary;
+- `PackedRows` (passed to the layers as `packed_segments`): the samples' bounds, regrouped into
+  right-padded batches for one call per group (attention, and stateful layers such as Gated
+  DeltaNet's causal conv and recurrence, which must restart at every sample), and the flat
+  `cu_seqlens` / `seq_idx` of varlen kernels (flash-attn, FLA, causal-conv1d) on CUDA;
 - per-sample positions: position counters restart at each segment start.
 
 Masks are `torch.bool`. An integer tensor given as a mask to any function here is a `TypeError`:
@@ -21,7 +23,7 @@ Shapes: B rows, L tokens per row, S segments (samples and padding tails).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -127,31 +129,159 @@ def cu_seqlens_from_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([ids.numel()])]).to(torch.int32)
 
 
+# ---- packed rows, as the layers see them ------------------------------------------------------------
+REGROUP_WASTE: Final[float] = 0.25  # a group's padding may add at most this share to its real tokens
+
+
+@dataclass(frozen=True)
+class Group:
+    """Samples run as one right-padded (count, width) batch: `index` (count * width,) into the flat (B * L + 1)
+    tokens (B * L = a zero row for padding), `real` (count, width) bool, `sources` / `targets`: where the real
+    tokens sit in the group's flat layout and in the batch's."""
+
+    count: int
+    width: int
+    index: torch.Tensor
+    real: torch.Tensor
+    sources: torch.Tensor
+    targets: torch.Tensor
+
+
+class PackedRows:
+    """A packed batch as its layers need it, computed once per forward and passed as `packed_segments`.
+
+    - `bounds` [(row, start, end)] of the real samples; `cu_seqlens` (S + 1,) int32 over the flat B * L tokens
+      (every segment, padding tails included) and `max_length`, for varlen kernels (flash-attn, FLA);
+      `segment_ids` (1, B * L) int32, the conv kernel's `seq_idx`.
+    - `groups(device)`: the samples sorted by length and cut into groups whose padding adds at most
+      `REGROUP_WASTE` to their tokens; `gather(x, group)` -> (count, width, ...) right-padded, `scatter(parts,
+      like)` puts every group's real tokens back (padding tails 0). One batched call per group replaces a
+      Python loop over the samples: right padding never reaches a real token of a causal layer (attention
+      with is_causal, a causal conv, a recurrence), so per-sample results are exact.
+    """
+
+    def __init__(self, segments: Segments, cu_seqlens: torch.Tensor, valid: torch.Tensor) -> None:
+        self.rows, self.length = valid.shape
+        self.bounds = segments.bounds
+        self.cu_seqlens = cu_seqlens.to(device=valid.device, dtype=torch.int32)
+        self.max_length = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        self.segment_ids = segments.ids.reshape(1, -1).to(torch.int32)
+        self.valid = valid.reshape(-1)
+        self._groups: dict[torch.device, list[Group]] = {}
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __iter__(self) -> Any:
+        return iter(self.bounds)
+
+    def groups(self, device: torch.device) -> list[Group]:
+        if device not in self._groups:
+            self._groups[device] = [self._group(members, device) for members in
+                                    regroup([end - start for _, start, end in self.bounds])]
+        return self._groups[device]
+
+    def _group(self, members: list[int], device: torch.device) -> Group:
+        width = max(self.bounds[k][2] - self.bounds[k][1] for k in members)
+        pad = self.rows * self.length  # the zero row appended by `gather`
+        index = torch.full((len(members), width), pad, dtype=torch.long)
+        for slot, k in enumerate(members):
+            row, start, end = self.bounds[k]
+            index[slot, : end - start] = torch.arange(row * self.length + start, row * self.length + end)
+        real = index != pad
+        flat = index.flatten()
+        return Group(len(members), width, flat.to(device), real.to(device),
+                     real.flatten().nonzero().flatten().to(device), flat[real.flatten()].to(device))
+
+    def gather(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        """(B, L, ...) -> (count, width, ...): the group's samples, right-padded with zeros."""
+        flat = x.reshape(self.rows * self.length, *x.shape[2:])
+        flat = torch.cat([flat, flat.new_zeros(1, *x.shape[2:])])
+        return flat.index_select(0, group.index).view(group.count, group.width, *x.shape[2:])
+
+    def scatter(self, parts: list[torch.Tensor], groups: list[Group]) -> torch.Tensor:
+        """Each group's (count, width, ...) output back to (B, L, ...); positions of no sample stay 0."""
+        rest = parts[0].shape[2:]
+        values = torch.cat([part.reshape(-1, *rest).index_select(0, g.sources) for part, g in zip(parts, groups,
+                                                                                                   strict=True)])
+        targets = torch.cat([g.targets for g in groups])
+        out = values.new_zeros(self.rows * self.length, *rest).index_copy(0, targets, values)
+        return out.view(self.rows, self.length, *rest)
+
+
+def regroup(lengths: list[int], waste: float = REGROUP_WASTE) -> list[list[int]]:
+    """Indices of `lengths`, longest first, cut into groups where count * longest <= (1 + waste) * their sum."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        if current and (len(current) + 1) * lengths[current[0]] > (1 + waste) * (total + lengths[k]):
+            groups.append(current)
+            current, total = [], 0
+        current.append(k)
+        total += lengths[k]
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---- varlen kernels: which path a packed layer takes --------------------------------------------------
+def packed_path(*, on_cuda: bool, kernels_available: bool, dtype_supported: bool = True) -> str:
+    """"varlen": one kernel call over the whole flattened batch with `cu_seqlens` (CUDA, kernels importable, a
+    dtype they take); else "regrouped": one batched torch call per group of samples (any device)."""
+    return "varlen" if on_cuda and kernels_available and dtype_supported else "regrouped"
+
+
+def flash_attention_varlen() -> Any:
+    """flash-attn's `flash_attn_varlen_func`, or None when flash-attn is not installed."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
 # ---- varlen attention --------------------------------------------------------------------------
 VARLEN = "mmadapt_sdpa"
 
 
 def varlen_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                packed_segments: list[tuple[int, int, int]] | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention; with `packed_segments`, causal SDPA on each sample alone (varlen).
+                packed_segments: PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention; with `packed_segments`, causal attention within each sample (varlen).
 
     query (B, H, L, Dh), key / value (B, H_kv, L, Dh) -> (B, L, H, Dh), transformers' layout.
-    Per-sample attention never computes the cross-sample blocks a block-diagonal mask would
-    throw away, so packing costs sum(l_i^2) like unpacked samples, not L^2 per row.
+    Paths (`packed_path`): flash-attn's varlen kernel over the flattened batch (CUDA, fp16 / bf16, flash-attn
+    installed), else SDPA with is_causal once per group of samples (`PackedRows.groups`). Neither computes the
+    cross-sample blocks a block-diagonal mask would throw away: packing costs sum(l_i^2) like unpacked samples.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    out = query.new_zeros(query.shape)
+    packed = packed_segments
+    rows, heads, length, head_dim = query.shape
+    flash = flash_attention_varlen()
+    path = packed_path(on_cuda=query.is_cuda, kernels_available=flash is not None,
+                       dtype_supported=query.dtype in (torch.float16, torch.bfloat16))
+    if path == "varlen":
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(rows * length, t.shape[1], head_dim)
+
+        out = flash(flat(query), flat(key), flat(value), packed.cu_seqlens, packed.cu_seqlens, packed.max_length,
+                    packed.max_length, dropout_p=dropout, softmax_scale=scaling, causal=True)
+        out = out * packed.valid[:, None, None].to(out.dtype)  # padding tails 0, as on the other path
+        return out.view(rows, length, heads, head_dim), None
+    groups = packed.groups(query.device)
     gqa = query.shape[1] != key.shape[1]
-    for row, start, end in packed_segments:
-        q, k, v = (t[row : row + 1, :, start:end] for t in (query, key, value))
-        out[row : row + 1, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
+    parts = []
+    for group in groups:
+        q, k, v = (packed.gather(t.transpose(1, 2), group).transpose(1, 2) for t in (query, key, value))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                                    scale=scaling, enable_gqa=gqa)
+        parts.append(attended.transpose(1, 2))
+    return packed.scatter(parts, groups), None
 
 
 def use_varlen_attention(lm: Any) -> None:

@@ -139,3 +139,120 @@ def test_block_diagonal_mask_path_equals_varlen(implementation):
             masked = model(**batch).logits
         real = batch["attention_mask"]
         torch.testing.assert_close(masked[real], varlen[real], rtol=0, atol=1e-5)
+
+
+# ---- the packed paths: regrouped batches, and varlen kernels (selection tested with reference kernels) -------
+def test_regroup_keeps_every_sample_once_and_bounds_the_padding():
+    from mmadapt.packing import REGROUP_WASTE, regroup
+
+    lengths = [128] * 16 + [700, 650, 40, 33, 31, 5]
+    groups = regroup(lengths)
+    assert sorted(k for g in groups for k in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) * max(lengths[k] for k in g) <= (1 + REGROUP_WASTE) * sum(lengths[k] for k in g) or len(g) == 1
+    assert set(range(16)) <= next(set(g) for g in groups if 0 in g)  # equal lengths: one batched call
+    assert regroup([]) == [] and regroup([7]) == [[0]]
+
+
+@pytest.mark.parametrize("names", COMBOS, ids=lambda n: "-".join(n))
+def test_packed_equals_padded_across_several_groups(names):
+    """Lengths from 4 to ~100 tokens, so the regrouped path runs several batched calls per layer."""
+    from mmadapt.packing import PackedRows
+
+    model = build(names)
+    images, text = (1, 0, 0, 2, 0, 1, 0, 0), (2, 90, 3, 40, 7, 60, 1, 25)
+    samples = synthetic_samples(model, images, text_lengths=text, seed=3)
+    batch = Collator.for_model(model, pad_token_id=0, max_tokens=sum(map(len, samples)) // 2 + 8)(samples)
+    valid = batch["attention_mask"]
+    rows = PackedRows(Segments.from_cu_seqlens(batch["cu_seqlens"], valid), batch["cu_seqlens"], valid)
+    assert len(rows.groups(torch.device("cpu"))) >= 3 and len(rows) == len(samples)
+    with torch.no_grad():
+        padded = per_sample_logits(model, Collator.for_model(model, pad_token_id=0)(samples))
+        packed = per_sample_logits(model, batch)
+    for sample_id, logits in padded.items():
+        torch.testing.assert_close(packed[sample_id], logits, rtol=0, atol=1e-5)
+
+
+def test_the_path_choice():
+    from mmadapt.backbones.qwen3_5_layers import varlen_kernels
+    from mmadapt.packing import flash_attention_varlen, packed_path
+
+    assert packed_path(on_cuda=True, kernels_available=True) == "varlen"
+    for on_cuda, available, dtype in ((False, True, True), (True, False, True), (True, True, False)):
+        assert packed_path(on_cuda=on_cuda, kernels_available=available, dtype_supported=dtype) == "regrouped"
+    assert varlen_kernels(torch.zeros(1)) is None  # CPU (and no FLA / causal-conv1d here)
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        assert flash_attention_varlen() is None
+
+
+def reference_flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=True):
+    """flash-attn's varlen API, by SDPA on each segment: (T, H, D) in and out."""
+    assert causal and torch.equal(cu_q, cu_k) and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+    out = torch.empty_like(q)
+    for a, b in itertools.pairwise(cu_q.tolist()):
+        seg = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            *seg, is_causal=True, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
+    return out
+
+
+def reference_conv(x, weight, bias, seq_idx, activation):
+    """causal-conv1d's API with seq_idx: the causal depthwise conv restarted at every change of seq_idx."""
+    assert activation == "silu" and x.shape[0] == 1 and seq_idx.shape == (1, x.shape[-1])
+    ids = seq_idx[0].tolist()
+    starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]] + [len(ids)]
+    out = torch.empty_like(x)
+    for a, b in itertools.pairwise(starts):
+        out[..., a:b] = torch.nn.functional.conv1d(x[..., a:b], weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
+                                                   groups=x.shape[1])[..., : b - a]
+    return torch.nn.functional.silu(out)
+
+
+def reference_rule(query, key, value, *, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                   cu_seqlens):
+    """FLA's chunk_gated_delta_rule API with cu_seqlens (batch 1): transformers' torch reference per segment."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    assert initial_state is None and not output_final_state and query.shape[0] == 1
+    parts = []
+    for a, b in itertools.pairwise(cu_seqlens.tolist()):
+        out, _ = torch_chunk_gated_delta_rule(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b],
+                                              beta=beta[:, a:b], use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        parts.append(out)
+    return torch.cat(parts, dim=1), None
+
+
+@pytest.mark.parametrize("names", COMBOS, ids=lambda n: "-".join(n))
+def test_the_varlen_path_with_reference_kernels_equals_padded(names, monkeypatch):
+    """The "varlen" path (taken on CUDA with flash-attn / FLA + causal-conv1d) with the kernels replaced by exact
+    per-segment references: it hands them the right flattened tensors, cu_seqlens and seq_idx."""
+    import mmadapt.backbones.qwen3_5_layers as layers
+    import mmadapt.packing as packing
+
+    calls = {"flash": 0, "conv": 0}
+
+    def flash(*args, **kwargs):
+        calls["flash"] += 1
+        return reference_flash(*args, **kwargs)
+
+    def conv(*args, **kwargs):
+        calls["conv"] += 1
+        return reference_conv(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "packed_path", lambda **_: "varlen")
+    monkeypatch.setattr(packing, "flash_attention_varlen", lambda: flash)
+    monkeypatch.setattr(layers, "varlen_kernels", lambda _: (conv, reference_rule))
+    model = build(names)
+    samples = synthetic_samples(model, IMAGES, text_lengths=TEXT, seed=1)
+    with torch.no_grad():
+        padded = per_sample_logits(model, Collator.for_model(model, pad_token_id=0)(samples))
+        packed = per_sample_logits(model, Collator.for_model(model, pad_token_id=0,
+                                                             max_tokens=max(map(len, samples)) + 16)(samples))
+    for sample_id, logits in padded.items():
+        torch.testing.assert_close(packed[sample_id], logits, rtol=0, atol=1e-5)
+    config = model.backbone.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    assert calls["flash"] == layer_types.count("full_attention")  # one call per layer and forward
+    assert calls["conv"] == layer_types.count("linear_attention")
