@@ -9,8 +9,11 @@ Sections (targets from the issues in brackets; ratios < 1 mean mmadapt is faster
 3. the always-on contract checks as a share of a training step [<= 1%];
 4. packed vs padded effective (non-pad) tokens/s, LLaVA-mix-like lengths [>= 1.8x];
 5. preprocessing images/s vs transformers' processors, one image per call [>= 1.0x];
-6. peak memory (RSS) of a training step, mmadapt vs transformers, each in its own process.
-Everything runs on the CPU in about 6-8 minutes on 2 cores.
+6. peak memory (RSS) of a training step, mmadapt vs transformers, each in its own process;
+7. the loss without full logits at real vocabularies and widths (`bench_loss.py`) [memory <= 0.5x / 0.7x,
+   time <= 0.8x / 0.9x];
+8. packed rows of many short samples vs a padding-free batch [<= 1.05x].
+Everything runs on the CPU in about 15 minutes on 2 cores (sections 1-6: 2.5 minutes).
 """
 
 from __future__ import annotations
@@ -176,6 +179,25 @@ def main() -> None:
               "| config | mmadapt MiB | transformers MiB | ratio |", "|---|---:|---:|---:|"]
     for family, ours, theirs in bench_memory():
         lines.append(f"| {family} | {ours:.0f} | {theirs:.0f} | {ours / max(theirs, 1e-9):.2f}x |")
+    from bench_loss import CONFIGS, bench_many_short, bench_vlm_step, packed_model
+
+    lines += ["", "### 7. Loss without full logits at the real vocabulary and width (depth cut): one training step "
+              "(fwd + bwd + AdamW, fp32, LLaVA-SFT-like batch of 2), each side in its own process", "",
+              "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | step peak ratio [target] |",
+              "|---|---:|---:|---:|---:|"]
+    for name in CONFIGS:
+        r = bench_vlm_step(name, args.quick, 1 if args.quick else 2)
+        ours, theirs = r["mmadapt"], r["transformers"]
+        memory_target, time_target = r["targets"]
+        lines.append(f"| {name} ({r['depth']}) | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
+                     f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | "
+                     f"{ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x [<= {memory_target}x] |")
+    model = packed_model(args.quick)
+    lines += ["", "### 8. Packed rows of many short samples vs the same tokens as a padding-free batch (fwd + bwd)", "",
+              "| packed rows | padding-free batch | ratio [target <= 1.05x] |", "|---|---|---:|"]
+    for per_row, length, rows in ((4, 32, 2),) if args.quick else ((16, 128, 2), (4, 512, 2)):
+        packed, plain = bench_many_short(model, per_row, length, rows, 1 if args.quick else 3)
+        lines.append(f"| {rows} x {per_row} x {length} | ({rows * per_row}, {length}) | {packed / plain:.2f}x |")
     lines += ["", f"total time {time.perf_counter() - started:.0f} s"]
     text = "\n".join(lines)
     print(text)

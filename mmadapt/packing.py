@@ -145,6 +145,12 @@ class Group:
     real: torch.Tensor
     sources: torch.Tensor
     targets: torch.Tensor
+    padded: bool  # False: every sample of the group is `width` long (no padding mask needed)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The group's padding mask for a layer, or None when it has no padding (as transformers passes it)."""
+        return self.real if self.padded else None
 
 
 class PackedRows:
@@ -191,12 +197,14 @@ class PackedRows:
         real = index != pad
         flat = index.flatten()
         return Group(len(members), width, flat.to(device), real.to(device),
-                     real.flatten().nonzero().flatten().to(device), flat[real.flatten()].to(device))
+                     real.flatten().nonzero().flatten().to(device), flat[real.flatten()].to(device),
+                     padded=not bool(real.all()))
 
     def gather(self, x: torch.Tensor, group: Group) -> torch.Tensor:
         """(B, L, ...) -> (count, width, ...): the group's samples, right-padded with zeros."""
         flat = x.reshape(self.rows * self.length, *x.shape[2:])
-        flat = torch.cat([flat, flat.new_zeros(1, *x.shape[2:])])
+        if group.padded:  # the padding slots read a zero row appended at index B * L
+            flat = torch.cat([flat, flat.new_zeros(1, *x.shape[2:])])
         return flat.index_select(0, group.index).view(group.count, group.width, *x.shape[2:])
 
     def scatter(self, parts: list[torch.Tensor], groups: list[Group]) -> torch.Tensor:

@@ -31,7 +31,8 @@ def test_run_all_quick_prints_every_section():
     out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
                          timeout=600, cwd=script.parent).stdout
     for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 4. Packed vs padded",
-                    "### 5. Preprocessing", "### 6. Peak memory"):
+                    "### 5. Preprocessing", "### 6. Peak memory", "### 7. Loss without full logits",
+                    "### 8. Packed rows of many short samples"):
         assert section in out
 
 
@@ -44,3 +45,12 @@ def test_bench_load_quick_run_prints_its_table():
     assert "| mmadapt.build_model (qwen3_5_vit + qwen_merger + qwen3_5) |" in out
     assert "| transformers Qwen3_5ForConditionalGeneration.from_pretrained |" in out
     assert "| mmadapt peak RSS <= 1.2x checkpoint bytes |" in out and "max |mmadapt - transformers|" in out
+
+
+@pytest.mark.slow
+def test_bench_loss_quick_run_prints_its_tables():
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_loss.py"
+    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
+                         timeout=600, cwd=script.parent).stdout
+    assert "| Qwen3.5-0.8B-shaped (tiny;" in out and "| LLaVA-1.5-shaped (tiny;" in out
+    assert "| 2 x 4 samples x 32 tokens | (8, 32) |" in out

@@ -56,7 +56,7 @@ class PerSampleGatedDeltaNet(Qwen3_5GatedDeltaNet):
             return self.varlen_forward(hidden_states, packed_segments, *kernels)
         groups = packed_segments.groups(hidden_states.device)
         parts = [super(PerSampleGatedDeltaNet, self).forward(packed_segments.gather(hidden_states, group),
-                                                             attention_mask=group.real, **kwargs)
+                                                             attention_mask=group.mask, **kwargs)
                  for group in groups]
         return packed_segments.scatter(parts, groups)  # padding tails stay 0, as transformers' padding mask makes them
 

@@ -1,0 +1,253 @@
+"""The loss without full logits at real vocabularies and widths, and packed rows of many short samples.
+
+    python benchmarks/bench_loss.py [--quick] [--steps 2] [--only vlm|packed]
+
+1. One training step (forward + backward + AdamW, fp32, CPU), mmadapt vs transformers' own VLM class on the
+   same weights and the same LLaVA-SFT-like batch (each sample: one image, 30-60 prompt tokens, 20-40 answer
+   tokens; only the answers are supervised). Each side runs in its own process: load, one warm-up step (it
+   allocates gradients and AdamW state), then the timed steps. Peak memory is read from `VmHWM`:
+   - "step peak": above the RSS after the warm-up step (weights, gradients, optimizer state), after resetting
+     the high-water mark (`/proc/self/clear_refs` 5): what a step needs on top of the model and its optimizer;
+   - "process peak": above the post-import baseline, load included.
+   Configs, at the real vocabulary and width, cut in depth (stated in the table):
+   - Qwen3.5-0.8B-shaped: Qwen3.5 ViT (768 wide, 2 of 12 blocks) + merger + Qwen3.5 text model (1024 wide,
+     248,320 vocabulary, tied; 4 of 24 layers: 3 Gated DeltaNet + 1 gated attention); images of 256 and 1,024
+     visual tokens (512 x 512 and 1024 x 1024 px). Targets (issue 12): step peak <= 0.5x, time <= 0.8x.
+   - LLaVA-1.5-shaped: CLIP ViT-L/14-336 (1024 wide, 2 of 24 layers; 576 visual tokens) + mlp2x_gelu + LLaMA
+     (4,096 wide, 32,064 vocabulary, 1 of 32 layers). Targets: step peak <= 0.7x, time <= 0.9x.
+2. Packed rows of many short samples vs the same tokens as a padding-free batch (Qwen3.5-0.8B-shaped layers,
+   3 Gated DeltaNet + 1 gated attention, 1024 wide, fp32; vocabulary cut to 2,048 so that the layers, not the
+   output layer, are measured): 2 rows x 16 samples x 128 tokens vs (32, 128), 2 x 4 x 512 vs (8, 512).
+   Target (issue 12): <= 1.05x.
+`--quick` shrinks everything (smoke run for the test suite; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_core import alternating
+
+from mmadapt import VisionLanguageModel
+from mmadapt.testing import synthetic_batch
+
+CONFIGS = {
+    "Qwen3.5-0.8B-shaped": dict(
+        names=("qwen3_5_vit", "qwen_merger", "qwen3_5"), preset="qwen3.5-0.8b",
+        hf_class="Qwen3_5ForConditionalGeneration",
+        encoder_options={"depth": 2}, backbone_options={"num_hidden_layers": 4},
+        image_sides=[(512, 512), (1024, 1024)], depth="ViT 2/12 blocks, LLM 4/24 layers", targets=(0.5, 0.8)),
+    "LLaVA-1.5-shaped": dict(
+        names=("clip", "mlp2x_gelu", "llama"), preset={"encoder": "vit-l-14-336", "backbone": "vicuna-7b"},
+        hf_class="LlavaForConditionalGeneration", encoder_options={"num_hidden_layers": 2},
+        backbone_options={"num_hidden_layers": 1}, image_sides=None, depth="ViT 2/24 layers, LLM 1/32 layers",
+        targets=(0.7, 0.9)),
+}
+QUICK = {"encoder_options": {}, "backbone_options": {}, "preset": "tiny"}
+
+
+def build(config: dict, quick: bool) -> VisionLanguageModel:
+    torch.manual_seed(0)
+    names = config["names"]
+    presets = config["preset"] if isinstance(config["preset"], dict) else dict.fromkeys(("encoder", "backbone"),
+                                                                                         config["preset"])
+    if quick:
+        presets = dict.fromkeys(("encoder", "backbone"), "tiny")
+    encoder_options = {} if quick else config["encoder_options"]
+    backbone_options = {} if quick else config["backbone_options"]
+    encoder = {"name": names[0], "preset": presets["encoder"], "options": encoder_options}
+    backbone = {"name": names[2], "preset": presets["backbone"], "options": backbone_options}
+    return VisionLanguageModel.from_names(encoder, names[1], backbone)
+
+
+def sft_batch(model: VisionLanguageModel, config: dict, quick: bool) -> dict:
+    """Two samples, one image each, 30-60 prompt + 20-40 answer tokens; only the answers carry labels."""
+    prompt, answer = [34, 57], [26, 38]
+    sides = None if quick or config["image_sides"] is None else config["image_sides"]
+    batch = synthetic_batch(model, (1, 1), image_sides=sides, text_lengths=[p + a for p, a in zip(prompt, answer,
+                                                                                                   strict=True)])
+    labels = torch.full_like(batch["labels"], -100)
+    for b, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+        labels[b, n - answer[b] : n] = batch["input_ids"][b, n - answer[b] : n]
+    batch["labels"] = labels
+    return batch
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: multiprocessing.Queue) -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    baseline = _status_kib("VmRSS")
+    batch = torch.load(f"{directory}/batch.pt", weights_only=True)
+    if which == "mmadapt":
+        model = VisionLanguageModel.from_pretrained(directory)
+    else:
+        model = getattr(transformers, hf_class).from_pretrained(directory)
+        batch = {k: v for k, v in batch.items() if k != "images_per_sample"}
+        batch["attention_mask"] = batch["attention_mask"].long()
+        if "image_grid_thw" in batch:
+            batch["mm_token_type_ids"] = (batch["input_ids"] == model.config.image_token_id).int()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> float:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: part of the model's state
+        return float(loss.detach())
+
+    loss = step()
+    state = _status_kib("VmRSS")
+    reset = _reset_peak()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    peak = _status_kib("VmHWM")
+    queue.put({"loss": loss, "seconds": statistics.median(times),
+               "step_peak_mib": (peak - state) / 1024 if reset else float("nan"),
+               "process_peak_mib": (peak - baseline) / 1024, "tokens": int(batch["input_ids"].numel()),
+               "supervised": int((batch["labels"][:, 1:] != -100).sum())})
+
+
+def bench_vlm_step(name: str, quick: bool, steps: int) -> dict:
+    config = CONFIGS[name]
+    model = build(config, quick)
+    batch = sft_batch(model, config, quick)
+    params = sum(p.numel() for p in model.parameters())
+    context = multiprocessing.get_context("spawn")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, format="transformers")
+        torch.save(batch, f"{tmp}/batch.pt")
+        del model
+        for which in ("mmadapt", "transformers"):
+            queue = context.Queue()
+            child = context.Process(target=_step_child, args=(which, tmp, config["hf_class"], steps, queue))
+            child.start()
+            results[which] = queue.get(timeout=3000)
+            child.join()
+    return {"name": name, "depth": "tiny" if quick else config["depth"], "params": params,
+            "targets": config["targets"], **results}
+
+
+# ---- packed rows of many short samples ----------------------------------------------------------------------
+def packed_model(quick: bool) -> VisionLanguageModel:
+    torch.manual_seed(0)
+    options = {} if quick else {"num_hidden_layers": 4, "vocab_size": 2048, "image_token_id": 2047,
+                                "vision_start_token_id": 2045, "vision_end_token_id": 2046, "eos_token_id": 2044}
+    return VisionLanguageModel.from_names("qwen3_5_vit", "qwen_merger", {
+        "name": "qwen3_5", "preset": "tiny" if quick else "qwen3.5-0.8b", "options": options})
+
+
+def bench_many_short(model: VisionLanguageModel, per_row: int, length: int, rows: int,
+                     reps: int) -> tuple[float, float]:
+    """(packed seconds, padding-free seconds): fwd + bwd of rows x per_row samples of `length` text tokens."""
+    from mmadapt.data import Collator, EncodedSample
+
+    g = torch.Generator().manual_seed(0)
+    samples, vocab = [], model.backbone.config.vocab_size
+    for k in range(rows * per_row):
+        ids = torch.randint(10, vocab - 8, (length,), generator=g)
+        labels = ids.clone()
+        labels[: length // 2] = -100
+        samples.append(EncodedSample(id=str(k), input_ids=ids, labels=labels))
+    packed = Collator.for_model(model, pad_token_id=0, max_tokens=per_row * length)(samples)
+    plain = Collator.for_model(model, pad_token_id=0)(samples)
+    assert packed["input_ids"].shape == (rows, per_row * length)
+    assert plain["input_ids"].shape == (rows * per_row, length)
+
+    def run(batch: dict):
+        def step() -> None:
+            model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    model.train()
+    return tuple(alternating([run(packed), run(plain)], reps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 step (smoke run)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per side (after one warm-up)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of the packed-row timings")
+    parser.add_argument("--only", choices=("vlm", "packed"), default=None)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.reps = 1, 1
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}\n")
+    raw: dict = {}
+    if args.only in (None, "vlm"):
+        print("### One training step (fwd + bwd + AdamW, fp32), LLaVA-SFT-like batch of 2: mmadapt (loss without "
+              "full logits) vs transformers, each in its own process\n")
+        print("| config (depth cut) | tokens / supervised | mmadapt s | transformers s | time ratio [target] | "
+              "mmadapt step peak MiB | transformers step peak MiB | step peak ratio [target] | "
+              "process peak ratio | loss mmadapt / transformers |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        raw["vlm"] = []
+        for name in CONFIGS:
+            r = bench_vlm_step(name, args.quick, args.steps)
+            raw["vlm"].append(r)
+            ours, theirs = r["mmadapt"], r["transformers"]
+            memory_target, time_target = r["targets"]
+            print(f"| {name} ({r['depth']}; {r['params'] / 1e6:.0f} M parameters) | {ours['tokens']} / "
+                  f"{ours['supervised']} | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
+                  f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | {ours['step_peak_mib']:.0f} | "
+                  f"{theirs['step_peak_mib']:.0f} | {ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x "
+                  f"[<= {memory_target}x] | {ours['process_peak_mib'] / max(theirs['process_peak_mib'], 1e-9):.2f}x | "
+                  f"{ours['loss']:.6f} / {theirs['loss']:.6f} |", flush=True)
+    if args.only in (None, "packed"):
+        model = packed_model(args.quick)
+        shape = "tiny" if args.quick else "Qwen3.5-0.8B-shaped layers, 3 Gated DeltaNet + 1 attention, vocab 2,048"
+        print("\n### Packed rows of many short samples vs the same tokens as a padding-free batch (fwd + bwd, fp32; "
+              f"{shape})\n")
+        print("| packed rows | padding-free batch | packed ms | padding-free ms | ratio [target <= 1.05x] |")
+        print("|---|---|---:|---:|---:|")
+        raw["packed"] = []
+        shapes = ((4, 32, 2), (2, 64, 2)) if args.quick else ((16, 128, 2), (4, 512, 2))
+        for per_row, length, rows in shapes:
+            packed, plain = bench_many_short(model, per_row, length, rows, args.reps)
+            raw["packed"].append({"rows": rows, "per_row": per_row, "length": length, "packed": packed,
+                                  "plain": plain})
+            print(f"| {rows} x {per_row} samples x {length} tokens | ({rows * per_row}, {length}) | "
+                  f"{packed * 1e3:.0f} | {plain * 1e3:.0f} | {packed / plain:.2f}x |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
