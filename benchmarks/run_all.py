@@ -183,7 +183,7 @@ def main() -> None:
 
     lines += ["", "### 7. Loss without full logits at the real vocabulary and width (depth cut): one training step "
               "(fwd + bwd + AdamW, fp32, LLaVA-SFT-like batch of 2), each side in its own process", "",
-              "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | step peak ratio [target] |",
+              "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | fwd+bwd peak ratio [target] |",
               "|---|---:|---:|---:|---:|"]
     for name in CONFIGS:
         r = bench_vlm_step(name, args.quick, 1 if args.quick else 2)

@@ -106,6 +106,16 @@ def checkpointed_cross_entropy(states: torch.Tensor, head: nn.Module, targets: t
     return total
 
 
+def _accumulate(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """total + a @ b in fp32: the first product becomes the sum; later ones are added in place (`addmm_`) when
+    they are fp32 already, so a (V, D) sum never needs a second (V, D) buffer."""
+    if total is None:
+        return (a @ b).float()
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return total.addmm_(a, b)
+    return total.add_(a @ b)  # a bf16 / fp16 product (autocast): its temporary is half the size of the sum
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_n CE(states_n @ weight.T + bias, targets_n), fp32, with its gradients computed chunk by chunk in the
     forward pass (no logits kept for the backward, none recomputed). states (N, D), weight (V, D), bias (V,) or
@@ -117,8 +127,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         want_states, want_weight = states.requires_grad, weight.requires_grad
         want_bias = bias is not None and bias.requires_grad
         grad_states = torch.empty_like(states) if want_states else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+        grad_weight = grad_bias = None  # fp32 sums over the chunks, accumulated in place (no V x D temporary)
         total = torch.zeros((), dtype=torch.float32, device=states.device)
         for start in range(0, states.shape[0], rows):
             part, part_targets = states[start : start + rows], targets[start : start + rows]
@@ -136,18 +145,29 @@ class LinearCrossEntropy(torch.autograd.Function):
             if want_states:
                 grad_states[start : start + rows] = (grad @ weight.to(dtype)).to(states.dtype)
             if want_weight:
-                grad_weight += (grad.t() @ part.to(dtype)).float()
+                grad_weight = _accumulate(grad_weight, grad.t(), part.to(dtype))
             if want_bias:
-                grad_bias += grad.float().sum(0)
+                grad_bias = grad.float().sum(0) if grad_bias is None else grad_bias.add_(grad.float().sum(0))
+        if want_weight and grad_weight is None:  # no supervised position: zero gradients
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if want_bias and grad_bias is None:
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         ctx.save_for_backward(*(t for t in (grad_states, grad_weight, grad_bias) if t is not None))
         ctx.present = (want_states, want_weight, want_bias)
+        ctx.used = False
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The saved gradients are scaled in place (no second V x D buffer at the start of the backward, when the
+        # activations peak), so this backward can run once: retain_graph=True and a second backward are refused.
+        if ctx.used:
+            raise RuntimeError("mmadapt.loss.LinearCrossEntropy's backward ran twice (retain_graph=True?): its "
+                               "saved gradients were consumed. Compute full logits for that (return_logits=True).")
+        ctx.used = True
         saved = iter(ctx.saved_tensors)
-        grads = [next(saved) * grad_total if present else None for present in ctx.present]
+        grads = [next(saved).mul_(grad_total) if present else None for present in ctx.present]
         if grads[1] is not None:
             grads[1] = grads[1].to(ctx.dtypes[0])
         if grads[2] is not None:

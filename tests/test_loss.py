@@ -170,3 +170,13 @@ def test_the_function_alone_equals_cross_entropy_of_the_full_logits():
     (expected_grad,) = torch.autograd.grad(
         torch.nn.functional.cross_entropy(states @ frozen.t(), targets, reduction="sum"), states)
     assert torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_through_the_fused_function_is_refused():
+    """Its saved gradients are scaled in place (no second V x D buffer): one backward only, and it says so."""
+    states = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(16, 8, requires_grad=True)
+    total = loss_module.LinearCrossEntropy.apply(states, weight, None, torch.tensor([1, 2, 3, 4]), 2) / 4
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        total.backward()
