@@ -56,6 +56,9 @@ CONFIGS = {
         backbone_options={"num_hidden_layers": 1}, image_sides=None, depth="ViT 2/24 layers, LLM 1/32 layers",
         targets=(0.7, 0.9)),
 }
+# LLaVA-1.5's own SFT runs 16 samples per device; 8 shows how the ratio moves with the batch (--config)
+CONFIGS["LLaVA-1.5-shaped, batch 8"] = {**CONFIGS["LLaVA-1.5-shaped"], "samples": 8}
+DEFAULT_CONFIGS = ("Qwen3.5-0.8B-shaped", "LLaVA-1.5-shaped")
 QUICK = {"encoder_options": {}, "backbone_options": {}, "preset": "tiny"}
 
 
@@ -74,11 +77,13 @@ def build(config: dict, quick: bool) -> VisionLanguageModel:
 
 
 def sft_batch(model: VisionLanguageModel, config: dict, quick: bool) -> dict:
-    """Two samples, one image each, 30-60 prompt + 20-40 answer tokens; only the answers carry labels."""
-    prompt, answer = [34, 57], [26, 38]
-    sides = None if quick or config["image_sides"] is None else config["image_sides"]
-    batch = synthetic_batch(model, (1, 1), image_sides=sides, text_lengths=[p + a for p, a in zip(prompt, answer,
-                                                                                                   strict=True)])
+    """`samples` (default 2) samples, one image each, 30-60 prompt + 20-40 answer tokens; only the answers carry
+    labels."""
+    count = config.get("samples", 2)
+    prompt, answer = ([34, 57, 41, 49, 30, 60, 45, 38] * 4)[:count], ([26, 38, 22, 33, 40, 20, 29, 35] * 4)[:count]
+    sides = None if quick or config["image_sides"] is None else config["image_sides"] * (count // 2)
+    batch = synthetic_batch(model, (1,) * count, image_sides=sides,
+                            text_lengths=[p + a for p, a in zip(prompt, answer, strict=True)])
     labels = torch.full_like(batch["labels"], -100)
     for b, n in enumerate(batch["attention_mask"].sum(1).tolist()):
         labels[b, n - answer[b] : n] = batch["input_ids"][b, n - answer[b] : n]
@@ -203,6 +208,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of the packed-row timings")
     parser.add_argument("--only", choices=("vlm", "packed"), default=None)
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--config", action="append", choices=list(CONFIGS), default=None,
+                        help=f"step configs to run (repeatable; default: {', '.join(DEFAULT_CONFIGS)})")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.reps = 1, 1
@@ -213,14 +220,14 @@ def main() -> None:
           f"transformers {transformers.__version__}\n")
     raw: dict = {}
     if args.only in (None, "vlm"):
-        print("### One training step (fwd + bwd + AdamW, fp32), LLaVA-SFT-like batch of 2: mmadapt (loss without "
+        print("### One training step (fwd + bwd + AdamW, fp32), LLaVA-SFT-like batch: mmadapt (loss without "
               "full logits) vs transformers, each in its own process\n")
         print("| config (depth cut) | tokens / supervised | mmadapt s | transformers s | time ratio [target] | "
               "mmadapt fwd+bwd peak MiB | transformers fwd+bwd peak MiB | peak ratio [target] | "
               "loss mmadapt / transformers |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         raw["vlm"] = []
-        for name in CONFIGS:
+        for name in args.config or DEFAULT_CONFIGS:
             r = bench_vlm_step(name, args.quick, args.steps)
             raw["vlm"].append(r)
             ours, theirs = r["mmadapt"], r["transformers"]

@@ -179,13 +179,13 @@ def main() -> None:
               "| config | mmadapt MiB | transformers MiB | ratio |", "|---|---:|---:|---:|"]
     for family, ours, theirs in bench_memory():
         lines.append(f"| {family} | {ours:.0f} | {theirs:.0f} | {ours / max(theirs, 1e-9):.2f}x |")
-    from bench_loss import CONFIGS, bench_many_short, bench_vlm_step, packed_model
+    from bench_loss import DEFAULT_CONFIGS, bench_many_short, bench_vlm_step, packed_model
 
     lines += ["", "### 7. Loss without full logits at the real vocabulary and width (depth cut): one training step "
               "(fwd + bwd + AdamW, fp32, LLaVA-SFT-like batch of 2), each side in its own process", "",
               "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | fwd+bwd peak ratio [target] |",
               "|---|---:|---:|---:|---:|"]
-    for name in CONFIGS:
+    for name in DEFAULT_CONFIGS:
         r = bench_vlm_step(name, args.quick, 1 if args.quick else 2)
         ours, theirs = r["mmadapt"], r["transformers"]
         memory_target, time_target = r["targets"]
