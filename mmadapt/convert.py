@@ -1,4 +1,4 @@
-"""Checkpoints both ways between mmadapt and transformers' LLaVA and Qwen3.5-VL classes.
+"""Checkpoints both ways between mmadapt and transformers' LLaVA, Qwen3.5-VL and Qwen3.5-MoE-VL classes.
 
 Loading a transformers directory is loading its three parts from it: each family reads its own
 weights (`ComponentConfig(pretrained=directory)`, see `mmadapt.weights`), built on the meta device,
@@ -36,7 +36,9 @@ class Architecture:
 ARCHITECTURES = {
     "llava": Architecture("LlavaForConditionalGeneration", LLAVA_KEYS),
     "qwen3_5": Architecture("Qwen3_5ForConditionalGeneration", QWEN3_5_KEYS),
+    "qwen3_5_moe": Architecture("Qwen3_5MoeForConditionalGeneration", QWEN3_5_KEYS),
 }
+QWEN_VLMS = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}  # transformers model_type -> mmadapt backbone
 
 
 def rename(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
@@ -66,8 +68,8 @@ def component_names(directory: str | os.PathLike, saved: dict[str, Any]) -> tupl
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{directory}: model_type {model_type!r} is neither an mmadapt directory nor a supported "
                          f"transformers architecture ({sorted(ARCHITECTURES)})")
-    if model_type == "qwen3_5":
-        return "qwen3_5_vit", "qwen_merger", "qwen3_5"
+    if model_type in QWEN_VLMS:
+        return "qwen3_5_vit", "qwen_merger", QWEN_VLMS[model_type]
     vision_type = (saved.get("vision_config") or {}).get("model_type", "clip_vision_model")
     if vision_type not in LLAVA_ENCODERS:
         raise ValueError(f"LLaVA vision tower {vision_type!r} has no mmadapt encoder; "
@@ -92,9 +94,10 @@ def _export_target(model: Any) -> tuple[str, Any]:
 
     enc, proj, bb = model.config.encoder.name, model.config.projector.name, model.config.backbone.name
     tokens, lm_config = model.tokens, model.backbone.config
-    if enc == "qwen3_5_vit" and isinstance(model.projector, QwenMergerProjector) and bb == "qwen3_5":
+    if enc == "qwen3_5_vit" and isinstance(model.projector, QwenMergerProjector) and bb in QWEN_VLMS.values():
         vision = {**model.encoder.options, "out_hidden_size": lm_config.hidden_size}
-        return "qwen3_5", transformers.Qwen3_5Config(
+        config_class = transformers.Qwen3_5MoeConfig if bb == "qwen3_5_moe" else transformers.Qwen3_5Config
+        return bb, config_class(
             text_config=hf_options(lm_config), vision_config=vision, image_token_id=tokens.image_token_id,
             vision_start_token_id=tokens.vision_start_token_id, vision_end_token_id=tokens.vision_end_token_id,
             tie_word_embeddings=lm_config.tie_word_embeddings)
@@ -110,7 +113,8 @@ def _export_target(model: Any) -> tuple[str, Any]:
     raise ValueError(
         f"no transformers architecture is equivalent to encoder {enc!r} + projector {proj!r} + backbone {bb!r}. "
         "Exportable: clip/siglip + mlp2x_gelu + a 1-D RoPE backbone (LlavaForConditionalGeneration), "
-        "qwen3_5_vit + qwen_merger + qwen3_5 (Qwen3_5ForConditionalGeneration). Save with format='mmadapt' instead."
+        "qwen3_5_vit + qwen_merger + qwen3_5 / qwen3_5_moe (Qwen3_5ForConditionalGeneration / "
+        "Qwen3_5MoeForConditionalGeneration). Save with format='mmadapt' instead."
     )
 
 

@@ -26,8 +26,9 @@ Under autocast the matmuls run in the autocast dtype, as transformers' `lm_head`
 fp32. It is torch-native: the same code on CPU and GPU, under DDP and FSDP2 (the head's weight is a plain
 tensor inside the forward; its gradient flows back to the sharded parameter as usual).
 
-Backbones whose logits are more than `lm_head(hidden)` (a final soft-cap, a logit scale) or whose
-forward adds an auxiliary loss (MoE router logits) keep transformers' full path: `full_path_reason`.
+Backbones whose logits are more than `lm_head(hidden)` (a final soft-cap, a logit scale) keep
+transformers' full path: `full_path_reason`. An MoE router's load-balancing loss (`output_router_logits`) is
+added by the model on either path (`VisionLanguageModel.own_loss`).
 
 Shapes: B rows, L tokens, D width, V vocabulary, N supervised positions, C positions per chunk.
 """
@@ -53,8 +54,6 @@ def full_path_reason(config: Any) -> str | None:
         value = getattr(config, name, None)
         if value is not None and value != 1:
             return f"its config sets {name} = {value} (the logits are more than lm_head(hidden))"
-    if getattr(config, "output_router_logits", False):
-        return "it adds a router auxiliary loss (output_router_logits = True)"
     return None
 
 

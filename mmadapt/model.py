@@ -196,10 +196,16 @@ class VisionLanguageModel(nn.Module):
             backbone_mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
             kwargs["packed_segments"] = PackedRows(segments, cu_seqlens, valid)
         return_logits = return_logits or self.full_logits_loss
-        if labels is not None and self.training and not return_logits and self.loss_without_logits():
-            return self.supervised_loss(inputs_embeds, backbone_mask, position_ids, labels, **kwargs)
+        chunked = labels is not None and self.training and not return_logits and self.loss_without_logits()
+        if chunked or self.router_aux_loss(kwargs):
+            return self.own_loss(inputs_embeds, backbone_mask, position_ids, labels, valid, chunked=chunked, **kwargs)
         return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
                              position_ids=position_ids, labels=labels, **kwargs)
+
+    def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
+        """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""
+        requested = kwargs.get("output_router_logits")
+        return bool(getattr(self.backbone.config, "output_router_logits", False) if requested is None else requested)
 
     def loss_without_logits(self) -> bool:
         """Whether the training loss may skip the full logits (`mmadapt.loss`); logs once why not."""
@@ -212,18 +218,49 @@ class VisionLanguageModel(nn.Module):
                          self._full_logits_reason)
         return not self._full_logits_reason
 
-    def supervised_loss(self, inputs_embeds: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
-                        labels: torch.Tensor, num_items_in_batch: Any = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """The backbone's base model, then the loss over the supervised positions only (`mmadapt.loss`)."""
-        from mmadapt.loss import causal_lm_loss
+    def own_loss(self, inputs_embeds: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
+                 labels: torch.Tensor | None, valid: torch.Tensor, *, chunked: bool, num_items_in_batch: Any = None,
+                 output_router_logits: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """The backbone's base model, then the loss computed here: over the supervised positions only, in chunks
+        (`chunked`: `mmadapt.loss`), or from full logits with the backbone's own loss function; plus, for MoE
+        backbones with `output_router_logits`, the router's load-balancing loss over the real tokens (`valid`).
 
+        That auxiliary loss is transformers' `load_balancing_loss_func` with the (B, L) real-token mask: padding
+        never enters it, and since it averages routing statistics over every real token of the batch, a packed
+        batch gives the same value as the same samples padded (transformers' own forward would count padding
+        when no mask is given and cannot read the per-layer-type masks of packed rows).
+        """
         kwargs.pop("logits_to_keep", None)
+        router = self.router_aux_loss({"output_router_logits": output_router_logits})
+        if router:
+            kwargs["output_router_logits"] = True
         out = self.backbone.get_decoder()(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                           position_ids=position_ids, **kwargs)
-        loss = causal_lm_loss(out.last_hidden_state, self.backbone.get_output_embeddings(), labels,
-                              num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        hidden, head, logits, loss = out.last_hidden_state, self.backbone.get_output_embeddings(), None, None
+        if chunked:
+            from mmadapt.loss import causal_lm_loss
+
+            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch)
+        else:
+            logits = head(hidden)
+            if labels is not None:
+                loss = self.backbone.loss_function(logits, labels, self.backbone.config.vocab_size,
+                                                   num_items_in_batch=num_items_in_batch)
+        if not router:
+            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                          hidden_states=out.hidden_states, attentions=out.attentions)
+        import sys
+
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        config = self.backbone.config
+        balance = sys.modules[type(self.backbone).__module__].load_balancing_loss_func
+        aux = balance(out.router_logits, config.num_experts, config.num_experts_per_tok, valid)
+        if loss is not None:
+            loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, past_key_values=out.past_key_values,
+                                         hidden_states=out.hidden_states, attentions=out.attentions,
+                                         router_logits=out.router_logits)
 
     def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                      valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,

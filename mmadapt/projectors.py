@@ -136,7 +136,7 @@ class QwenMergerProjector(Projector):
         if _saved_part(checkpoint, "projector"):
             return {}, (("projector.", ""),)
         vision = getattr(hf_config(checkpoint, what), "vision_config", None) if checkpoint.config else None
-        if getattr(vision, "model_type", None) != "qwen3_5_vision":
+        if getattr(vision, "model_type", None) not in ("qwen3_5_vision", "qwen3_5_moe_vision"):
             raise wrong_family(what, checkpoint, "a Qwen3.5-VL directory ('qwen3_5') or an mmadapt model directory")
         return {"merge_size": vision.spatial_merge_size}, (("model.visual.merger.", ""),)
 

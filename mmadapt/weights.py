@@ -185,22 +185,49 @@ def renamed_keys(keys: Iterable[str], rules: Rules, skip: tuple[str, ...] = ()) 
     return {source: target for target, source in out.items()}
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A module tensor `<prefix><name>` (E, ...) that checkpoints store per expert: for e in range(E), the
+    checkpoint tensors `<prefix><part with {e} = e>` concatenated along dim 0, then stacked (MoE experts: the
+    hub ships `mlp.experts.{e}.gate_proj.weight` / `up_proj`, transformers' module holds `mlp.experts.gate_up_proj`)."""
+
+    name: str
+    parts: tuple[str, ...]
+
+    def build(self, target: str, count: int, sources: dict[str, str], checkpoint: Checkpoint) -> torch.Tensor | None:
+        prefix = target[: -len(self.name)]
+        keys = [[sources.get(prefix + part.format(e=e)) for part in self.parts] for e in range(count)]
+        if any(k is None for row in keys for k in row):
+            return None
+        return torch.stack([torch.cat([checkpoint.tensor(k) for k in row]) for row in keys])
+
+
 def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: str, skip: tuple[str, ...] = (),
               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
-              hint: str | None = None) -> nn.Module:
+              hint: str | None = None, fused: tuple[Fused, ...] = ()) -> nn.Module:
     """Materialise `module` (built under `empty_weights`) from `checkpoint`, strictly.
 
     `tied` maps a module key to the key it is tied to: either may be absent from the checkpoint (the
     caller ties them after loading). `dtype` casts floating tensors; None keeps the checkpoint's dtype
-    (and its memory map). `hint` replaces the generic advice of the shape-mismatch error.
+    (and its memory map). `hint` replaces the generic advice of the shape-mismatch error. `fused`: module
+    tensors a checkpoint may store in pieces (`Fused`), built when the fused key itself is absent.
     """
     mapping = renamed_keys(checkpoint.keys(), rules, skip)
     expected = module.state_dict()
+    sources = {target: source for source, target in mapping.items()}
+    assembled = {}
+    for target, value in expected.items():
+        rule = next((f for f in fused if target.endswith(f.name) and target not in sources), None)
+        tensor = None if rule is None else rule.build(target, value.shape[0], sources, checkpoint)
+        if tensor is not None:
+            assembled[target] = tensor
     state, wrong = {}, []
-    for source, target in mapping.items():
+    items = [(source, target, None) for source, target in mapping.items()]
+    items += [(f"{target} (assembled per expert)", target, tensor) for target, tensor in assembled.items()]
+    for source, target, tensor in items:
         if target not in expected:
             continue  # e.g. a persistent buffer of an older transformers version; harmless
-        tensor = checkpoint.tensor(source)
+        tensor = checkpoint.tensor(source) if tensor is None else tensor
         if tuple(tensor.shape) != tuple(expected[target].shape):
             wrong.append(f"{source} {tuple(tensor.shape)} vs {tuple(expected[target].shape)}")
             continue

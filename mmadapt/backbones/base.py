@@ -54,6 +54,10 @@ class BackboneSpec:
     vision_end_token: str | None = None
     chat_template: str = "vicuna_v1"
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # nn.Parameters (not modules) that LoRA targets, e.g. MoE experts stored as 3-D tensors (peft's target_parameters)
+    lora_target_parameters: tuple[str, ...] = ()
+    # module tensors that checkpoints store in pieces (MoE experts per expert; `mmadapt.weights.Fused`)
+    fused_weights: tuple[Any, ...] = ()
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     validate: Callable[[Any], None] | None = None
     # Packing: `isolate(lm)` makes stateful layers restart at sample boundaries (called once at build);
@@ -98,7 +102,7 @@ class BackboneSpec:
             lm = import_object(self.model_class)(config)
         tied = (getattr(lm, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else {}
         tied = {**tied, **{v: k for k, v in tied.items()}}  # either side may be the one the checkpoint stores
-        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied)
+        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied, fused=self.fused_weights)
         if config.tie_word_embeddings:
             lm.tie_weights()
         lm.provenance = Provenance(checkpoint)

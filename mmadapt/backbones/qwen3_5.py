@@ -32,16 +32,22 @@ def isolate_samples(lm: Any) -> None:
     isolate_samples(lm)
 
 
+# What every published Qwen3.5 text config (dense and MoE) shares: M-RoPE, the span and end token ids.
+TOKENS_AND_ROPE = dict(
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+    image_token_id=248056, vision_start_token_id=248053, vision_end_token_id=248054, eos_token_id=248044,
+)
+
+
 def _qwen(hidden: int, intermediate: int, layers: int, heads: int, kv: int, v_heads: int, tie: bool) -> dict:
     # Text configs of the published Qwen3.5 checkpoints (config.json `text_config`).
     return dict(
         vocab_size=248320, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=v_heads, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=tie,
-        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                             mrope_section=[11, 11, 10], mrope_interleaved=True),
-        image_token_id=248056, vision_start_token_id=248053, vision_end_token_id=248054, eos_token_id=248044,
+        tie_word_embeddings=tie, **TOKENS_AND_ROPE,
     )
 
 

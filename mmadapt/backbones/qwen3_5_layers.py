@@ -16,6 +16,8 @@ switches each layer to this subclass, in this one visible place. With `packed_se
   segment. `varlen_forward` is transformers' forward with those two calls, nothing else changed.
 
 Without `packed_segments` it is the original layer. Parameters and state-dict keys are unchanged.
+Qwen3.5-MoE's `Qwen3_5MoeGatedDeltaNet` is the same layer under another class name; it gets the same
+treatment (`gated_delta_net_classes`).
 
 Shapes: B rows, L tokens, D width, T = B * L; a group runs as (count, width, D).
 """
@@ -44,7 +46,9 @@ def varlen_kernels(hidden_states: torch.Tensor) -> tuple[Any, Any] | None:
     return causal_conv1d_fn, chunk_gated_delta_rule
 
 
-class PerSampleGatedDeltaNet(Qwen3_5GatedDeltaNet):
+class PerSample:
+    """Mixin over a transformers Gated DeltaNet class (Qwen3.5's, Qwen3.5-MoE's: the same layer, two classes)."""
+
     def forward(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
                 packed_segments: PackedRows | None = None, **kwargs: Any) -> torch.Tensor:
         if packed_segments is None:
@@ -55,8 +59,8 @@ class PerSampleGatedDeltaNet(Qwen3_5GatedDeltaNet):
         if kernels is not None:
             return self.varlen_forward(hidden_states, packed_segments, *kernels)
         groups = packed_segments.groups(hidden_states.device)
-        parts = [super(PerSampleGatedDeltaNet, self).forward(packed_segments.gather(hidden_states, group),
-                                                             attention_mask=group.mask, **kwargs)
+        parts = [super(PerSample, self).forward(packed_segments.gather(hidden_states, group),
+                                                attention_mask=group.mask, **kwargs)
                  for group in groups]
         return packed_segments.scatter(parts, groups)  # padding tails stay 0, as transformers' padding mask makes them
 
@@ -80,8 +84,29 @@ class PerSampleGatedDeltaNet(Qwen3_5GatedDeltaNet):
         return out * packed.valid.view(rows, length, 1).to(out.dtype)
 
 
+class PerSampleGatedDeltaNet(PerSample, Qwen3_5GatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet, isolated per packed sample."""
+
+
+PER_SAMPLE: dict[type, type] = {Qwen3_5GatedDeltaNet: PerSampleGatedDeltaNet}
+
+
+def gated_delta_net_classes() -> dict[type, type]:
+    """{transformers Gated DeltaNet class: its per-sample subclass}, for every Qwen3.5 family transformers has
+    (Qwen3.5-MoE's layer is the same code under another class name)."""
+    try:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    except ImportError:
+        return PER_SAMPLE
+    if Qwen3_5MoeGatedDeltaNet not in PER_SAMPLE:
+        PER_SAMPLE[Qwen3_5MoeGatedDeltaNet] = type("PerSampleQwen3_5MoeGatedDeltaNet",
+                                                   (PerSample, Qwen3_5MoeGatedDeltaNet), {"__module__": __name__})
+    return PER_SAMPLE
+
+
 def isolate_samples(lm: nn.Module) -> None:
     """Make every Gated DeltaNet layer of `lm` restart its conv window and state at each packed sample."""
+    classes = gated_delta_net_classes()
     for module in lm.modules():
-        if type(module) is Qwen3_5GatedDeltaNet:
-            module.__class__ = PerSampleGatedDeltaNet
+        if type(module) in classes:
+            module.__class__ = classes[type(module)]

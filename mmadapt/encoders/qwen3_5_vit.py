@@ -50,7 +50,7 @@ class QwenViTEncoder(VisionEncoder):
         if checkpoint.model_type == "mmadapt":
             return (*mmadapt_part(checkpoint, "encoder", "qwen3_5_vit", what), ())
         vision = getattr(hf_config(checkpoint, what), "vision_config", None) if checkpoint.config else None
-        if getattr(vision, "model_type", None) != "qwen3_5_vision":
+        if getattr(vision, "model_type", None) not in ("qwen3_5_vision", "qwen3_5_moe_vision"):
             raise wrong_family(what, checkpoint, "a Qwen3.5-VL directory ('qwen3_5', vision_config 'qwen3_5_vision')")
         options = {**hf_options(vision), **preprocessor_pixels(checkpoint.directory)}
         return options, (("model.visual.", "tower."),), ("model.visual.merger.",)

@@ -71,13 +71,21 @@ def shard(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16-autocast" else None,
                               reduce_dtype=torch.float32)
+    for block in blocks_to_shard(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def blocks_to_shard(model: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards one by one: every block of the encoder's and the backbone's block lists (decoder
+    layers of every registered backbone, dense or MoE; vision blocks); the rest goes with the root."""
+    blocks = []
     for component in (model.encoder, model.backbone):
         for name, module in component.named_modules():
             if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS:
-                for block in module:
-                    fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+                blocks.extend(module)
+    return blocks
 
 
 def no_sync(wrapped: nn.Module) -> Any:

@@ -29,9 +29,13 @@ def lora_config(model: Any, component: str, r: int, alpha: int, dropout: float, 
 
     if component == "projector":
         raise ValueError("stages.projector cannot be 'lora' (the projector is small; train it 'full' or freeze it)")
+    parameters = None
     if targets is None:
         targets = list(model.backbone_spec.lora_targets) if component == "backbone" else linear_names(model.encoder)
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+        if component == "backbone" and model.backbone_spec.lora_target_parameters:
+            parameters = list(model.backbone_spec.lora_target_parameters)
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                      target_parameters=parameters, bias="none")
 
 
 def linear_names(module: nn.Module) -> list[str]:
