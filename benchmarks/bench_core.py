@@ -72,6 +72,7 @@ def bench_injection(reps: int, shape: tuple[int, int, int, int]) -> list[tuple[s
 FAMILIES = {
     "Qwen3.5-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), "Qwen3_5ForConditionalGeneration"),
     "LLaVA-1.5-shaped": (("clip", "mlp2x_gelu", "llama"), "LlavaForConditionalGeneration"),
+    "Qwen3.5-MoE-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5_moe"), "Qwen3_5MoeForConditionalGeneration"),
 }
 
 
