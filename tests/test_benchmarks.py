@@ -8,28 +8,30 @@ from pathlib import Path
 
 import pytest
 
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str, timeout: int = 600) -> str:
+    """stdout of `python benchmarks/<script> <args>`, run from the benchmarks directory (it must succeed)."""
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          check=True, timeout=timeout, cwd=BENCHMARKS).stdout
+
 
 @pytest.mark.slow
 def test_bench_core_quick_run_prints_its_tables():
-    script = Path(__file__).parents[1] / "benchmarks" / "bench_core.py"
-    out = subprocess.run([sys.executable, str(script), "--quick", "--reps", "1"], capture_output=True, text=True,
-                         check=True, timeout=300).stdout
+    out = run("bench_core.py", "--quick", "--reps", "1", timeout=300)
     assert "| mmadapt locate+scatter |" in out and "| train (fwd+bwd+AdamW) | fp32 |" in out
 
 
 @pytest.mark.slow
 def test_bench_packing_quick_run_prints_its_tables():
-    script = Path(__file__).parents[1] / "benchmarks" / "bench_packing.py"
-    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=300, cwd=script.parent).stdout
+    out = run("bench_packing.py", "--quick", timeout=300)
     assert "| llama |" in out and "| qwen3_5 |" in out and "| packed, isolated per sample (mmadapt) |" in out
 
 
 @pytest.mark.slow
 def test_run_all_quick_prints_every_section():
-    script = Path(__file__).parents[1] / "benchmarks" / "run_all.py"
-    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=600, cwd=script.parent).stdout
+    out = run("run_all.py", "--quick")
     for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 4. Packed vs padded",
                     "### 5. Preprocessing", "### 6. Peak memory", "### 7. Loss without full logits",
                     "### 8. Packed rows of many short samples"):
@@ -38,9 +40,7 @@ def test_run_all_quick_prints_every_section():
 
 @pytest.mark.slow
 def test_bench_load_quick_run_prints_its_table():
-    script = Path(__file__).parents[1] / "benchmarks" / "bench_load.py"
-    out = subprocess.run([sys.executable, str(script), "--quick", "--reps", "1"], capture_output=True, text=True,
-                         check=True, timeout=600, cwd=script.parent).stdout
+    out = run("bench_load.py", "--quick", "--reps", "1")
     assert "### Loading a saved Qwen3.5-0.8B-shaped random VLM" in out and "2 text layers" in out
     assert "| mmadapt.build_model (qwen3_5_vit + qwen_merger + qwen3_5) |" in out
     assert "| transformers Qwen3_5ForConditionalGeneration.from_pretrained |" in out
@@ -49,8 +49,6 @@ def test_bench_load_quick_run_prints_its_table():
 
 @pytest.mark.slow
 def test_bench_loss_quick_run_prints_its_tables():
-    script = Path(__file__).parents[1] / "benchmarks" / "bench_loss.py"
-    out = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, check=True,
-                         timeout=600, cwd=script.parent).stdout
+    out = run("bench_loss.py", "--quick")
     assert "| Qwen3.5-0.8B-shaped (tiny;" in out and "| LLaVA-1.5-shaped (tiny;" in out
     assert "| 2 x 4 samples x 32 tokens | (8, 32) |" in out
