@@ -17,10 +17,12 @@ __version__ = "0.5.0"
 
 
 def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,
-                backbone: str | dict | ComponentConfig, *, preset: str | None = "tiny") -> VisionLanguageModel:
+                backbone: str | dict | ComponentConfig, *, preset: str | None = "tiny",
+                deepstack: str = "use") -> VisionLanguageModel:
     """Build a model from parts: registry names (built from `preset`) or mappings / `ComponentConfig`s
-    `{name, preset, options, pretrained, dtype}`, e.g. `{"name": "qwen3_5", "pretrained": "Qwen3.5-0.8B"}`."""
-    return VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset)
+    `{name, preset, options, pretrained, dtype}`, e.g. `{"name": "qwen3_5", "pretrained": "Qwen3.5-0.8B"}`.
+    `deepstack="drop"` builds without an encoder's DeepStack levels (see `ModelConfig`)."""
+    return VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset, deepstack=deepstack)
 
 
 __all__ = [

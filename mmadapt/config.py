@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_PRESET = "tiny"
+DEEPSTACK_MODES = ("use", "drop")
 COMPONENT_KEYS = ("name", "preset", "options", "pretrained", "dtype", "source")
 
 
@@ -78,14 +79,22 @@ class ComponentConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Encoder -> projector -> backbone. `check_contract` runs the image-token checks on every batch."""
+    """Encoder -> projector -> backbone. `check_contract` runs the image-token checks on every batch.
+
+    `deepstack`: what becomes of an encoder's DeepStack feature levels (Qwen3-VL). "use" (the default): a backbone
+    that takes them gets them, and one that cannot is an error at build time (the levels would be lost silently);
+    "drop": the model is built without them (logged), for any backbone.
+    """
 
     encoder: ComponentConfig
     projector: ComponentConfig
     backbone: ComponentConfig
     check_contract: bool = True
+    deepstack: str = "use"
 
     def __post_init__(self) -> None:
+        if self.deepstack not in DEEPSTACK_MODES:
+            raise ValueError(f"deepstack must be one of {list(DEEPSTACK_MODES)}, got {self.deepstack!r}")
         from mmadapt.backbones import BACKBONES
         from mmadapt.encoders import ENCODERS
         from mmadapt.projectors import PROJECTORS
@@ -116,7 +125,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {"encoder", "projector", "backbone", "check_contract"}
+        known = {"encoder", "projector", "backbone", "check_contract", "deepstack"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")

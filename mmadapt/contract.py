@@ -10,8 +10,10 @@ Shapes: B batch, L tokens, S image spans, I images, N visual tokens, D LLM width
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from mmadapt.packing import require_bool_mask
 
@@ -154,6 +156,76 @@ def check_injected(inputs_embeds: torch.Tensor, spans: ImageSpans, features: tor
         raise _fail(s, f"position {pos} still holds a non-visual embedding after injection",
                     "something rewrote the embeddings after injection (a hook, or input_ids re-embedded)",
                     "pass inputs_embeds, not input_ids, to the backbone and keep hooks out of the image positions")
+
+
+def check_levels(spans: ImageSpans, visual: Any, expected: int) -> None:
+    """DeepStack: the `expected` levels are there, each with one LLM-width token per image position, like the main
+    tokens (`visual.features`), so each image's span receives exactly its own level tokens."""
+    if len(visual.levels) != expected:
+        s = int(spans.sample[0]) if spans.num_spans else 0
+        raise _fail(s, f"the visual tokens carry {len(visual.levels)} DeepStack level(s), the backbone expects "
+                    f"{expected}", "the encoder's levels were switched off or added after the model was built",
+                    "build the model from its config (its levels follow the encoder and backbone)")
+    for i, level in enumerate(visual.levels):
+        if tuple(level.shape) != tuple(visual.features.shape):
+            s = int(spans.sample[0]) if spans.num_spans else 0
+            raise _fail(s, f"DeepStack level {i} has shape {tuple(level.shape)} but the main visual tokens "
+                        f"{tuple(visual.features.shape)} (one row per image position)", "a level projection changes "
+                        "the token count or width differently from the main projector",
+                        "project every level with a projector of the main one's kind (`levels` of the projector)")
+
+
+class DeepStackProbe:
+    """Verifies that DeepStack level i was added at the image positions after decoder layer i.
+
+    While active, a hook on layer i keeps `hidden[image positions] + level i` (the addition the backbone must
+    make, in its dtype) and a pre-hook on the next module (layer i + 1, or the final norm) compares its input
+    with it, bit for bit. On leaving, a level not added (a backbone that ignores `deepstack_visual_embeds`) is an
+    `ImageTokenContractError`. Hooks run in the forward only: recomputation in backward (activation checkpointing)
+    happens after they are removed. Cost: one (N, D) addition and comparison per level.
+    """
+
+    def __init__(self, layers: nn.ModuleList, norm: nn.Module, spans: ImageSpans,
+                 levels: tuple[torch.Tensor, ...]) -> None:
+        self.layers, self.norm, self.spans, self.levels = layers, norm, spans, levels
+        self.expected: dict[int, torch.Tensor] = {}
+        self.added: dict[int, bool] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> DeepStackProbe:
+        for i in range(len(self.levels)):
+            following = self.layers[i + 1] if i + 1 < len(self.layers) else self.norm
+            self.handles.append(self.layers[i].register_forward_hook(self._after(i)))
+            self.handles.append(following.register_forward_pre_hook(self._before(i)))
+        return self
+
+    def _after(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            hidden = (output[0] if isinstance(output, tuple) else output).detach()
+            mask = self.spans.mask.to(hidden.device)
+            self.expected[i] = hidden[mask] + self.levels[i].detach().to(hidden.device, hidden.dtype)
+        return hook
+
+    def _before(self, i: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if i in self.expected and args:
+                hidden = args[0].detach()
+                self.added[i] = torch.equal(hidden[self.spans.mask.to(hidden.device)], self.expected.pop(i))
+        return hook
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if kind is not None:
+            return
+        lost = [i for i in range(len(self.levels)) if not self.added.get(i, False)]
+        if lost:
+            i = lost[0]
+            raise _fail(int(self.spans.sample[0]), f"DeepStack level {i} was not added to the LLM's hidden states at "
+                        f"the image positions after decoder layer {i} (levels not added: {lost})",
+                        "the backbone ignores deepstack_visual_embeds / visual_pos_masks, or something changed the "
+                        "hidden states between the layers", "register a backbone that adds them (deepstack=True "
+                        "only for models whose forward does), or build with deepstack: drop")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpoints both ways between mmadapt and transformers' LLaVA, Qwen3.5-VL and Qwen3.5-MoE-VL classes.
+"""Checkpoints both ways between mmadapt and transformers' LLaVA, Qwen3.5(-MoE) and Qwen3-VL(-MoE) classes.
 
 Loading a transformers directory is loading its three parts from it: each family reads its own
 weights (`ComponentConfig(pretrained=directory)`, see `mmadapt.weights`), built on the meta device,
@@ -24,6 +24,8 @@ LLAVA_KEYS = (("model.vision_tower.", "encoder.tower."), ("model.multi_modal_pro
               ("model.language_model.", "backbone.model."), ("lm_head.", "backbone.lm_head."))
 QWEN3_5_KEYS = (("model.visual.merger.", "projector."), ("model.visual.", "encoder.tower."),
                 ("model.language_model.", "backbone.model."), ("lm_head.", "backbone.lm_head."))
+# Qwen3-VL: the ViT's DeepStack level mergers are the projector's level projections.
+QWEN3_VL_KEYS = (("model.visual.deepstack_merger_list.", "projector.deepstack."), *QWEN3_5_KEYS)
 LLAVA_ENCODERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 
 
@@ -37,8 +39,14 @@ ARCHITECTURES = {
     "llava": Architecture("LlavaForConditionalGeneration", LLAVA_KEYS),
     "qwen3_5": Architecture("Qwen3_5ForConditionalGeneration", QWEN3_5_KEYS),
     "qwen3_5_moe": Architecture("Qwen3_5MoeForConditionalGeneration", QWEN3_5_KEYS),
+    "qwen3_vl": Architecture("Qwen3VLForConditionalGeneration", QWEN3_VL_KEYS),
+    "qwen3_vl_moe": Architecture("Qwen3VLMoeForConditionalGeneration", QWEN3_VL_KEYS),
 }
-QWEN_VLMS = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}  # transformers model_type -> mmadapt backbone
+# transformers model_type -> (mmadapt encoder, backbone, transformers config class); the projector is qwen_merger
+QWEN_VLMS = {"qwen3_5": ("qwen3_5_vit", "qwen3_5", "Qwen3_5Config"),
+             "qwen3_5_moe": ("qwen3_5_vit", "qwen3_5_moe", "Qwen3_5MoeConfig"),
+             "qwen3_vl": ("qwen3_vl_vit", "qwen3_vl", "Qwen3VLConfig"),
+             "qwen3_vl_moe": ("qwen3_vl_vit", "qwen3_vl_moe", "Qwen3VLMoeConfig")}
 
 
 def rename(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
@@ -69,7 +77,8 @@ def component_names(directory: str | os.PathLike, saved: dict[str, Any]) -> tupl
         raise ValueError(f"{directory}: model_type {model_type!r} is neither an mmadapt directory nor a supported "
                          f"transformers architecture ({sorted(ARCHITECTURES)})")
     if model_type in QWEN_VLMS:
-        return "qwen3_5_vit", "qwen_merger", QWEN_VLMS[model_type]
+        encoder, backbone, _ = QWEN_VLMS[model_type]
+        return encoder, "qwen_merger", backbone
     vision_type = (saved.get("vision_config") or {}).get("model_type", "clip_vision_model")
     if vision_type not in LLAVA_ENCODERS:
         raise ValueError(f"LLaVA vision tower {vision_type!r} has no mmadapt encoder; "
@@ -81,7 +90,7 @@ def component_names(directory: str | os.PathLike, saved: dict[str, Any]) -> tupl
 
 
 def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, Any]) -> Any:
-    """A transformers LLaVA / Qwen3.5-VL directory as three pretrained parts (keys no part reads are ignored)."""
+    """A transformers LLaVA / Qwen VLM directory as three pretrained parts (keys no part reads are ignored)."""
     names = component_names(directory, saved)
     parts = {part: ComponentConfig(name=name, pretrained=str(directory))
              for part, name in zip(("encoder", "projector", "backbone"), names, strict=True)}
@@ -94,10 +103,13 @@ def _export_target(model: Any) -> tuple[str, Any]:
 
     enc, proj, bb = model.config.encoder.name, model.config.projector.name, model.config.backbone.name
     tokens, lm_config = model.tokens, model.backbone.config
-    if enc == "qwen3_5_vit" and isinstance(model.projector, QwenMergerProjector) and bb in QWEN_VLMS.values():
+    qwen = next((t for t, (e, b, _) in QWEN_VLMS.items() if (e, b) == (enc, bb)), None)
+    complete = model.levels == len(model.encoder.deepstack_levels)  # an export without its DeepStack levels is not it
+    merger = isinstance(model.projector, QwenMergerProjector) and not model.projector.postshuffle_norm
+    if qwen is not None and merger and complete:
         vision = {**model.encoder.options, "out_hidden_size": lm_config.hidden_size}
-        config_class = transformers.Qwen3_5MoeConfig if bb == "qwen3_5_moe" else transformers.Qwen3_5Config
-        return bb, config_class(
+        config_class = getattr(transformers, QWEN_VLMS[qwen][2])
+        return qwen, config_class(
             text_config=hf_options(lm_config), vision_config=vision, image_token_id=tokens.image_token_id,
             vision_start_token_id=tokens.vision_start_token_id, vision_end_token_id=tokens.vision_end_token_id,
             tie_word_embeddings=lm_config.tie_word_embeddings)
@@ -113,8 +125,9 @@ def _export_target(model: Any) -> tuple[str, Any]:
     raise ValueError(
         f"no transformers architecture is equivalent to encoder {enc!r} + projector {proj!r} + backbone {bb!r}. "
         "Exportable: clip/siglip + mlp2x_gelu + a 1-D RoPE backbone (LlavaForConditionalGeneration), "
-        "qwen3_5_vit + qwen_merger + qwen3_5 / qwen3_5_moe (Qwen3_5ForConditionalGeneration / "
-        "Qwen3_5MoeForConditionalGeneration). Save with format='mmadapt' instead."
+        "qwen3_5_vit + qwen_merger + qwen3_5 / qwen3_5_moe (Qwen3_5[Moe]ForConditionalGeneration), qwen3_vl_vit + "
+        "qwen_merger + qwen3_vl / qwen3_vl_moe with their DeepStack levels (Qwen3VL[Moe]ForConditionalGeneration). "
+        "Save with format='mmadapt' instead."
     )
 
 

@@ -337,22 +337,23 @@ def evidence(model: Any, inputs: dict[str, Any], answer_ids: Any, *, images: Seq
             counts = inputs.get("images_per_sample")
             model.check_inputs(ids, spans, visual, torch.ones_like(ids, dtype=torch.bool),
                                images_per_sample=None if counts is None else counts.to(device))
-        features = visual.features.detach()
+        # A visual token's input is its main features and, with DeepStack, its levels: (1 + levels, N, D), all scaled
+        features = torch.stack([visual.features, *visual.levels]).detach()
         alphas, weights = path_points(steps)
         gradient = torch.zeros(features.shape, dtype=torch.float32, device=device)
         for chunk, chunk_weights in zip(alphas.split(batch_size), weights.split(batch_size), strict=True):
-            scaled = (chunk.to(device, torch.float32).view(-1, 1, 1) * features.float()).to(features.dtype)
+            scaled = (chunk.to(device, torch.float32).view(-1, 1, 1, 1) * features.float()).to(features.dtype)
             scaled.requires_grad_(True)
             with torch.enable_grad():
                 values = answer_log_probs(model, ids, answer, visual, scaled)
                 (grad,) = torch.autograd.grad(values.sum(), scaled)
-            gradient += (chunk_weights.to(device, torch.float32).view(-1, 1, 1) * grad.float()).sum(0)
+            gradient += (chunk_weights.to(device, torch.float32).view(-1, 1, 1, 1) * grad.float()).sum(0)
         with torch.no_grad():  # the two ends of the path: with the features, and with every visual token empty
             ends = answer_log_probs(model, ids, answer, visual, torch.stack([features, torch.zeros_like(features)]))
         objective, baseline = float(ends[0]), float(ends[1])
     finally:
         model.train(was_training)
-    scores = (gradient * features.float()).sum(-1).cpu()
+    scores = (gradient * features.float()).sum((0, -1)).cpu()
     maps = token_maps(scores, visual.grids.cpu(), visual.window, rule=rule, images=images,
                       image_processor=image_processor if image_processor is not None or images is None
                       else _processor_of(model))
@@ -380,17 +381,19 @@ def path_points(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def answer_log_probs(model: Any, ids: torch.Tensor, answer: torch.Tensor, visual: Any,
                      features: torch.Tensor) -> torch.Tensor:
-    """(K,) sum of the answer's log-probabilities for K versions (K, N, D) of the visual tokens of prompt `ids`
-    (1, L), the answer being its last T tokens; the model's own injection and positions (1-D or M-RoPE)."""
-    k = features.shape[0]
+    """(K,) sum of the answer's log-probabilities for K versions (K, 1 + levels, N, D) of the visual tokens of prompt
+    `ids` (1, L) - the main features, then each DeepStack level -, the answer being its last T tokens; the model's
+    own injection and positions (1-D or M-RoPE)."""
+    k, width = features.shape[0], features.shape[-1]
     rows = ids.expand(k, -1)
     spans = contract.locate(rows, model.tokens.image_token_id)
-    tokens = dataclasses.replace(visual, features=features.reshape(-1, features.shape[-1]),
-                                 grids=visual.grids.repeat(k, 1))
+    tokens = dataclasses.replace(visual, features=features[:, 0].reshape(-1, width), grids=visual.grids.repeat(k, 1),
+                                 levels=tuple(features[:, i].reshape(-1, width) for i in range(1, features.shape[1])))
     mask = torch.ones_like(rows, dtype=torch.bool)
     out = model.backbone(inputs_embeds=model.embed(rows, spans, tokens), attention_mask=mask,
                          position_ids=model.positions(mask, spans, tokens), use_cache=False,
-                         logits_to_keep=answer.numel() + 1)  # the positions that predict the answer, and the last
+                         logits_to_keep=answer.numel() + 1,  # the positions that predict the answer, and the last
+                         **model.deepstack_inputs(spans, tokens))
     logits = out.logits[:, -answer.numel() - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, answer.expand(k, -1)[..., None]).squeeze(-1).sum(-1)
 

@@ -14,6 +14,11 @@ family reads its own checkpoints, see `mmadapt.weights`); they may differ in dty
 at the boundaries (pixels to the encoder's dtype, features to the projector's, visual tokens to the
 embeddings').
 
+DeepStack (Qwen3-VL): an encoder's extra feature levels go through their own projections and, for a backbone
+that takes them, into its forward as `visual_pos_masks` + `deepstack_visual_embeds`; the contract checks each
+level like the main tokens and verifies, with hooks on the declared decoder layers, that every level was
+added (`contract.DeepStackProbe`). `ModelConfig.deepstack` decides what a combination that cannot carry them does.
+
 Packed batches add `cu_seqlens` (see `mmadapt.packing`): positions restart per sample,
 attention gets a block-diagonal causal mask, and stateful layers (Qwen3.5's Gated DeltaNet)
 run per sample; a training forward never builds a KV cache. At the public boundary (`forward`,
@@ -26,6 +31,7 @@ Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -64,18 +70,19 @@ class VisionLanguageModel(nn.Module):
         if self.backbone_spec.isolate is not None:
             self.backbone_spec.isolate(self.backbone)
         use_varlen_attention(self.backbone)
+        self.config = config
+        self.levels = self._deepstack_levels()
         width = self.backbone.config.hidden_size
         projector_spec = PROJECTORS.get(proj.name)
         self.projector = (
             projector_spec.from_pretrained(proj.pretrained, self.encoder.output_dim, width, dtype=proj.dtype,
-                                           **proj.options) if proj.pretrained
-            else projector_spec.build(self.encoder.output_dim, width, **proj.options))
+                                           levels=self.levels, **proj.options) if proj.pretrained
+            else projector_spec.build(self.encoder.output_dim, width, levels=self.levels, **proj.options))
         if self.projector.out_dim != width:
             raise ValueError(
                 f"projector {config.projector.name!r} outputs width {self.projector.out_dim} but backbone "
                 f"{config.backbone.name!r} expects {width}"
             )
-        self.config = config
         self._full_logits_reason: str | None = None  # see loss_without_logits
         self.full_logits_loss = False  # True: the training loss from full logits, as transformers (train.full_logits)
 
@@ -85,6 +92,32 @@ class VisionLanguageModel(nn.Module):
                    **kwargs: Any) -> VisionLanguageModel:
         """`VisionLanguageModel.from_names("clip", "mlp2x_gelu", {"name": "llama", "pretrained": "vicuna-7b"})`."""
         return cls(ModelConfig.from_names(encoder, projector, backbone, preset=preset, **kwargs))
+
+    def _deepstack_levels(self) -> int:
+        """How many DeepStack levels the backbone gets from the encoder (0: none); refuses to lose them silently."""
+        blocks, takes = self.encoder.deepstack_levels, self.backbone_spec.deepstack
+        enc, bb, mode = self.config.encoder.name, self.config.backbone.name, self.config.deepstack
+        if blocks and not takes and mode != "drop":
+            raise ValueError(
+                f"encoder {enc!r} emits {len(blocks)} DeepStack feature levels (blocks {list(blocks)}), but backbone "
+                f"{bb!r} cannot take them: they would be dropped silently. Fix: a DeepStack backbone "
+                f"({', '.join(n for n, s in BACKBONES.items() if s.deepstack)}), or set deepstack: drop (the model's "
+                "`deepstack` option; `model.deepstack` in a run config) to build without them.")
+        if blocks and (mode == "drop" or not takes):
+            log.warning("deepstack: drop - the %d DeepStack levels of encoder %r (blocks %s) are not computed; "
+                        "backbone %r gets the main visual tokens only", len(blocks), enc, list(blocks), bb)
+        elif takes and not blocks:
+            log.info("backbone %r takes DeepStack levels but encoder %r emits none: it runs without them", bb, enc)
+        if not (blocks and takes) or mode == "drop":
+            self.encoder.emit_levels = False
+            return 0
+        layers = self.backbone.config.num_hidden_layers
+        if len(blocks) > layers:
+            raise ValueError(f"encoder {enc!r} emits {len(blocks)} DeepStack levels, added after decoder layers 0.."
+                             f"{len(blocks) - 1}, but backbone {bb!r} has {layers} layers: the last levels would be "
+                             "skipped. Fix: fewer deepstack_visual_indexes, or a deeper backbone.")
+        self.encoder.emit_levels = True
+        return len(blocks)
 
     def set_span_tokens(self, **ids: int) -> None:
         """Point the image span at other token ids (e.g. a tokenizer's); they are saved with the model."""
@@ -125,6 +158,20 @@ class VisionLanguageModel(nn.Module):
         if visual is None:
             return embeds
         return contract.scatter(embeds, spans, visual.features)
+
+    def deepstack_inputs(self, spans: ImageSpans, visual: VisualTokens | None) -> dict[str, Any]:
+        """The backbone's DeepStack arguments for these visual tokens ({} without levels)."""
+        if visual is None or not visual.levels:
+            return {}
+        return {"visual_pos_masks": spans.mask, "deepstack_visual_embeds": list(visual.levels)}
+
+    def deepstack_probe(self, spans: ImageSpans, visual: VisualTokens | None) -> Any:
+        """A context that verifies, during the backbone's forward, that each level was added after its decoder
+        layer (`contract.DeepStackProbe`); nothing to verify without levels."""
+        if visual is None or not visual.levels:
+            return contextlib.nullcontext()
+        decoder = self.backbone.get_decoder()
+        return contract.DeepStackProbe(decoder.layers, decoder.norm, spans, visual.levels)
 
     def positions(self, valid: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                   segments: Segments | None = None) -> torch.Tensor:
@@ -187,6 +234,7 @@ class VisionLanguageModel(nn.Module):
             contract.check_injected(inputs_embeds, spans, visual.features)
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
+        kwargs.update(self.deepstack_inputs(spans, visual))
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         backbone_mask: Any = valid if attention_mask is not None else None
         if segments is not None:
@@ -197,10 +245,12 @@ class VisionLanguageModel(nn.Module):
             kwargs["packed_segments"] = PackedRows(segments, cu_seqlens, valid)
         return_logits = return_logits or self.full_logits_loss
         chunked = labels is not None and self.training and not return_logits and self.loss_without_logits()
-        if chunked or self.router_aux_loss(kwargs):
-            return self.own_loss(inputs_embeds, backbone_mask, position_ids, labels, valid, chunked=chunked, **kwargs)
-        return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
-                             position_ids=position_ids, labels=labels, **kwargs)
+        with self.deepstack_probe(spans, visual) if self.config.check_contract else contextlib.nullcontext():
+            if chunked or self.router_aux_loss(kwargs):
+                return self.own_loss(inputs_embeds, backbone_mask, position_ids, labels, valid, chunked=chunked,
+                                     **kwargs)
+            return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
+                                 position_ids=position_ids, labels=labels, **kwargs)
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
         """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""
@@ -247,18 +297,18 @@ class VisionLanguageModel(nn.Module):
                 loss = self.backbone.loss_function(logits, labels, self.backbone.config.vocab_size,
                                                    num_items_in_batch=num_items_in_batch)
         if not router:
-            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+            return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache,
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         import sys
 
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
         config = self.backbone.config
-        balance = sys.modules[type(self.backbone).__module__].load_balancing_loss_func
+        balance = sys.modules[type(self.backbone.get_decoder()).__module__].load_balancing_loss_func
         aux = balance(out.router_logits, config.num_experts, config.num_experts_per_tok, valid)
         if loss is not None:
             loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, past_key_values=out.past_key_values,
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, cache=out.cache,
                                          hidden_states=out.hidden_states, attentions=out.attentions,
                                          router_logits=out.router_logits)
 
@@ -270,6 +320,8 @@ class VisionLanguageModel(nn.Module):
         tokens_per_image = visual.tokens_per_image if visual is not None else input_ids.new_zeros(0)
         contract.check_spans(spans, tokens_per_image, batch_size=input_ids.shape[0],
                              images_per_sample=images_per_sample)
+        if visual is not None:
+            contract.check_levels(spans, visual, self.levels)
         contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
         contract.check_attention(spans, valid)
         if mm_token_type_ids is not None:
@@ -310,7 +362,9 @@ class VisionLanguageModel(nn.Module):
         next_position = positions.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        out = self.backbone(inputs_embeds=embeds, attention_mask=valid, position_ids=positions, use_cache=True)
+        with self.deepstack_probe(spans, visual) if self.config.check_contract else contextlib.nullcontext():
+            out = self.backbone(inputs_embeds=embeds, attention_mask=valid, position_ids=positions, use_cache=True,
+                                **self.deepstack_inputs(spans, visual))
         new_tokens = []
         for _ in range(max_new_tokens):
             token = next_token(out.logits[:, -1], temperature, top_p, generator).masked_fill(done, pad_token_id)
@@ -340,7 +394,7 @@ class VisionLanguageModel(nn.Module):
             source = provenance.to_dict() if provenance is not None else getattr(self.config, part).source
             parts[part] = ComponentConfig(name=getattr(self.config, part).name, preset=None, options=part_options,
                                           source=source)
-        return ModelConfig(**parts, check_contract=self.config.check_contract)
+        return ModelConfig(**parts, check_contract=self.config.check_contract, deepstack=self.config.deepstack)
 
     def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt", *, tokenizer: Any = None,
                         max_shard_size: int | str = "5GB") -> None:

@@ -187,43 +187,70 @@ def renamed_keys(keys: Iterable[str], rules: Rules, skip: tuple[str, ...] = ()) 
 
 @dataclass(frozen=True)
 class Fused:
-    """A module tensor `<prefix><name>` (E, ...) that checkpoints store per expert: for e in range(E), the
-    checkpoint tensors `<prefix><part with {e} = e>` concatenated along dim 0, then stacked (MoE experts: the
-    hub ships `mlp.experts.{e}.gate_proj.weight` / `up_proj`, transformers' module holds `mlp.experts.gate_up_proj`)."""
+    """A module tensor `<prefix><name>` (E, ...) that checkpoints may store per expert: for e in range(E), the
+    checkpoint tensors `<prefix><part with {e} = e>` concatenated along dim 0, then stacked (MoE experts: some
+    checkpoints hold `mlp.experts.{e}.gate_proj.weight` / `up_proj`, transformers' module `mlp.experts.gate_up_proj`).
+    Used only when the fused key itself is absent."""
 
     name: str
     parts: tuple[str, ...]
 
-    def build(self, target: str, count: int, sources: dict[str, str], checkpoint: Checkpoint) -> torch.Tensor | None:
+    def assemble(self, target: str, shape: torch.Size, sources: dict[str, str],
+                 checkpoint: Checkpoint) -> tuple[str, torch.Tensor] | None:
+        if target in sources:
+            return None
         prefix = target[: -len(self.name)]
-        keys = [[sources.get(prefix + part.format(e=e)) for part in self.parts] for e in range(count)]
+        keys = [[sources.get(prefix + part.format(e=e)) for part in self.parts] for e in range(shape[0])]
         if any(k is None for row in keys for k in row):
             return None
-        return torch.stack([torch.cat([checkpoint.tensor(k) for k in row]) for row in keys])
+        tensor = torch.stack([torch.cat([checkpoint.tensor(k) for k in row]) for row in keys])
+        return f"{target} (assembled per expert)", tensor
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A module tensor `<prefix><name>` that checkpoints may store with dims `dims` swapped (Qwen3-VL-MoE's experts:
+    the hub's (E, hidden, 2 x intermediate) is transformers' (E, 2 x intermediate, hidden)). Swapped only when the
+    stored shape is the swapped one and not the module's, as transformers' own loader decides."""
+
+    name: str
+    dims: tuple[int, int] = (1, 2)
+
+    def assemble(self, target: str, shape: torch.Size, sources: dict[str, str],
+                 checkpoint: Checkpoint) -> tuple[str, torch.Tensor] | None:
+        if target not in sources:
+            return None
+        tensor = checkpoint.tensor(sources[target])
+        if tuple(tensor.shape) == tuple(shape) or tuple(tensor.transpose(*self.dims).shape) != tuple(shape):
+            return None
+        return f"{sources[target]} (transposed {self.dims})", tensor.transpose(*self.dims).contiguous()
+
+
+WeightLayout = Fused | Transposed
 
 
 def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: str, skip: tuple[str, ...] = (),
               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
-              hint: str | None = None, fused: tuple[Fused, ...] = ()) -> nn.Module:
+              hint: str | None = None, layouts: tuple[WeightLayout, ...] = ()) -> nn.Module:
     """Materialise `module` (built under `empty_weights`) from `checkpoint`, strictly.
 
     `tied` maps a module key to the key it is tied to: either may be absent from the checkpoint (the
     caller ties them after loading). `dtype` casts floating tensors; None keeps the checkpoint's dtype
-    (and its memory map). `hint` replaces the generic advice of the shape-mismatch error. `fused`: module
-    tensors a checkpoint may store in pieces (`Fused`), built when the fused key itself is absent.
+    (and its memory map). `hint` replaces the generic advice of the shape-mismatch error. `layouts`: module
+    tensors a checkpoint may store in another layout (`Fused` per expert, `Transposed`), converted here.
     """
     mapping = renamed_keys(checkpoint.keys(), rules, skip)
     expected = module.state_dict()
     sources = {target: source for source, target in mapping.items()}
     assembled = {}
     for target, value in expected.items():
-        rule = next((f for f in fused if target.endswith(f.name) and target not in sources), None)
-        tensor = None if rule is None else rule.build(target, value.shape[0], sources, checkpoint)
-        if tensor is not None:
-            assembled[target] = tensor
+        for layout in layouts:
+            if target.endswith(layout.name) and (found := layout.assemble(target, value.shape, sources, checkpoint)):
+                assembled[target] = found
+                break
     state, wrong = {}, []
-    items = [(source, target, None) for source, target in mapping.items()]
-    items += [(f"{target} (assembled per expert)", target, tensor) for target, tensor in assembled.items()]
+    items = [(source, target, None) for source, target in mapping.items() if target not in assembled]
+    items += [(source, target, tensor) for target, (source, tensor) in assembled.items()]
     for source, target, tensor in items:
         if target not in expected:
             continue  # e.g. a persistent buffer of an older transformers version; harmless

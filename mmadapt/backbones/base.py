@@ -56,14 +56,21 @@ class BackboneSpec:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     # nn.Parameters (not modules) that LoRA targets, e.g. MoE experts stored as 3-D tensors (peft's target_parameters)
     lora_target_parameters: tuple[str, ...] = ()
-    # module tensors that checkpoints store in pieces (MoE experts per expert; `mmadapt.weights.Fused`)
-    fused_weights: tuple[Any, ...] = ()
+    # parameter-name suffixes of MoE routers: never LoRA targets, and frozen when the backbone trains fully unless
+    # the run asks for them (`stages.router: full`): routing learnt in pretraining is kept by default
+    router_parameters: tuple[str, ...] = ()
+    # module tensors that checkpoints may store in another layout (`mmadapt.weights.Fused`: MoE experts one by
+    # one; `Transposed`: Qwen3-VL-MoE's experts as the hub ships them), converted at load
+    weight_layouts: tuple[Any, ...] = ()
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     validate: Callable[[Any], None] | None = None
     # Packing: `isolate(lm)` makes stateful layers restart at sample boundaries (called once at build);
     # `layer_masks` means the model takes {layer_type: mask} (hybrid attention / linear-attention stacks).
     isolate: Callable[[Any], None] | None = None
     layer_masks: bool = False
+    # DeepStack: the model takes `visual_pos_masks` (B, L) and `deepstack_visual_embeds` (a list of K (N, D)
+    # levels) and adds level i to its hidden states at the image positions after decoder layer i (Qwen3-VL)
+    deepstack: bool = False
 
     def __post_init__(self) -> None:
         if self.positions not in ("1d", "mrope"):
@@ -102,7 +109,8 @@ class BackboneSpec:
             lm = import_object(self.model_class)(config)
         tied = (getattr(lm, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else {}
         tied = {**tied, **{v: k for k, v in tied.items()}}  # either side may be the one the checkpoint stores
-        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied, fused=self.fused_weights)
+        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied,
+                  layouts=self.weight_layouts)
         if config.tie_word_embeddings:
             lm.tie_weights()
         lm.provenance = Provenance(checkpoint)

@@ -5,6 +5,11 @@ token grid they came from. Fixed-size encoders (CLIP, SigLIP, timm) report the s
 for every image; dynamic-resolution encoders (Qwen ViT) report one grid per image from
 `image_grid_thw`. Projectors and the model read only this contract.
 
+Encoders with DeepStack (Qwen3-VL) also return extra feature *levels*: the hidden states of
+some of their blocks, each (N, D) in the same order and grid as the main tokens; each level has
+its own projection and is added to the LLM's hidden states at the image positions after one of
+its early layers (`VisionLanguageModel`: checked and verified like the main tokens).
+
 Shapes: I images, N visual tokens in all (sum over images of t*h*w), D encoder width.
 """
 
@@ -31,11 +36,13 @@ class VisualTokens:
 
     `window` is the token order inside each image: 1 means row-major over (t, h, w);
     m > 1 means m x m spatial windows are contiguous (Qwen's merge-window order).
+    `levels`: DeepStack feature levels, each shaped, ordered and gridded like `features`.
     """
 
     features: torch.Tensor
     grids: torch.Tensor
     window: int = 1
+    levels: tuple[torch.Tensor, ...] = ()
 
     @property
     def tokens_per_image(self) -> torch.Tensor:
@@ -48,6 +55,10 @@ class VisionEncoder(nn.Module):
     dynamic: ClassVar[bool] = False
     output_dim: int
     patch_size: int
+    # DeepStack: the blocks whose outputs become extra feature levels (empty: a plain encoder). The model turns
+    # `emit_levels` off when the levels have nowhere to go (`deepstack: drop`, or a backbone without DeepStack).
+    deepstack_levels: tuple[int, ...] = ()
+    emit_levels: bool = True
 
     def __init__(self, options: dict[str, Any]) -> None:
         super().__init__()

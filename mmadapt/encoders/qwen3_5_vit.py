@@ -28,15 +28,21 @@ from mmadapt.weights import Checkpoint, Rules, hf_config, mmadapt_part, wrong_fa
 
 class QwenViTEncoder(VisionEncoder):
     dynamic: ClassVar[bool] = True
+    family: ClassVar[str] = "qwen3_5_vit"
+    hf_classes: ClassVar[tuple[str, str]] = ("Qwen3_5VisionConfig", "Qwen3_5VisionModel")  # transformers' config, tower
+    vision_types: ClassVar[tuple[str, ...]] = ("qwen3_5_vision", "qwen3_5_moe_vision")  # vision_config model types
+    checkpoint_kind: ClassVar[str] = "a Qwen3.5-VL directory ('qwen3_5' / 'qwen3_5_moe')"
+    projector_keys: ClassVar[tuple[str, ...]] = ("model.visual.merger.",)  # the tower's keys that are the projector's
 
     def __init__(self, *, min_pixels: int = 256 * 256, max_pixels: int = 4096 * 4096, **config: Any) -> None:
-        """`min_pixels` / `max_pixels` bound the processor's smart-resize (Qwen3.5's preprocessor_config.json)."""
-        from transformers import Qwen3_5VisionConfig, Qwen3_5VisionModel
+        """`min_pixels` / `max_pixels` bound the processor's smart-resize (from preprocessor_config.json)."""
+        import transformers
 
-        hf_config = Qwen3_5VisionConfig(**config)
+        config_class, model_class = (getattr(transformers, name) for name in self.hf_classes)
+        hf_config = config_class(**config)
         super().__init__({"min_pixels": min_pixels, "max_pixels": max_pixels, **hf_options(hf_config)})
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
-        self.tower = Qwen3_5VisionModel(hf_config)
+        self.tower = model_class(hf_config)
         # The merger belongs to the projector (`qwen_merger`); the tower stops at the blocks.
         self.tower.merger = nn.Identity()
         self.output_dim = hf_config.hidden_size
@@ -48,12 +54,12 @@ class QwenViTEncoder(VisionEncoder):
     @classmethod
     def checkpoint_layout(cls, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules, tuple[str, ...]]:
         if checkpoint.model_type == "mmadapt":
-            return (*mmadapt_part(checkpoint, "encoder", "qwen3_5_vit", what), ())
+            return (*mmadapt_part(checkpoint, "encoder", cls.family, what), ())
         vision = getattr(hf_config(checkpoint, what), "vision_config", None) if checkpoint.config else None
-        if getattr(vision, "model_type", None) not in ("qwen3_5_vision", "qwen3_5_moe_vision"):
-            raise wrong_family(what, checkpoint, "a Qwen3.5-VL directory ('qwen3_5', vision_config 'qwen3_5_vision')")
+        if getattr(vision, "model_type", None) not in cls.vision_types:
+            raise wrong_family(what, checkpoint, cls.checkpoint_kind)
         options = {**hf_options(vision), **preprocessor_pixels(checkpoint.directory)}
-        return options, (("model.visual.", "tower."),), ("model.visual.merger.",)
+        return options, (("model.visual.", "tower."),), cls.projector_keys
 
     def processor_defaults(self) -> dict[str, Any]:
         """Qwen3.5's processor (mean = std = 0.5) with this encoder's pixel bounds (saved with the model)."""
@@ -64,19 +70,19 @@ class QwenViTEncoder(VisionEncoder):
     def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
         if pixel_values.ndim != 2:
             raise ImageTokenContractError(
-                f"qwen3_5_vit is a dynamic-resolution encoder and expects flattened patches "
+                f"{self.family} is a dynamic-resolution encoder and expects flattened patches "
                 f"(patches, {self.patch_dim}) plus image_grid_thw, but got pixel_values of shape "
                 f"{tuple(pixel_values.shape)} (a fixed-size processor's output). Fix: preprocess with the "
                 "Qwen processor (smart-resize to multiples of patch*merge, flattened patches, grid_thw)."
             )
         if image_grid_thw is None:
             raise ImageTokenContractError(
-                "qwen3_5_vit needs image_grid_thw (images, 3) with each image's (t, h, w) patch grid; "
+                f"{self.family} needs image_grid_thw (images, 3) with each image's (t, h, w) patch grid; "
                 "it is missing. Fix: pass the image_grid_thw the Qwen processor returned."
             )
         if pixel_values.shape[1] != self.patch_dim:
             raise ImageTokenContractError(
-                f"qwen3_5_vit expects {self.patch_dim} values per patch (channels*temporal*patch^2), got "
+                f"{self.family} expects {self.patch_dim} values per patch (channels*temporal*patch^2), got "
                 f"{pixel_values.shape[1]}. Fix: use a processor with patch_size={self.patch_size}, "
                 f"temporal_patch_size={self.temporal_patch_size}."
             )
@@ -131,4 +137,8 @@ QWEN_VIT_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-2b": _preset(24, 1024, 4096, 16, 2048),
     "qwen3.5-4b": _preset(24, 1024, 4096, 16, 2560),
     "qwen3.5-9b": _preset(27, 1152, 4304, 16, 4096),
+    # The Qwen3.5-MoE checkpoints' towers (the same blocks; out_hidden_size is the LLM's width).
+    "qwen3.5-35b-a3b": _preset(27, 1152, 4304, 16, 2048),
+    "qwen3.5-122b-a10b": _preset(27, 1152, 4304, 16, 3072),
+    "qwen3.5-397b-a17b": _preset(27, 1152, 4304, 16, 4096),
 }

@@ -29,6 +29,7 @@ class ModelSection:
 
     `pretrained` here is one whole model directory (mmadapt or transformers); per-part `pretrained`
     starts a part from a checkpoint (`model.backbone: {name: qwen3_5, pretrained: Qwen3.5-0.8B}`).
+    `deepstack: drop` builds the parts without the encoder's DeepStack levels (`mmadapt.ModelConfig`).
     """
 
     encoder: str | dict[str, Any] = "qwen3_5_vit"
@@ -36,6 +37,7 @@ class ModelSection:
     backbone: str | dict[str, Any] = "qwen3_5"
     preset: str | None = "tiny"
     pretrained: str | None = None
+    deepstack: Literal["use", "drop"] = "use"
 
     def __post_init__(self) -> None:
         parts = self.model_config()  # unknown names, keys and preset + pretrained fail here, at load time
@@ -50,7 +52,7 @@ class ModelSection:
 
         parts = {part: ComponentConfig.coerce(getattr(self, part), preset=None if part == "projector" else self.preset,
                                               where=f"model.{part}") for part in ("encoder", "projector", "backbone")}
-        return ModelConfig(**parts)
+        return ModelConfig(**parts, deepstack=self.deepstack)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +112,8 @@ class StagesSection:
     encoder: Literal["frozen", "full", "lora"] = "frozen"
     projector: Literal["frozen", "full", "lora"] = "full"
     backbone: Literal["frozen", "full", "lora"] = "full"
+    # MoE routers stay frozen when the backbone trains fully (and are never LoRA targets); "full" trains them too
+    router: Literal["frozen", "full"] = "frozen"
 
     def modes(self) -> dict[str, str]:
         if self.preset is not None:

@@ -43,8 +43,13 @@ def linear_names(module: nn.Module) -> list[str]:
 
 
 def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int = 32, dropout: float = 0.0,
-                 targets: list[str] | None = None) -> dict[str, dict[str, int]]:
-    """Freeze / unfreeze / add LoRA per component; returns and logs {component: {trainable, total}}."""
+                 targets: list[str] | None = None, router: str = "frozen") -> dict[str, dict[str, int]]:
+    """Freeze / unfreeze / add LoRA per component; returns and logs {component: {trainable, total}}.
+
+    MoE routers (the backbone's `router_parameters`) are never LoRA targets and stay frozen when the backbone trains
+    fully, unless `router="full"`."""
+    if router not in ("frozen", "full"):
+        raise ValueError(f"stages.router must be 'frozen' or 'full', got {router!r}")
     from peft import inject_adapter_in_model
 
     for component in COMPONENTS:
@@ -59,6 +64,12 @@ def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int =
             for name, p in module.named_parameters():
                 p.requires_grad_("lora_" in name)
             module.lora_config = config  # kept for save_adapters
+    routers = model.backbone_spec.router_parameters
+    if routers and modes.get("backbone", "full") == "full" and router == "frozen":
+        frozen = [p for name, p in model.backbone.named_parameters() if name.endswith(routers)]
+        for p in frozen:
+            p.requires_grad_(False)
+        log.info("backbone: %d MoE router weights stay frozen (stages.router: full trains them)", len(frozen))
     counts = parameter_counts(model)
     for component, c in counts.items():
         log.info("%-9s %-6s trainable %12s of %12s parameters", component, modes.get(component, "full"),

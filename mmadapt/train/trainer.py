@@ -138,7 +138,7 @@ class Trainer:
         if apply_stage_modes:
             lora = config.lora
             self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
-                                             dropout=lora.dropout, targets=lora.targets)
+                                             dropout=lora.dropout, targets=lora.targets, router=config.stages.router)
         upcast_trainable(model)
         if hasattr(model, "full_logits_loss"):
             model.full_logits_loss = config.train.full_logits
