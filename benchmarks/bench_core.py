@@ -73,6 +73,8 @@ FAMILIES = {
     "Qwen3.5-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), "Qwen3_5ForConditionalGeneration"),
     "LLaVA-1.5-shaped": (("clip", "mlp2x_gelu", "llama"), "LlavaForConditionalGeneration"),
     "Qwen3.5-MoE-shaped": (("qwen3_5_vit", "qwen_merger", "qwen3_5_moe"), "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3-VL-shaped": (("qwen3_vl_vit", "qwen_merger", "qwen3_vl"), "Qwen3VLForConditionalGeneration"),
+    "Qwen3-VL-MoE-shaped": (("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe"), "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

@@ -1,10 +1,11 @@
 """Every benchmark in one run: a markdown table of mmadapt vs transformers, measured side by side.
 
-    python benchmarks/run_all.py [--quick] [--out benchmarks/latest.md]
+    python benchmarks/run_all.py [--quick] [--sections 1-6] [--out benchmarks/latest.md]
 
 Sections (targets from the issues in brackets; ratios < 1 mean mmadapt is faster):
 1. training step (forward + backward + AdamW), mmadapt vs transformers' own model on the same
-   weights and batch: Qwen3.5-shaped and LLaVA-1.5-shaped tiny configs, fp32 and bf16 autocast [<= 1.0x];
+   weights and batch: one tiny config per family (Qwen3.5, LLaVA-1.5, Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE),
+   fp32 and bf16 autocast [<= 1.0x];
 2. injection forward + backward vs a plain bool index_put [<= 1.0x];
 3. the always-on contract checks as a share of a training step [<= 1%];
 4. packed vs padded effective (non-pad) tokens/s, LLaVA-mix-like lengths [>= 1.8x];
@@ -121,9 +122,21 @@ def bench_memory() -> list[tuple[str, float, float]]:
 
 
 # ---- report ---------------------------------------------------------------------------------------
+def sections_of(text: str) -> set[int]:
+    """'1-6' or '1,3,6' (or both: '1-3,6') -> the section numbers."""
+    chosen: set[int] = set()
+    for piece in text.split(","):
+        low, _, high = piece.partition("-")
+        chosen.update(range(int(low), int(high or low) + 1))
+    if not chosen <= set(range(1, 9)):
+        raise argparse.ArgumentTypeError(f"sections are 1 to 8, got {text!r}")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, 1-2 repetitions (smoke run)")
+    parser.add_argument("--sections", default="1-8", type=sections_of, help="which sections, e.g. 1-6 or 1,3,6")
     parser.add_argument("--out", default=None, help="also write the markdown here")
     args = parser.parse_args()
     import transformers
@@ -135,69 +148,74 @@ def main() -> None:
              f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
              ""]
 
-    lines += ["### 1. Training step (fwd + bwd + AdamW), same weights and batch: mmadapt vs transformers", "",
-              "| config | precision | mmadapt ms | transformers ms | ratio |", "|---|---|---:|---:|---:|"]
-    for family, precision, ours, theirs in bench_steps(reps):
-        lines.append(f"| {family} | {precision} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f}x |")
+    if 1 in args.sections:
+        lines += ["### 1. Training step (fwd + bwd + AdamW), same weights and batch: mmadapt vs transformers", "",
+                  "| config | precision | mmadapt ms | transformers ms | ratio |", "|---|---|---:|---:|---:|"]
+        for family, precision, ours, theirs in bench_steps(reps):
+            lines.append(f"| {family} | {precision} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f}x |")
+    if 2 in args.sections:
+        shape = (2, 256, 128, 64) if args.quick else (8, 2048, 1024, 576)
+        injection = bench_injection(reps, shape)
+        base = injection[0][1]
+        lines += ["", f"### 2. Injection fwd + bwd, {shape[0]} x {shape[1]} tokens x {shape[2]} wide, "
+                  f"{shape[3]} image tokens/sample", "", "| method | ms | vs bool index_put |", "|---|---:|---:|"]
+        lines += [f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |" for name, t in injection]
+    if 3 in args.sections:
+        lines += ["", "### 3. Contract checks (on by default) as a share of a training step", "",
+                  "| config | checks ms per batch | training step ms | share |", "|---|---:|---:|---:|"]
+        for family, checks, step in bench_contract(reps):
+            lines.append(f"| {family} | {checks * 1e3:.2f} | {step * 1e3:.1f} | {checks / step:.1%} |")
+    if 4 in args.sections:
+        from bench_packing import bench_pack_vs_pad, llava_mix_lengths, samples_of
 
-    shape = (2, 256, 128, 64) if args.quick else (8, 2048, 1024, 576)
-    injection = bench_injection(reps, shape)
-    base = injection[0][1]
-    lines += ["", f"### 2. Injection fwd + bwd, {shape[0]} x {shape[1]} tokens x {shape[2]} wide, "
-              f"{shape[3]} image tokens/sample", "", "| method | ms | vs bool index_put |", "|---|---:|---:|"]
-    lines += [f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |" for name, t in injection]
+        lengths = llava_mix_lengths(4 if args.quick else 16)
+        samples, real = samples_of(lengths, 2040), sum(lengths)
+        lines += ["", f"### 4. Packed vs padded, fwd + bwd, {len(samples)} samples, LLaVA-mix-like lengths "
+                  f"(mean {real / len(lengths):.0f}, max {max(lengths)})", "",
+                  "| backbone | padded tok/s | packed tok/s | speed-up |", "|---|---:|---:|---:|"]
+        for backbone in ("llama", "qwen3_5"):
+            t_pad, t_pack, _, _ = bench_pack_vs_pad(backbone, samples, 1 if args.quick else 2)
+            lines.append(f"| {backbone} | {real / t_pad:.0f} | {real / t_pack:.0f} | {t_pad / t_pack:.2f}x |")
+    if 5 in args.sections:
+        from bench_preprocess import bench, photos, processors
 
-    lines += ["", "### 3. Contract checks (on by default) as a share of a training step", "",
-              "| config | checks ms per batch | training step ms | share |", "|---|---:|---:|---:|"]
-    for family, checks, step in bench_contract(reps):
-        lines.append(f"| {family} | {checks * 1e3:.2f} | {step * 1e3:.1f} | {checks / step:.1%} |")
+        lines += ["", "### 5. Preprocessing, one image per call (as in a DataLoader worker), real photos", "",
+                  "| processor | mmadapt img/s | transformers img/s | speed-up |", "|---|---:|---:|---:|"]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a DataLoader worker's budget
+        for name, (ours, theirs) in processors().items():
+            result = bench(ours, theirs, photos(4), 1, 3 if args.quick else 15)
+            lines.append(f"| {name} | {result[0]:.0f} | {result[1]:.0f} | {result[0] / result[1]:.2f}x |")
+        torch.set_num_threads(threads)
+    if 6 in args.sections:
+        lines += ["", "### 6. Peak memory: RSS above the post-import baseline over load + 3 training steps, "
+                  "each model in its own process", "",
+                  "| config | mmadapt MiB | transformers MiB | ratio |", "|---|---:|---:|---:|"]
+        for family, ours, theirs in bench_memory():
+            lines.append(f"| {family} | {ours:.0f} | {theirs:.0f} | {ours / max(theirs, 1e-9):.2f}x |")
+    if 7 in args.sections:
+        from bench_loss import DEFAULT_CONFIGS, bench_vlm_step
 
-    from bench_packing import bench_pack_vs_pad, llava_mix_lengths, samples_of
+        lines += ["", "### 7. Loss without full logits at the real vocabulary and width (depth cut): one training "
+                  "step (fwd + bwd + AdamW, fp32, LLaVA-SFT-like batch of 2), each side in its own process", "",
+                  "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | "
+                  "fwd+bwd peak ratio [target] |", "|---|---:|---:|---:|---:|"]
+        for name in DEFAULT_CONFIGS:
+            r = bench_vlm_step(name, args.quick, 1 if args.quick else 2)
+            ours, theirs = r["mmadapt"], r["transformers"]
+            memory_target, time_target = r["targets"]
+            lines.append(f"| {name} ({r['depth']}) | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
+                         f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | "
+                         f"{ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x [<= {memory_target}x] |")
+    if 8 in args.sections:
+        from bench_loss import bench_many_short, packed_model
 
-    lengths = llava_mix_lengths(4 if args.quick else 16)
-    samples, real = samples_of(lengths, 2040), sum(lengths)
-    lines += ["", f"### 4. Packed vs padded, fwd + bwd, {len(samples)} samples, LLaVA-mix-like lengths "
-              f"(mean {real / len(lengths):.0f}, max {max(lengths)})", "",
-              "| backbone | padded tok/s | packed tok/s | speed-up |", "|---|---:|---:|---:|"]
-    for backbone in ("llama", "qwen3_5"):
-        t_pad, t_pack, _, _ = bench_pack_vs_pad(backbone, samples, 1 if args.quick else 2)
-        lines.append(f"| {backbone} | {real / t_pad:.0f} | {real / t_pack:.0f} | {t_pad / t_pack:.2f}x |")
-
-    from bench_preprocess import bench, photos, processors
-
-    lines += ["", "### 5. Preprocessing, one image per call (as in a DataLoader worker), real photos", "",
-              "| processor | mmadapt img/s | transformers img/s | speed-up |", "|---|---:|---:|---:|"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a DataLoader worker's budget
-    for name, (ours, theirs) in processors().items():
-        result = bench(ours, theirs, photos(4), 1, 3 if args.quick else 15)
-        lines.append(f"| {name} | {result[0]:.0f} | {result[1]:.0f} | {result[0] / result[1]:.2f}x |")
-    torch.set_num_threads(threads)
-
-    lines += ["", "### 6. Peak memory: RSS above the post-import baseline over load + 3 training steps, "
-              "each model in its own process", "",
-              "| config | mmadapt MiB | transformers MiB | ratio |", "|---|---:|---:|---:|"]
-    for family, ours, theirs in bench_memory():
-        lines.append(f"| {family} | {ours:.0f} | {theirs:.0f} | {ours / max(theirs, 1e-9):.2f}x |")
-    from bench_loss import DEFAULT_CONFIGS, bench_many_short, bench_vlm_step, packed_model
-
-    lines += ["", "### 7. Loss without full logits at the real vocabulary and width (depth cut): one training step "
-              "(fwd + bwd + AdamW, fp32, LLaVA-SFT-like batch of 2), each side in its own process", "",
-              "| config (depth cut) | mmadapt s | transformers s | time ratio [target] | fwd+bwd peak ratio [target] |",
-              "|---|---:|---:|---:|---:|"]
-    for name in DEFAULT_CONFIGS:
-        r = bench_vlm_step(name, args.quick, 1 if args.quick else 2)
-        ours, theirs = r["mmadapt"], r["transformers"]
-        memory_target, time_target = r["targets"]
-        lines.append(f"| {name} ({r['depth']}) | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
-                     f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | "
-                     f"{ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x [<= {memory_target}x] |")
-    model = packed_model(args.quick)
-    lines += ["", "### 8. Packed rows of many short samples vs the same tokens as a padding-free batch (fwd + bwd)", "",
-              "| packed rows | padding-free batch | ratio [target <= 1.05x] |", "|---|---|---:|"]
-    for per_row, length, rows in ((4, 32, 2),) if args.quick else ((16, 128, 2), (4, 512, 2)):
-        packed, plain = bench_many_short(model, per_row, length, rows, 1 if args.quick else 3)
-        lines.append(f"| {rows} x {per_row} x {length} | ({rows * per_row}, {length}) | {packed / plain:.2f}x |")
+        model = packed_model(args.quick)
+        lines += ["", "### 8. Packed rows of many short samples vs the same tokens as a padding-free batch "
+                  "(fwd + bwd)", "", "| packed rows | padding-free batch | ratio [target <= 1.05x] |", "|---|---|---:|"]
+        for per_row, length, rows in ((4, 32, 2),) if args.quick else ((16, 128, 2), (4, 512, 2)):
+            packed, plain = bench_many_short(model, per_row, length, rows, 1 if args.quick else 3)
+            lines.append(f"| {rows} x {per_row} x {length} | ({rows * per_row}, {length}) | {packed / plain:.2f}x |")
     lines += ["", f"total time {time.perf_counter() - started:.0f} s"]
     text = "\n".join(lines)
     print(text)

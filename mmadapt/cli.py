@@ -28,7 +28,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     from mmadapt.testing import synthetic_batch
 
     torch.manual_seed(0)
-    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset)
+    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
+                        deepstack=args.deepstack)
     batch = synthetic_batch(model, (1, 2))
     report = check_batch(model, batch)
     print(f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})")
@@ -52,7 +53,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     from mmadapt.data import SampleEncoder, char_tokenizer, check_dataset, read_records
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset)
+    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
+                        deepstack=args.deepstack)
     if args.tokenizer:
         from transformers import AutoTokenizer
 
@@ -90,6 +92,8 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--projector", default="qwen_merger")
     check.add_argument("--backbone", default="qwen3_5")
     check.add_argument("--preset", default="tiny")
+    check.add_argument("--deepstack", choices=("use", "drop"), default="use",
+                       help="drop: build without the encoder's DeepStack levels")
     check.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: mmadapt's "
                        "character tokenizer, as the demo model uses)")
     check.add_argument("--max-length", type=int, default=2048)
@@ -360,6 +364,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"mmadapt demo: {args.encoder} + {args.projector} + {args.backbone} (preset {args.preset}) learns to read "
           f"scikit-learn's handwritten digits ({steps} steps, seed {args.seed}); outputs in {args.out}", flush=True)
     report = run_demo(encoder=args.encoder, projector=args.projector, backbone=args.backbone, preset=args.preset,
+                      deepstack=args.deepstack,
                       steps=args.steps, lr=args.lr, batch_size=args.batch_size, margin=args.margin, out=args.out,
                       seed=args.seed, progress=not args.no_progress and sys.stderr.isatty())
     print(f"trained {report['steps']} steps on {report['train_samples']} digits in {report['train_seconds']:.0f} s "
@@ -383,6 +388,8 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--projector", default="qwen_merger")
     demo.add_argument("--backbone", default="qwen3_5")
     demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--deepstack", choices=("use", "drop"), default="use",
+                      help="drop: build without the encoder's DeepStack levels")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
     demo.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
     demo.add_argument("--batch-size", type=int, default=None, help="samples per step (default 32)")
@@ -409,7 +416,8 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
     if args.model:
         model = VisionLanguageModel.from_pretrained(args.model)
     else:
-        model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset)
+        model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
+                            deepstack=args.deepstack)
     model = model.to(args.device)
     batch = {k: v.to(args.device) for k, v in synthetic_batch(model, args.images, seed=args.seed).items()}
     device_type = torch.device(args.device).type
@@ -486,6 +494,8 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
     dump.add_argument("--projector", default="qwen_merger")
     dump.add_argument("--backbone", default="qwen3_5")
     dump.add_argument("--preset", default="tiny")
+    dump.add_argument("--deepstack", choices=("use", "drop"), default="use",
+                      help="drop: build without the encoder's DeepStack levels")
     dump.add_argument("--images", type=int, nargs="+", default=[1, 2], help="images per sample (default 1 2)")
     dump.add_argument("--seed", type=int, default=0, help="seeds the weights (registry builds) and the batch")
     dump.add_argument("--device", default="cpu")
@@ -536,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("projector", nargs="?", default="qwen_merger")
     check.add_argument("backbone", nargs="?", default="qwen3_5")
     check.add_argument("--preset", default="tiny")
+    check.add_argument("--deepstack", choices=("use", "drop"), default="use",
+                       help="drop: build without the encoder's DeepStack levels")
     check.set_defaults(func=cmd_check_model)
     add_data_commands(sub)
     add_train_command(sub)

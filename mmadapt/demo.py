@@ -144,7 +144,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
              backbone: str = DEFAULT_COMPONENTS[2], preset: str = "tiny", steps: int | None = None,
              lr: float | None = None, batch_size: int | None = None, warmup_steps: int | None = None,
              image_size: int | None = None, margin: float = 0.2, out: str | Path = "runs/demo",
-             seed: int = 0, progress: bool = True) -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, deepstack: str = "use") -> dict[str, Any]:
     """Train on the digits, score held-out answers with real / blanked / shuffled images; write OUT; the report.
 
     `None` hyper-parameters take `DEFAULTS`. The report has `accuracy_images`, `accuracy_blank`,
@@ -162,7 +162,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     started, out = time.perf_counter(), Path(out)
     prepare_out(out)
     torch.manual_seed(seed)
-    model = mmadapt.build_model(encoder, projector, backbone, preset=preset)
+    model = mmadapt.build_model(encoder, projector, backbone, preset=preset, deepstack=deepstack)
     train_records, eval_records = digit_records(out / "data", image_size=hp["image_size"], seed=seed)
     tokenizer = char_tokenizer()
     sample_encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(out / "data"), max_length=1024,

@@ -101,8 +101,9 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(
                 f"encoder {enc!r} emits {len(blocks)} DeepStack feature levels (blocks {list(blocks)}), but backbone "
                 f"{bb!r} cannot take them: they would be dropped silently. Fix: a DeepStack backbone "
-                f"({', '.join(n for n, s in BACKBONES.items() if s.deepstack)}), or set deepstack: drop (the model's "
-                "`deepstack` option; `model.deepstack` in a run config) to build without them.")
+                f"({', '.join(n for n, s in BACKBONES.items() if s.deepstack)}), or build without them with "
+                "deepstack: drop (`build_model(..., deepstack=\"drop\")`, `model.deepstack: drop` in a run config, "
+                "`--deepstack drop`).")
         if blocks and (mode == "drop" or not takes):
             log.warning("deepstack: drop - the %d DeepStack levels of encoder %r (blocks %s) are not computed; "
                         "backbone %r gets the main visual tokens only", len(blocks), enc, list(blocks), bb)

@@ -21,10 +21,17 @@ _models: dict = {}
 
 
 def tiny(encoder: str, projector: str, backbone: str) -> VisionLanguageModel:
+    """The combination's tiny model; DeepStack levels that the backbone cannot take must be dropped explicitly."""
     key = (encoder, projector, backbone)
     if key not in _models:
         torch.manual_seed(0)
-        _models[key] = mmadapt.build_model(*key)
+        lost = ENCODERS.get(encoder).build().deepstack_levels and not BACKBONES.get(backbone).deepstack
+        if lost:
+            with pytest.raises(ValueError, match=r"DeepStack feature levels .* cannot take them.*deepstack: drop"):
+                mmadapt.build_model(*key)
+        _models[key] = mmadapt.build_model(*key, deepstack="drop" if lost else "use")
+        expected = len(ENCODERS.get(encoder).build().deepstack_levels) if BACKBONES.get(backbone).deepstack else 0
+        assert _models[key].levels == expected and len(_models[key].projector.deepstack) == expected
     return _models[key]
 
 

@@ -56,3 +56,14 @@ def test_fsdp2_and_ddp_equal_one_process(dataset):
     # The sharded run's step-2 checkpoint holds full state dicts: one process resumes from it.
     resumed = train(dataset, "fsdp", "data.batch_size=2", "train.grad_accum=2", "--resume")
     assert abs(resumed[2] - one[2]) <= 1e-5
+
+
+def test_fsdp2_with_deepstack_and_experts_equals_one_process(dataset):
+    """Qwen3-VL-MoE (DeepStack levels added after layers 0-2, verified by the contract's hooks on FSDP2-sharded
+    layers; routed experts sharded along the expert dimension): 2-process FSDP2 equals 1 process."""
+    model = ["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"]
+    one = train(dataset, "vl-one", *model, "data.batch_size=2", "train.grad_accum=2")
+    fsdp = train(dataset, "vl-fsdp", *model, "data.batch_size=2", "distributed.strategy=fsdp", procs=2)
+    assert len(one) == len(fsdp) == 3
+    for a, b in zip(one, fsdp, strict=True):
+        assert abs(a - b) <= 1e-5, (one, fsdp)

@@ -2,7 +2,8 @@
 
 Tolerances (fp32): packed vs padded logits within 1e-5; a change to one packed sample moves
 no other sample's logits by more than 1e-6. Covered layer types: Llama attention, Qwen3.5
-gated full attention and Gated DeltaNet (causal conv + recurrent state), with images.
+gated full attention and Gated DeltaNet (causal conv + recurrent state), Qwen3-VL attention with
+DeepStack levels added at the image positions of packed rows, and its MoE MLPs, with images.
 """
 
 import itertools
@@ -15,7 +16,8 @@ from mmadapt.data import Collator
 from mmadapt.packing import Segments, cu_seqlens_from_lengths
 from mmadapt.testing import synthetic_samples
 
-COMBOS = [("clip", "mlp2x_gelu", "llama"), ("qwen3_5_vit", "qwen_merger", "qwen3_5")]
+COMBOS = [("clip", "mlp2x_gelu", "llama"), ("qwen3_5_vit", "qwen_merger", "qwen3_5"),
+          ("qwen3_vl_vit", "qwen_merger", "qwen3_vl"), ("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe")]
 IMAGES = (1, 0, 2, 1, 0)
 TEXT = (9, 14, 5, 30, 3)
 
@@ -25,6 +27,12 @@ def build(names):
     model = VisionLanguageModel.from_names(*names, preset="tiny").eval()
     if model.backbone_spec.name == "qwen3_5":  # both layer types present, several of each
         assert {"linear_attention", "full_attention"} <= set(model.backbone.config.layer_types)
+    if model.backbone_spec.deepstack:
+        assert model.levels == 3
+    with torch.no_grad():  # routers that prefer different experts for different tokens (initialised to zeros)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
     return model
 
 
