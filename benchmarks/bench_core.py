@@ -85,6 +85,10 @@ def pair(family: str) -> tuple[VisionLanguageModel, torch.nn.Module, dict, dict]
     names, hf_class = FAMILIES[family]
     torch.manual_seed(0)
     ours = VisionLanguageModel.from_names(*names, preset="tiny")
+    with torch.no_grad():  # MoE routers that prefer different experts per token: transformers initialises them to
+        for name, p in ours.named_parameters():  # zeros, where ties make each step's routing (and cost) arbitrary
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
     with tempfile.TemporaryDirectory() as tmp:
         ours.save_pretrained(tmp, format="transformers")
         theirs = getattr(transformers, hf_class).from_pretrained(tmp)

@@ -129,6 +129,8 @@ def test_a_wrong_mrope_split_is_refused_at_build():
 def test_logits_loss_and_positions_equal_transformers(pair):
     ours, theirs = pair
     assert ours.levels == 3 and ours.encoder.deepstack_levels == (0, 1, 2)
+    # the same kernels: attention through SDPA, experts through transformers' default (grouped_mm), not eager loops
+    assert ours.backbone.config._experts_implementation == theirs.config.text_config._experts_implementation
     batch = two_images_padded(ours)
     inputs = hf_inputs(batch, ours)
     with torch.no_grad():
@@ -150,6 +152,20 @@ def test_logits_loss_and_positions_equal_transformers(pair):
         without = ours.backbone(inputs_embeds=ours.embed(batch["input_ids"], spans, visual), attention_mask=mask,
                                 position_ids=ours.positions(mask, spans, visual), **zeroed).logits
     assert (without - got.logits)[mask].abs().max() > 1e-3
+
+
+def test_greedy_generation_equals_transformers_generate(pair):
+    """Decoding with a cache: the prompt's DeepStack levels and M-RoPE positions, then text positions after the
+    image's (transformers' rope deltas), token for token."""
+    ours, theirs = pair
+    batch = synthetic_batch(ours, (2,), image_sides=[(48, 64), 32], text_lengths=[7], seed=5)
+    inputs = {k: v for k, v in hf_inputs(batch, ours).items() if k != "labels"}
+    theirs.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = theirs.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = ours.generate(batch["input_ids"], batch["attention_mask"], batch["pixel_values"],
+                            batch["image_grid_thw"], max_new_tokens=8)
+    assert torch.equal(got, expected[:, batch["input_ids"].shape[1]:])
 
 
 def test_each_part_loads_alone_and_the_transformers_export_reloads(pair, hf_dir, tmp_path):
@@ -264,6 +280,8 @@ def test_a_deepstack_encoder_with_a_plain_backbone_needs_deepstack_drop(caplog):
 
     run = RunConfig.from_dict({"model": {"encoder": "qwen3_vl_vit", "backbone": "qwen3_5", "deepstack": "drop"}})
     assert run.model.model_config().deepstack == "drop"
+    with pytest.raises(ValueError, match=r"model.deepstack applies to a model built from parts"):
+        RunConfig.from_dict({"model": {"pretrained": "some/dir", "deepstack": "drop"}})
 
 
 def test_a_deepstack_backbone_with_a_plain_encoder_runs_without_levels(caplog):

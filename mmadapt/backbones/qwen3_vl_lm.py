@@ -79,6 +79,10 @@ class Qwen3VLMoeForCausalLM(_CausalLM, Qwen3VLMoePreTrainedModel, GenerationMixi
     config: Qwen3VLMoeTextConfig
     text_model_class = Qwen3VLMoeTextModel
     _no_split_modules: ClassVar[list[str]] = ["Qwen3VLMoeTextDecoderLayer"]
+    # transformers picks the experts' kernel (grouped_mm rather than eager per-expert loops) only for classes whose
+    # module source applies its experts-implementation decorator (a text search: this module must not contain that
+    # decorator's name, or the dense class above would claim it too); the experts here are decorated ones
+    _can_set_experts_implementation_cached_value: ClassVar[bool] = True
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None,

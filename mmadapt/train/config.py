@@ -45,6 +45,10 @@ class ModelSection:
         if self.pretrained and from_parts:
             raise ValueError(f"model.pretrained loads one whole model; it cannot be combined with pretrained parts "
                              f"(model.{from_parts[0]}.pretrained). Use one or the other.")
+        if self.pretrained and self.deepstack != "use":
+            raise ValueError("model.deepstack applies to a model built from parts; model.pretrained loads a whole "
+                             "model as it was saved. To drop the DeepStack levels of a pretrained Qwen3-VL, load its "
+                             "parts: model.encoder / projector / backbone: {name: ..., pretrained: DIR}.")
 
     def model_config(self) -> Any:
         """The parts as a `ModelConfig` (names take `preset`; the projector has options, not presets)."""
