@@ -143,10 +143,14 @@ def test_lora_wraps_attention_the_shared_expert_and_the_experts_never_the_router
 
 
 def test_the_router_loss_counts_real_tokens_only_equals_transformers_and_is_unchanged_by_packing(pair):
+    check_router_loss(*pair)
+
+
+def check_router_loss(ours, theirs):
     """output_router_logits: transformers' load-balancing loss over the real tokens. Padded: equal to
     transformers' (int64 mask) on both loss paths; packed: equal to the padded value (the loss averages routing
-    statistics over all real tokens of the batch, so how they sit in rows does not matter); padding excluded."""
-    ours, theirs = pair
+    statistics over all real tokens of the batch, so how they sit in rows does not matter); padding excluded.
+    Shared with the Qwen3-VL-MoE tests."""
     batch = synthetic_batch(ours, (1, 2), image_sides=[32, (48, 64), (64, 32)], text_lengths=[9, 5])
     with torch.no_grad():
         expected = theirs(**hf_inputs(batch, ours), output_router_logits=True)

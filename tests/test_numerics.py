@@ -77,6 +77,17 @@ def scale_backward_after(module: nn.Module, factor: float):
     return module.register_forward_hook(lambda mod, args, out: _ScaleGrad.apply(out, factor))
 
 
+def compare_with_backward_scaled_after(model: nn.Module, layer: nn.Module, batch: dict, tmp_path: Path) -> object:
+    """`compare` of two dumps of one step, the second with the gradient out of `layer` scaled by 1.5 (story 3)."""
+    clean = dump(model, batch, tmp_path / "clean.json", seed=0)
+    handle = scale_backward_after(layer, 1.5)
+    try:
+        perturbed = dump(model, batch, tmp_path / "perturbed.json", seed=0)
+    finally:
+        handle.remove()
+    return compare(clean, perturbed)
+
+
 # ---- dumps ----------------------------------------------------------------------------------------
 def test_dump_file_rows_and_metadata(qwen, tmp_path):
     model, batch = qwen
@@ -212,13 +223,7 @@ def test_packed_vs_padded_catches_index_instead_of_mask(qwen):
 def test_backward_perturbed_from_block_k_is_named_at_block_k(llama, tmp_path):
     model, batch = llama
     k = 0  # the tiny LLaMA has 2 blocks; block 1's gradients stay equal, block 0's and below are scaled
-    clean = dump(model, batch, tmp_path / "clean.json", seed=0)
-    handle = scale_backward_after(model.backbone.model.layers[k], 1.5)
-    try:
-        perturbed = dump(model, batch, tmp_path / "perturbed.json", seed=0)
-    finally:
-        handle.remove()
-    result = compare(clean, perturbed)
+    result = compare_with_backward_scaled_after(model, model.backbone.model.layers[k], batch, tmp_path)
     assert result.first_forward is None and all(r.rel == 0 for r in result.forward)
     assert result.first_backward is not None and result.first_backward.startswith(f"backbone.model.layers.{k}.")
     before = [r for r in result.backward[: [r.name for r in result.backward].index(result.first_backward)]]

@@ -19,9 +19,8 @@ from safetensors.torch import load_file, save_file
 import mmadapt
 from mmadapt import ImageTokenContractError, VisionLanguageModel
 from mmadapt.backbones import BACKBONES
-from mmadapt.data import Collator
 from mmadapt.encoders import ENCODERS
-from mmadapt.testing import synthetic_batch, synthetic_samples
+from mmadapt.testing import synthetic_batch
 
 ATOL = 1e-5
 SPAN_IDS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=248, vision_end_token_id=249)
@@ -314,26 +313,9 @@ def test_integrated_gradients_stay_complete_with_deepstack_levels():
 # ---- packing and training ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hf_dir", ["qwen3_vl_moe"], indirect=True)
 def test_the_router_loss_counts_real_tokens_only_equals_transformers_and_is_unchanged_by_packing(pair):
-    ours, theirs = pair
-    batch = two_images_padded(ours)
-    with torch.no_grad():
-        expected = theirs(**hf_inputs(batch, ours), output_router_logits=True)
-        full = ours(**batch, output_router_logits=True)
-        ours.train()
-        chunked = ours(**batch, output_router_logits=True)
-        ours.eval()
-        no_mask = theirs(**{**hf_inputs(batch, ours), "attention_mask": None}, output_router_logits=True)
-    assert abs(full.aux_loss.item() - expected.aux_loss.item()) <= ATOL
-    assert abs(full.loss.item() - expected.loss.item()) <= ATOL and chunked.logits is None
-    assert abs(chunked.loss.item() - expected.loss.item()) <= ATOL
-    assert abs(no_mask.aux_loss.item() - expected.aux_loss.item()) > 1e-4  # counting padding changes it
-    samples = synthetic_samples(ours, (1, 0, 2, 1), text_lengths=[9, 14, 5, 20], seed=1)
-    padded = Collator.for_model(ours, 0)(samples)
-    packed = Collator.for_model(ours, 0, max_tokens=max(map(len, samples)) + 16)(samples)
-    assert packed["input_ids"].shape[0] < len(samples)
-    with torch.no_grad():
-        a, b = (ours(**x, output_router_logits=True) for x in (padded, packed))
-    assert abs(a.aux_loss.item() - b.aux_loss.item()) <= 1e-6 and abs(a.loss.item() - b.loss.item()) <= ATOL
+    from test_moe import check_router_loss
+
+    check_router_loss(*pair)
 
 
 def test_lora_wraps_attention_and_the_experts_and_the_router_stays_frozen():
@@ -379,29 +361,15 @@ def test_fsdp2_shards_each_decoder_layer_and_vision_block(backbone):
 def test_story3_a_backward_only_perturbation_in_a_middle_layer_is_named(tmp_path):
     """Dumps of two runs of a tiny Qwen3-VL-8B-shaped stack (DeepStack into layers 0-2): the second scales the
     gradient flowing out of LLM layer 3 of 6 (forward unchanged, as a faulty accelerator's backward would)."""
-    from mmadapt.numerics import compare, dump
 
     torch.manual_seed(0)
     deeper = {"name": "qwen3_vl", "options": {"num_hidden_layers": 6}}
     model = mmadapt.build_model("qwen3_vl_vit", "qwen_merger", deeper)
     batch = synthetic_batch(model, (1, 2))
 
-    class ScaleGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    from test_numerics import compare_with_backward_scaled_after
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 1.5
-
-    clean = dump(model, batch, tmp_path / "clean.json", seed=0)
-    handle = model.backbone.model.layers[3].register_forward_hook(lambda mod, args, out: ScaleGrad.apply(out))
-    try:
-        perturbed = dump(model, batch, tmp_path / "perturbed.json", seed=0)
-    finally:
-        handle.remove()
-    result = compare(clean, perturbed)
+    result = compare_with_backward_scaled_after(model, model.backbone.model.layers[3], batch, tmp_path)
     assert result.first_forward is None and all(r.rel == 0 for r in result.forward)
     assert result.first_backward is not None and result.first_backward.startswith("backbone.model.layers.3.")
     names = [r.name for r in result.backward]
