@@ -140,6 +140,11 @@ def test_lora_wraps_attention_the_shared_expert_and_the_experts_never_the_router
     model(**batch).loss.backward()
     experts = [p for n, p in model.backbone.named_parameters() if "experts" in n and "lora_" in n]
     assert experts and any(p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
+    full = mmadapt.build_model(*NAMES)  # a fully trained backbone keeps its routers (stages.router: full trains them)
+    apply_stages(full, {"encoder": "frozen", "projector": "full", "backbone": "full"})
+    routers = {n: p.requires_grad for n, p in full.backbone.named_parameters() if n.endswith("mlp.gate.weight")}
+    assert len(routers) == 4 and not any(routers.values())
+    assert all(p.requires_grad for n, p in full.backbone.named_parameters() if "shared_expert_gate" in n)
 
 
 def test_the_router_loss_counts_real_tokens_only_equals_transformers_and_is_unchanged_by_packing(pair):
