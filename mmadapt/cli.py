@@ -1,10 +1,44 @@
-"""`mmadapt` command line: list components, check a combination or a dataset, train, run the demo, debug numerics."""
+"""`mmadapt` command line: list components, check a combination or a dataset, train, export, chat, eval, sees,
+explain, run the demo, debug numerics.
+
+Two helpers declare how a command chooses its model, so every command spells it the same way:
+`add_build_arguments` (a combination from registry names: encoder, projector, backbone, --preset, --deepstack)
+and `add_model_arguments` (a saved model: MODEL and --adapters).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+DEFAULT_PARTS = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
+
+
+def add_build_arguments(command: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """The parts of a model built from registry names (positional or --encoder/--projector/--backbone), --preset
+    and --deepstack; `build_from_args` builds it."""
+    for part, default in DEFAULT_PARTS.items():
+        if positional:
+            command.add_argument(part, nargs="?", default=default)
+        else:
+            command.add_argument(f"--{part}", default=default)
+    command.add_argument("--preset", default="tiny")
+    command.add_argument("--deepstack", choices=("use", "drop"), default="use",
+                         help="drop: build without the encoder's DeepStack levels")
+
+
+def build_from_args(args: argparse.Namespace) -> object:
+    from mmadapt import build_model
+
+    return build_model(args.encoder, args.projector, args.backbone, preset=args.preset, deepstack=args.deepstack)
+
+
+def add_model_arguments(command: argparse.ArgumentParser) -> None:
+    """MODEL and --adapters, the same for chat, eval, sees and explain."""
+    command.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
+    command.add_argument("--adapters", default=None, help="LoRA adapters (an OUT/adapters directory) to merge into "
+                         "MODEL, their base model")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -23,13 +57,11 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     """Build a combination, check the image-token contract on a synthetic batch, run forward + backward."""
     import torch
 
-    from mmadapt import build_model
     from mmadapt.contract import check_batch
     from mmadapt.testing import synthetic_batch
 
     torch.manual_seed(0)
-    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
-                        deepstack=args.deepstack)
+    model = build_from_args(args)
     batch = synthetic_batch(model, (1, 2))
     report = check_batch(model, batch)
     print(f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})")
@@ -49,12 +81,10 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     import json
     import logging
 
-    from mmadapt import build_model
     from mmadapt.data import SampleEncoder, char_tokenizer, check_dataset, read_records
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
-                        deepstack=args.deepstack)
+    model = build_from_args(args)
     if args.tokenizer:
         from transformers import AutoTokenizer
 
@@ -88,12 +118,7 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--json", default=None, help="also write the report as JSON here")
     check.add_argument("--max-bad-fraction", type=float, default=0.05,
                        help="exit 1 when the share of problem samples is above this (default 0.05)")
-    check.add_argument("--encoder", default="qwen3_5_vit")
-    check.add_argument("--projector", default="qwen_merger")
-    check.add_argument("--backbone", default="qwen3_5")
-    check.add_argument("--preset", default="tiny")
-    check.add_argument("--deepstack", choices=("use", "drop"), default="use",
-                       help="drop: build without the encoder's DeepStack levels")
+    add_build_arguments(check)
     check.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: mmadapt's "
                        "character tokenizer, as the demo model uses)")
     check.add_argument("--max-length", type=int, default=2048)
@@ -140,7 +165,7 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
-    from mmadapt.train.export import export
+    from mmadapt.inference import export
 
     export(args.src, args.dst, format=args.format)
     print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")
@@ -162,7 +187,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import torch
 
     from mmadapt import Processor
-    from mmadapt.train.export import load_for_inference
+    from mmadapt.inference import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.adapters)
     processor = Processor.for_model(model, tokenizer)
@@ -206,13 +231,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_model_arguments(command: argparse.ArgumentParser) -> None:
-    """MODEL and --adapters, the same for chat, eval, sees and explain."""
-    command.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
-    command.add_argument("--adapters", default=None, help="LoRA adapters (an OUT/adapters directory) to merge into "
-                         "MODEL, their base model")
-
-
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="ask a trained model about images (one prompt, or a conversation on stdin)")
     add_model_arguments(chat)
@@ -232,7 +250,7 @@ def _inference_data(args: argparse.Namespace) -> tuple:
 
     from mmadapt.data import Collator, SampleEncoder
     from mmadapt.data.samples import read_records
-    from mmadapt.train.export import load_for_inference
+    from mmadapt.inference import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.adapters)
     root = args.image_root or str(Path(args.data).parent)
@@ -353,6 +371,68 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
             command.add_argument("--batch-size", type=int, default=8)
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Answer PROMPT about --image, write the evidence map as a PNG, print the answer, the shares and the file."""
+    import json
+    from pathlib import Path
+
+    from mmadapt import Processor
+    from mmadapt.evidence import MIN_EFFECT, explain
+    from mmadapt.inference import load_for_inference
+
+    prompt = " ".join(args.prompt).strip()
+    if not prompt:
+        raise ValueError("give a PROMPT, e.g. mmadapt explain MODEL --image cat.png What animal is this?")
+    if not os.path.isfile(args.image):
+        raise FileNotFoundError(f"--image {args.image} is not a file")
+    out = args.out or f"{Path(args.image).stem}.evidence.png"
+    model, tokenizer = load_for_inference(args.model, args.adapters)
+    processor = Processor.for_model(model, tokenizer)
+    result = explain(model, processor, args.image, prompt, max_new_tokens=args.max_new_tokens, out=out,
+                     rule=args.rule, steps=args.steps)
+    heat = result["map"]
+    print(result["answer"])
+    method = "gradient x input" if args.steps == 1 else f"integrated gradients, {args.steps} steps"
+    print(f"evidence ({args.rule} part, {method}): " + ", ".join(
+        f"{k.replace('_', '-')} {v:.1%}" for k, v in result["quadrants"].items())
+        + f"; peak token {list(result['peak'])} at x {result['peak_box'][0]:.0f}-{result['peak_box'][2]:.0f}, "
+          f"y {result['peak_box'][1]:.0f}-{result['peak_box'][3]:.0f}"
+        + ("" if result["completeness"] is None else f"; completeness {result['completeness']:.2f}"))
+    effect = result["image_effect"]
+    print(f"image effect: log p(answer) is {effect:+.2f} nats with the image than with empty visual tokens"
+          + ("" if result["rests_on_image"] else
+             f" - below {MIN_EFFECT}: the model gives this answer about as readily without the image, so the map "
+             "has no evidence to show (it is noise)"))
+    if args.json:
+        summary = {"prompt": prompt, "image": args.image, "answer": result["answer"],
+                   "answer_ids": result["answer_ids"], "png": result["png"], "completeness": result["completeness"],
+                   **heat.summary()}
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    print(f"wrote {result['png']}")
+    return 0
+
+
+def add_explain_command(sub: argparse._SubParsersAction) -> None:
+    from mmadapt.evidence import DEFAULT_STEPS, RULES
+
+    explain_ = sub.add_parser("explain", help="answer a question about an image and map which parts of the image "
+                              "the answer rests on (integrated gradients on the visual tokens; PNG)")
+    add_model_arguments(explain_)
+    explain_.add_argument("prompt", nargs="*", help="the question (words are joined); <image> marks where the image "
+                          "goes (default: before the question)")
+    explain_.add_argument("--image", required=True, help="the image file")
+    explain_.add_argument("--out", default=None,
+                          help="the PNG to write (default: IMAGE_STEM.evidence.png in the current directory)")
+    explain_.add_argument("--max-new-tokens", type=int, default=32)
+    explain_.add_argument("--rule", choices=RULES, default="positive",
+                          help="positive: tokens that support the answer (default); absolute: any influence")
+    explain_.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="points on the path from empty visual "
+                          f"tokens to the image's (default {DEFAULT_STEPS}); 1 = plain gradient x input, fastest")
+    explain_.add_argument("--json", default=None, help="also write the answer and the map's summary here")
+    explain_.set_defaults(func=cmd_explain)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a tiny model on handwritten digits; exit 1 unless it clearly reads the images."""
     import logging
@@ -384,12 +464,7 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     # Defaults of None mean mmadapt.demo.DEFAULTS (not imported here: building the parser stays light).
     demo = sub.add_parser("demo", help="train a tiny model to read handwritten digits (CPU, offline, minutes) and "
                           "check that it uses the images; exit 1 if it does not")
-    demo.add_argument("--encoder", default="qwen3_5_vit")
-    demo.add_argument("--projector", default="qwen_merger")
-    demo.add_argument("--backbone", default="qwen3_5")
-    demo.add_argument("--preset", default="tiny")
-    demo.add_argument("--deepstack", choices=("use", "drop"), default="use",
-                      help="drop: build without the encoder's DeepStack levels")
+    add_build_arguments(demo)
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
     demo.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
     demo.add_argument("--batch-size", type=int, default=None, help="samples per step (default 32)")
@@ -408,7 +483,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mmadapt import VisionLanguageModel, build_model
+    from mmadapt import VisionLanguageModel
     from mmadapt.numerics import dump
     from mmadapt.testing import synthetic_batch
 
@@ -416,8 +491,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
     if args.model:
         model = VisionLanguageModel.from_pretrained(args.model)
     else:
-        model = build_model(args.encoder, args.projector, args.backbone, preset=args.preset,
-                            deepstack=args.deepstack)
+        model = build_from_args(args)
     model = model.to(args.device)
     batch = {k: v.to(args.device) for k, v in synthetic_batch(model, args.images, seed=args.seed).items()}
     device_type = torch.device(args.device).type
@@ -490,12 +564,7 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
                                "synthetic batch (run on each machine, then compare)")
     dump.add_argument("out", help="output file (.json, or .json.gz to gzip)")
     dump.add_argument("--model", default=None, help="a saved model directory (default: build from registry names)")
-    dump.add_argument("--encoder", default="qwen3_5_vit")
-    dump.add_argument("--projector", default="qwen_merger")
-    dump.add_argument("--backbone", default="qwen3_5")
-    dump.add_argument("--preset", default="tiny")
-    dump.add_argument("--deepstack", choices=("use", "drop"), default="use",
-                      help="drop: build without the encoder's DeepStack levels")
+    add_build_arguments(dump)
     dump.add_argument("--images", type=int, nargs="+", default=[1, 2], help="images per sample (default 1 2)")
     dump.add_argument("--seed", type=int, default=0, help="seeds the weights (registry builds) and the batch")
     dump.add_argument("--device", default="cpu")
@@ -542,20 +611,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="registered backbones, encoders and projectors").set_defaults(func=cmd_list)
     check = sub.add_parser("check-model", help="build a combination and check its image-token contract")
-    check.add_argument("encoder", nargs="?", default="qwen3_5_vit")
-    check.add_argument("projector", nargs="?", default="qwen_merger")
-    check.add_argument("backbone", nargs="?", default="qwen3_5")
-    check.add_argument("--preset", default="tiny")
-    check.add_argument("--deepstack", choices=("use", "drop"), default="use",
-                       help="drop: build without the encoder's DeepStack levels")
+    add_build_arguments(check, positional=True)
     check.set_defaults(func=cmd_check_model)
     add_data_commands(sub)
     add_train_command(sub)
     add_export_command(sub)
     add_chat_command(sub)
     add_eval_commands(sub)
-    from mmadapt.evidence import add_explain_command
-
     add_explain_command(sub)
     add_numerics_commands(sub)
     add_demo_command(sub)

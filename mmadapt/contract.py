@@ -3,6 +3,8 @@
 Built from the two injection steps (`locate`, then `scatter`) so the checker and the model
 can never disagree about where the images are. Checks run on every batch by default and
 cost a few small integer ops (one device sync), nothing per token beyond a comparison.
+The checks are pure functions; `VisionLanguageModel.prepare` runs them on its one input path, and
+`check_batch` reports over that same path (the DeepStack level checks are in `mmadapt.deepstack`).
 
 Shapes: B batch, L tokens, S image spans, I images, N visual tokens, D LLM width.
 """
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from mmadapt.packing import require_bool_mask
 
@@ -61,7 +62,8 @@ def scatter(inputs_embeds: torch.Tensor, spans: ImageSpans, features: torch.Tens
     return inputs_embeds.index_put((spans.mask,), features.to(inputs_embeds.dtype))
 
 
-def _fail(sample: int, what: str, cause: str, fix: str) -> ImageTokenContractError:
+def violation(sample: int, what: str, cause: str, fix: str) -> ImageTokenContractError:
+    """The error for a broken contract: the sample, what was found, the likely cause and the fix."""
     return ImageTokenContractError(f"sample {sample}: {what}. Likely cause: {cause}. Fix: {fix}.")
 
 
@@ -77,30 +79,30 @@ def check_spans(
     num_images = int(tokens_per_image.numel())
     if num_images == 0 and spans.num_spans:
         s = int(spans.sample[0])
-        raise _fail(s, f"{int(found[s])} image span(s) but no images were given",
+        raise violation(s, f"{int(found[s])} image span(s) but no images were given",
                     "pixel_values missing from the batch", "pass the pixel_values (and image_grid_thw) "
                     "the processor returned, or remove the image placeholders from text-only samples")
     if num_images and not spans.num_spans:
         s = 0 if images_per_sample is None else int(images_per_sample.nonzero()[0])
-        raise _fail(s, f"{num_images} image(s) given but no image placeholder tokens in any sample",
+        raise violation(s, f"{num_images} image(s) given but no image placeholder tokens in any sample",
                     "the chat template or truncation dropped the image spans",
                     "render images with the backbone's image span and never truncate inside one")
     if images_per_sample is not None:
         bad = (found != images_per_sample.to(found.device)).nonzero()
         if bad.numel():
             s = int(bad[0])
-            raise _fail(s, f"expected {int(images_per_sample[s])} image span(s), found {int(found[s])}",
+            raise violation(s, f"expected {int(images_per_sample[s])} image span(s), found {int(found[s])}",
                         "an <image> placeholder was lost (truncation) or duplicated in the text",
                         "give every image exactly one placeholder and keep spans whole when truncating")
     if spans.num_spans != num_images:
         s = int(spans.sample[min(spans.num_spans, num_images) - 1])
-        raise _fail(s, f"the batch has {spans.num_spans} image span(s) (per sample {found.tolist()}) but "
+        raise violation(s, f"the batch has {spans.num_spans} image span(s) (per sample {found.tolist()}) but "
                     f"{num_images} image(s)", "placeholders and images are out of step",
                     "give every image exactly one placeholder span, in the same order as the images")
     bad = (spans.length != tokens_per_image.to(spans.length.device)).nonzero()
     if bad.numel():
         k = int(bad[0])
-        raise _fail(int(spans.sample[k]), f"image span at position {int(spans.start[k])} has "
+        raise violation(int(spans.sample[k]), f"image span at position {int(spans.start[k])} has "
                     f"{int(spans.length[k])} tokens, but image {k} yields {int(tokens_per_image[k])} visual tokens",
                     "preprocessing does not match the encoder (e.g. CLIP-style resizing before a "
                     "dynamic-resolution ViT) or the span was expanded from a different image size",
@@ -118,7 +120,7 @@ def check_brackets(input_ids: torch.Tensor, spans: ImageSpans, start_id: int | N
         bad = (~inside | (found != token_id)).nonzero()
         if bad.numel():
             k = int(bad[0])
-            raise _fail(int(spans.sample[k]), f"image span at position {int(spans.start[k])} is not "
+            raise violation(int(spans.sample[k]), f"image span at position {int(spans.start[k])} is not "
                         f"bracketed by the vision-{name} token (id {token_id})",
                         "the text was not rendered with this backbone's chat template",
                         "render images as <vision_start> + image tokens + <vision_end>")
@@ -131,7 +133,7 @@ def check_attention(spans: ImageSpans, attention_mask: torch.Tensor | None) -> N
     hidden = (spans.mask & ~require_bool_mask(attention_mask)).nonzero()
     if hidden.numel():
         s, pos = (int(v) for v in hidden[0])
-        raise _fail(s, f"image token at position {pos} has attention_mask == 0",
+        raise violation(s, f"image token at position {pos} has attention_mask == 0",
                     "padding was written over an image span or the mask was built from the wrong lengths",
                     "build attention_mask from each sample's true length (bool, True = attend)")
 
@@ -141,7 +143,7 @@ def check_token_types(spans: ImageSpans, mm_token_type_ids: torch.Tensor) -> Non
     bad = ((mm_token_type_ids == 1) != spans.mask).nonzero()
     if bad.numel():
         s, pos = (int(v) for v in bad[0])
-        raise _fail(s, f"mm_token_type_ids[{s}, {pos}] = {int(mm_token_type_ids[s, pos])} disagrees with the "
+        raise violation(s, f"mm_token_type_ids[{s}, {pos}] = {int(mm_token_type_ids[s, pos])} disagrees with the "
                     "image placeholder positions", "mm_token_type_ids came from a different tokenisation",
                     "omit mm_token_type_ids (mmadapt derives it) or pass the processor's own")
 
@@ -153,79 +155,9 @@ def check_injected(inputs_embeds: torch.Tensor, spans: ImageSpans, features: tor
     if not bool(same.all()):
         k = int((~same).nonzero()[0])
         s, pos = (int(v) for v in spans.mask.nonzero()[k])
-        raise _fail(s, f"position {pos} still holds a non-visual embedding after injection",
+        raise violation(s, f"position {pos} still holds a non-visual embedding after injection",
                     "something rewrote the embeddings after injection (a hook, or input_ids re-embedded)",
                     "pass inputs_embeds, not input_ids, to the backbone and keep hooks out of the image positions")
-
-
-def check_levels(spans: ImageSpans, visual: Any, expected: int) -> None:
-    """DeepStack: the `expected` levels are there, each with one LLM-width token per image position, like the main
-    tokens (`visual.features`), so each image's span receives exactly its own level tokens."""
-    if len(visual.levels) != expected:
-        s = int(spans.sample[0]) if spans.num_spans else 0
-        raise _fail(s, f"the visual tokens carry {len(visual.levels)} DeepStack level(s), the backbone expects "
-                    f"{expected}", "the encoder's levels were switched off or added after the model was built",
-                    "build the model from its config (its levels follow the encoder and backbone)")
-    for i, level in enumerate(visual.levels):
-        if tuple(level.shape) != tuple(visual.features.shape):
-            s = int(spans.sample[0]) if spans.num_spans else 0
-            raise _fail(s, f"DeepStack level {i} has shape {tuple(level.shape)} but the main visual tokens "
-                        f"{tuple(visual.features.shape)} (one row per image position)", "a level projection changes "
-                        "the token count or width differently from the main projector",
-                        "project every level with a projector of the main one's kind (`levels` of the projector)")
-
-
-class DeepStackProbe:
-    """Verifies that DeepStack level i was added at the image positions after decoder layer i.
-
-    While active, a hook on layer i keeps `hidden[image positions] + level i` (the addition the backbone must
-    make, in its dtype) and a pre-hook on the next module (layer i + 1, or the final norm) compares its input
-    with it, bit for bit. On leaving, a level not added (a backbone that ignores `deepstack_visual_embeds`) is an
-    `ImageTokenContractError`. Hooks run in the forward only: recomputation in backward (activation checkpointing)
-    happens after they are removed. Cost: one (N, D) addition and comparison per level.
-    """
-
-    def __init__(self, layers: nn.ModuleList, norm: nn.Module, spans: ImageSpans,
-                 levels: tuple[torch.Tensor, ...]) -> None:
-        self.layers, self.norm, self.spans, self.levels = layers, norm, spans, levels
-        self.expected: dict[int, torch.Tensor] = {}
-        self.added: dict[int, bool] = {}
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> DeepStackProbe:
-        for i in range(len(self.levels)):
-            following = self.layers[i + 1] if i + 1 < len(self.layers) else self.norm
-            self.handles.append(self.layers[i].register_forward_hook(self._after(i)))
-            self.handles.append(following.register_forward_pre_hook(self._before(i)))
-        return self
-
-    def _after(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            hidden = (output[0] if isinstance(output, tuple) else output).detach()
-            mask = self.spans.mask.to(hidden.device)
-            self.expected[i] = hidden[mask] + self.levels[i].detach().to(hidden.device, hidden.dtype)
-        return hook
-
-    def _before(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
-            if i in self.expected and args:
-                hidden = args[0].detach()
-                self.added[i] = torch.equal(hidden[self.spans.mask.to(hidden.device)], self.expected.pop(i))
-        return hook
-
-    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-        if kind is not None:
-            return
-        lost = [i for i in range(len(self.levels)) if not self.added.get(i, False)]
-        if lost:
-            i = lost[0]
-            raise _fail(int(self.spans.sample[0]), f"DeepStack level {i} was not added to the LLM's hidden states at "
-                        f"the image positions after decoder layer {i} (levels not added: {lost})",
-                        "the backbone ignores deepstack_visual_embeds / visual_pos_masks, or something changed the "
-                        "hidden states between the layers", "register a backbone that adds them (deepstack=True "
-                        "only for models whose forward does), or build with deepstack: drop")
 
 
 @dataclass
@@ -249,27 +181,19 @@ class BatchReport:
 
 
 @torch.no_grad()
-def check_batch(model, batch: dict) -> BatchReport:
-    """Run every image-token check on `batch` (no LLM forward) and return a readable report."""
-    input_ids = batch["input_ids"]
-    spans = locate(input_ids, model.tokens.image_token_id)
-    images_per_sample = batch.get("images_per_sample")
-    from mmadapt.model import as_bool_mask
-
-    rows, error, tokens = [], None, []
-    lengths_in_tokens = input_ids.new_full((input_ids.shape[0],), input_ids.shape[1])
+def check_batch(model: Any, batch: dict) -> BatchReport:
+    """Run every image-token check on `batch` through the model's own input path (`model.prepare`, no LLM forward)
+    and return a readable report: per sample its tokens, images and spans, and the first violation."""
+    input_ids, images_per_sample, found, error = batch["input_ids"], batch.get("images_per_sample"), {}, None
     try:
-        valid = as_bool_mask(batch.get("attention_mask"), input_ids)
-        lengths_in_tokens = valid.sum(-1)
-        visual = model.encode_checked(batch.get("pixel_values"), batch.get("image_grid_thw"), spans)
-        tokens = visual.tokens_per_image.tolist() if visual is not None else []
-        model.check_inputs(input_ids, spans, visual, valid, batch.get("mm_token_type_ids"),
-                           batch.get("position_ids"), images_per_sample)
-        if visual is not None:
-            check_injected(model.embed(input_ids, spans, visual), spans, visual.features)
+        model.prepare(**{k: batch.get(k) for k in PREPARED_KEYS}, check=True, trace=found)
     except (ValueError, TypeError) as e:  # ImageTokenContractError is a ValueError
         error = str(e)
-    lengths = spans.length.tolist()
+    spans = found.get("spans") or locate(input_ids, model.tokens.image_token_id)
+    visual, valid = found.get("visual"), found.get("valid")
+    tokens = visual.tokens_per_image.tolist() if visual is not None else []
+    lengths_in_tokens = valid.sum(-1) if valid is not None else [input_ids.shape[1]] * input_ids.shape[0]
+    rows, lengths = [], spans.length.tolist()
     for b in range(input_ids.shape[0]):
         mine = (spans.sample == b).nonzero().flatten().tolist()
         rows.append({"sample": b, "tokens": int(lengths_in_tokens[b]), "spans": len(mine),
@@ -277,3 +201,8 @@ def check_batch(model, batch: dict) -> BatchReport:
                      "span_lengths": [lengths[k] for k in mine], "image_tokens": [tokens[k] for k in mine
                                                                                    if k < len(tokens)]})
     return BatchReport(rows, error)
+
+
+# The batch keys `check_batch` hands to `model.prepare` (the collator's `labels` and `meta` play no part).
+PREPARED_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids",
+                 "position_ids", "images_per_sample", "cu_seqlens")

@@ -134,7 +134,7 @@ def _export_target(model: Any) -> tuple[str, Any]:
 def save_transformers(model: Any, directory: str | os.PathLike) -> None:
     import transformers
 
-    from mmadapt.model import raise_on_key_mismatch
+    from mmadapt.weights import raise_on_key_mismatch
 
     model_type, hf_config = _export_target(model)
     arch = ARCHITECTURES[model_type]

@@ -14,8 +14,8 @@ Contract
   of `batch_size` copies of the prompt; then the scores of all images sum to F(x) - F(0) (`completeness`,
   about 1; raise `steps` when it is not). Only the visual tokens get gradients (`torch.autograd.grad`), the
   model runs in eval mode and is put back; the encoder runs once, without a graph. The injection, positions
-  (1-D or M-RoPE) and masks are the model's own (`embed`, `positions`): the scores equal gradient x input
-  through `model.forward`, and the image-token contract is checked as in `forward`.
+  (1-D or M-RoPE) and masks are the model's own (its one input path, `prepare`): the scores equal gradient x
+  input through `model.forward`, and the image-token contract is checked as in `forward`.
 - The rule turns scores into evidence: "positive" (default) keeps max(score, 0), "absolute" keeps |score|.
   Each image's evidence is normalised to sum to 1 over its tokens (`EvidenceMap.tokens`); an image with no
   evidence at all gets an all-zero map and `mass == 0`.
@@ -25,7 +25,7 @@ Contract
   padding (`outside`), and the result renormalised to sum to 1 over the original pixels the model saw
   (`EvidenceMap.pixels`; 0 on pixels it did not see, e.g. outside CLIP's centre crop).
 - `render(image, heat, path)` overlays a map on the original image (PNG), `explain(...)` answers greedily and
-  explains the answer, `add_explain_command` / `cmd_explain` are the `mmadapt explain` command.
+  explains the answer; `mmadapt explain` (in `mmadapt.cli`) is the command.
 
 Why attribute at the injected visual tokens, by gradients
 - The attribution point is the one interface every combination shares (`VisualTokens.features` -> `scatter`),
@@ -83,123 +83,35 @@ original image, H' x W' the processed image. `EvidenceMap.scores` (t, h, w), `.t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
 
-from mmadapt import contract
+from mmadapt.data.geometry import Box, Geometry
 from mmadapt.encoders.base import grid_coords
+from mmadapt.packing import as_bool_mask
+
+if TYPE_CHECKING:
+    from mmadapt.data.processors import ImageProcessor
 
 RULES: Final[tuple[str, ...]] = ("positive", "absolute")
 QUADRANTS: Final[tuple[str, ...]] = ("top_left", "top_right", "bottom_left", "bottom_right")
 DEFAULT_STEPS: Final[int] = 32
 MIN_EFFECT: Final[float] = 0.1  # nats (a probability ratio of 1.1): below it an answer does not rest on the images
-Box = tuple[float, float, float, float]  # (x0, y0, x1, y1) in original pixel coordinates
 
 
 # ---- geometry: the processed image the encoder saw <-> the original image ------------------------------------
-@dataclass(frozen=True)
-class Geometry:
-    """Where an original H x W image lies on the processed H' x W' image: processed = scale * original + offset.
-
-    All tuples are (y, x); coordinates are continuous (pixel i covers [i, i + 1)). `mode` names the processor
-    step ("pad", "resize", "crop", "qwen").
-    """
-
-    original: tuple[int, int]
-    processed: tuple[int, int]
-    scale: tuple[float, float]
-    offset: tuple[float, float]
-    mode: str
-
-    def to_original(self, y: float, x: float) -> tuple[float, float]:
-        """A processed-image point in original-image coordinates (may lie outside the original)."""
-        return (y - self.offset[0]) / self.scale[0], (x - self.offset[1]) / self.scale[1]
-
-    def seen_box(self) -> Box:
-        """The rectangle of the original image that lies inside the processed frame (all of it unless cropped)."""
-        y0, x0 = self.to_original(0.0, 0.0)
-        y1, x1 = self.to_original(*map(float, self.processed))
-        height, width = self.original
-        return max(x0, 0.0), max(y0, 0.0), min(x1, float(width)), min(y1, float(height))
-
-    def cell_box(self, row: int, col: int, grid: tuple[int, int], *, clip: bool = True) -> Box:
-        """Token cell (row, col) of an (h, w) grid as a rectangle of the original image (clipped to it)."""
-        cell_h, cell_w = self.processed[0] / grid[0], self.processed[1] / grid[1]
-        y0, x0 = self.to_original(row * cell_h, col * cell_w)
-        y1, x1 = self.to_original((row + 1) * cell_h, (col + 1) * cell_w)
-        if not clip:
-            return x0, y0, x1, y1
-        height, width = self.original
-        return (min(max(x0, 0.0), width), min(max(y0, 0.0), height),
-                min(max(x1, 0.0), width), min(max(y1, 0.0), height))
-
-    def coverage(self, grid: tuple[int, int]) -> np.ndarray:
-        """(h, w): the fraction of each token cell that shows the original image (the rest is padding)."""
-        fractions = []
-        for axis in (0, 1):
-            cells, extent = grid[axis], self.processed[axis]
-            size = extent / cells
-            lo = max(self.offset[axis], 0.0)
-            hi = min(self.scale[axis] * self.original[axis] + self.offset[axis], float(extent))
-            starts = np.arange(cells) * size
-            fractions.append(np.clip(np.minimum(starts + size, hi) - np.maximum(starts, lo), 0.0, None) / size)
-        return np.outer(*fractions)
-
-    def cell_index(self, grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Token row (H,) and column (W,) of every original pixel's centre; -1 where the model did not see it."""
-        out = []
-        for axis in (0, 1):
-            centres = self.scale[axis] * (np.arange(self.original[axis]) + 0.5) + self.offset[axis]
-            index = np.floor(centres * grid[axis] / self.processed[axis]).astype(np.int64)
-            out.append(np.where((centres >= 0) & (centres < self.processed[axis]), index, -1))
-        return out[0], out[1]
-
-    def pixel_map(self, cells: np.ndarray) -> np.ndarray:
-        """Per-cell shares (h, w) -> float32 (H, W) over the original: uniform inside each cell's visible part,
-        0 where unseen, renormalised to sum to 1 over the seen pixels (all zeros when none has mass)."""
-        rows, cols = self.cell_index(cells.shape)
-        heat = cells[np.ix_(rows.clip(0), cols.clip(0))].astype(np.float64)
-        heat *= np.outer(rows >= 0, cols >= 0)
-        total = heat.sum()
-        return (heat / total if total > 0 else heat).astype(np.float32)
-
-
-def geometry_for(processor: Any, height: int, width: int) -> Geometry:
+# `Geometry` and each mode's steps live in mmadapt.data.geometry, next to the processors that run them.
+def geometry_for(processor: ImageProcessor, height: int, width: int) -> Geometry:
     """The exact geometry of `processor` (`FixedSizeProcessor` or `QwenProcessor`) for an H x W image."""
-    from mmadapt.data.processors import aspect_limited, shortest_edge_size
-
-    padded = aspect_limited(height, width, processor.max_aspect_ratio)  # the processors' first step
-    pad = ((padded[0] - height) // 2, (padded[1] - width) // 2)       # pad_centred's offsets
-    if processor.dynamic:
-        size = tuple(processor.target_size(height, width))
-        scale = (size[0] / padded[0], size[1] / padded[1])
-        return Geometry((height, width), size, scale, (pad[0] * scale[0], pad[1] * scale[1]), "qwen")
-    side, mode = processor.image_size, processor.mode
-    if mode == "pad":
-        longest = max(padded)
-        pad = (pad[0] + (longest - padded[0]) // 2, pad[1] + (longest - padded[1]) // 2)
-        scale = (side / longest, side / longest)
-        crop = (0, 0)
-    elif mode == "resize":
-        scale, crop = (side / padded[0], side / padded[1]), (0, 0)
-    elif mode == "crop":
-        resized = shortest_edge_size(*padded, side)
-        scale = (resized[0] / padded[0], resized[1] / padded[1])
-        crop = (int((resized[0] - side) / 2.0), int((resized[1] - side) / 2.0))  # centre_crop's offsets
-    else:
-        raise ValueError(f"unknown processor mode {mode!r}; known: pad, resize, crop")
-    offset = (pad[0] * scale[0] - crop[0], pad[1] * scale[1] - crop[1])
-    return Geometry((height, width), (side, side), scale, offset, mode)
+    return processor.geometry(height, width)
 
 
 # ---- the maps --------------------------------------------------------------------------------------------------
@@ -311,8 +223,6 @@ def evidence(model: Any, inputs: dict[str, Any], answer_ids: Any, *, images: Seq
         raise ValueError(f"unknown rule {rule!r}; known: {list(RULES)}")
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps ({steps}) and batch_size ({batch_size}) must be >= 1")
-    from mmadapt.model import as_bool_mask
-
     input_ids = inputs["input_ids"]
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"evidence() explains one prompt: input_ids must be (1, L), got {tuple(input_ids.shape)}")
@@ -325,18 +235,14 @@ def evidence(model: Any, inputs: dict[str, Any], answer_ids: Any, *, images: Seq
     if not answer.numel():
         raise ValueError("answer_ids is empty: give at least one answer token (e.g. the end token)")
     ids = torch.cat([prompt, answer])[None]
-    spans = contract.locate(ids, model.tokens.image_token_id)
-    grid_thw = inputs.get("image_grid_thw")
+    grid_thw, counts = inputs.get("image_grid_thw"), inputs.get("images_per_sample")
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():  # the encoder's activations are not needed: only the visual tokens get gradients
-            visual = model.encode_checked(inputs["pixel_values"].to(device),
-                                          None if grid_thw is None else grid_thw.to(device), spans)
-        if model.config.check_contract:
-            counts = inputs.get("images_per_sample")
-            model.check_inputs(ids, spans, visual, torch.ones_like(ids, dtype=torch.bool),
-                               images_per_sample=None if counts is None else counts.to(device))
+            visual = model.prepare(ids, torch.ones_like(ids, dtype=torch.bool), inputs["pixel_values"].to(device),
+                                   None if grid_thw is None else grid_thw.to(device),
+                                   images_per_sample=None if counts is None else counts.to(device)).visual
         # A visual token's input is its main features and, with DeepStack, its levels: (1 + levels, N, D), all scaled
         features = torch.stack([visual.features, *visual.levels]).detach()
         alphas, weights = path_points(steps)
@@ -386,14 +292,11 @@ def answer_log_probs(model: Any, ids: torch.Tensor, answer: torch.Tensor, visual
     own injection and positions (1-D or M-RoPE)."""
     k, width = features.shape[0], features.shape[-1]
     rows = ids.expand(k, -1)
-    spans = contract.locate(rows, model.tokens.image_token_id)
     tokens = dataclasses.replace(visual, features=features[:, 0].reshape(-1, width), grids=visual.grids.repeat(k, 1),
                                  levels=tuple(features[:, i].reshape(-1, width) for i in range(1, features.shape[1])))
-    mask = torch.ones_like(rows, dtype=torch.bool)
-    out = model.backbone(inputs_embeds=model.embed(rows, spans, tokens), attention_mask=mask,
-                         position_ids=model.positions(mask, spans, tokens), use_cache=False,
-                         logits_to_keep=answer.numel() + 1,  # the positions that predict the answer, and the last
-                         **model.deepstack_inputs(spans, tokens))
+    inputs = model.prepare(rows, torch.ones_like(rows, dtype=torch.bool), visual=tokens, check=False)
+    out = model.backbone(**inputs.backbone_kwargs(), use_cache=False,
+                         logits_to_keep=answer.numel() + 1)  # the positions that predict the answer, and the last
     logits = out.logits[:, -answer.numel() - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, answer.expand(k, -1)[..., None]).squeeze(-1).sum(-1)
 
@@ -584,62 +487,3 @@ def completeness(maps: Sequence[EvidenceMap]) -> float | None:
     delta = first.objective - first.baseline_objective
     total = float(sum(m.scores.sum() for m in maps))
     return total / delta if delta else (1.0 if abs(total) < 1e-9 else math.inf)
-
-
-# ---- the command line ------------------------------------------------------------------------------------------
-def cmd_explain(args: argparse.Namespace) -> int:
-    """Answer PROMPT about --image, write the evidence map as a PNG, print the answer, the shares and the file."""
-    from mmadapt import Processor
-    from mmadapt.train.export import load_for_inference
-
-    prompt = " ".join(args.prompt).strip()
-    if not prompt:
-        raise ValueError("give a PROMPT, e.g. mmadapt explain MODEL --image cat.png What animal is this?")
-    if not os.path.isfile(args.image):
-        raise FileNotFoundError(f"--image {args.image} is not a file")
-    out = args.out or f"{Path(args.image).stem}.evidence.png"
-    model, tokenizer = load_for_inference(args.model, args.adapters)
-    processor = Processor.for_model(model, tokenizer)
-    result = explain(model, processor, args.image, prompt, max_new_tokens=args.max_new_tokens, out=out,
-                     rule=args.rule, steps=args.steps)
-    heat = result["map"]
-    print(result["answer"])
-    method = "gradient x input" if args.steps == 1 else f"integrated gradients, {args.steps} steps"
-    print(f"evidence ({args.rule} part, {method}): " + ", ".join(
-        f"{k.replace('_', '-')} {v:.1%}" for k, v in result["quadrants"].items())
-        + f"; peak token {list(result['peak'])} at x {result['peak_box'][0]:.0f}-{result['peak_box'][2]:.0f}, "
-          f"y {result['peak_box'][1]:.0f}-{result['peak_box'][3]:.0f}"
-        + ("" if result["completeness"] is None else f"; completeness {result['completeness']:.2f}"))
-    effect = result["image_effect"]
-    print(f"image effect: log p(answer) is {effect:+.2f} nats with the image than with empty visual tokens"
-          + ("" if result["rests_on_image"] else
-             f" - below {MIN_EFFECT}: the model gives this answer about as readily without the image, so the map "
-             "has no evidence to show (it is noise)"))
-    if args.json:
-        summary = {"prompt": prompt, "image": args.image, "answer": result["answer"],
-                   "answer_ids": result["answer_ids"], "png": result["png"], "completeness": result["completeness"],
-                   **heat.summary()}
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    print(f"wrote {result['png']}")
-    return 0
-
-
-def add_explain_command(sub: argparse._SubParsersAction) -> None:
-    from mmadapt.cli import add_model_arguments
-
-    explain_ = sub.add_parser("explain", help="answer a question about an image and map which parts of the image "
-                              "the answer rests on (integrated gradients on the visual tokens; PNG)")
-    add_model_arguments(explain_)
-    explain_.add_argument("prompt", nargs="*", help="the question (words are joined); <image> marks where the image "
-                          "goes (default: before the question)")
-    explain_.add_argument("--image", required=True, help="the image file")
-    explain_.add_argument("--out", default=None,
-                          help="the PNG to write (default: IMAGE_STEM.evidence.png in the current directory)")
-    explain_.add_argument("--max-new-tokens", type=int, default=32)
-    explain_.add_argument("--rule", choices=RULES, default="positive",
-                          help="positive: tokens that support the answer (default); absolute: any influence")
-    explain_.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="points on the path from empty visual "
-                          f"tokens to the image's (default {DEFAULT_STEPS}); 1 = plain gradient x input, fastest")
-    explain_.add_argument("--json", default=None, help="also write the answer and the map's summary here")
-    explain_.set_defaults(func=cmd_explain)

@@ -27,8 +27,9 @@ fp32. It is torch-native: the same code on CPU and GPU, under DDP and FSDP2 (the
 tensor inside the forward; its gradient flows back to the sharded parameter as usual).
 
 Backbones whose logits are more than `lm_head(hidden)` (a final soft-cap, a logit scale) keep
-transformers' full path: `full_path_reason`. An MoE router's load-balancing loss (`output_router_logits`) is
-added by the model on either path (`VisionLanguageModel.own_loss`).
+transformers' full path: `full_path_reason`. An MoE router's load-balancing loss (`output_router_logits`;
+the function its backbone declares, `BackboneSpec.moe.balance_loss`) is added on either path:
+`router_balance_loss`, over the real tokens only.
 
 Shapes: B rows, L tokens, D width, V vocabulary, N supervised positions, C positions per chunk.
 """
@@ -172,3 +173,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         if grads[2] is not None:
             grads[2] = grads[2].to(ctx.dtypes[1])
         return grads[0], grads[1], grads[2], None, None
+
+
+def router_balance_loss(spec: Any, router_logits: Any, config: Any, valid: torch.Tensor) -> torch.Tensor:
+    """The MoE router's load-balancing loss the backbone declares (`spec.moe.balance_loss`, transformers'
+    `load_balancing_loss_func`) with the (B, L) real-token mask `valid`: padding never enters it, and since it
+    averages routing statistics over every real token of the batch, a packed batch gives the same value as the
+    same samples padded (transformers' own forward counts padding when no mask is given and cannot read the
+    per-layer-type masks of packed rows). Unweighted: the caller adds `router_aux_loss_coef` x it."""
+    from mmadapt.registry import import_object
+
+    if spec.moe is None:
+        raise ValueError(f"backbone {spec.name!r} declares no MoE router (BackboneSpec.moe), yet it output router "
+                         "logits; register it with moe=MoE(..., balance_loss=...)")
+    balance = import_object(spec.moe.balance_loss)
+    return balance(router_logits, config.num_experts, config.num_experts_per_tok, valid)

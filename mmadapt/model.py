@@ -9,22 +9,26 @@ base model, then `lm_head` + cross-entropy over the supervised positions only, i
 same loss and gradients) and `logits` is None; eval mode, no labels, `return_logits=True` or
 `model.full_logits_loss = True` (`train.full_logits`) give transformers' full computation.
 
+One input path: `prepare(**batch)` turns a batch's keyword inputs into the backbone's (`ModelInputs`: the
+embeddings with the visual tokens in place, positions, masks, DeepStack inputs), running the contract checks;
+`forward`, `generate`, `contract.check_batch` and the evidence maps all go through it, so a new input kind is
+added once.
+
 Parts come from presets (random init) or from checkpoints (`ComponentConfig(pretrained=...)`: each
 family reads its own checkpoints, see `mmadapt.weights`); they may differ in dtype, and the glue casts
 at the boundaries (pixels to the encoder's dtype, features to the projector's, visual tokens to the
-embeddings').
+embeddings'). Model directories are read and written by `mmadapt.directory`.
 
-DeepStack (Qwen3-VL): an encoder's extra feature levels go through their own projections and, for a backbone
-that takes them, into its forward as `visual_pos_masks` + `deepstack_visual_embeds`; the contract checks each
-level like the main tokens and verifies, with hooks on the declared decoder layers, that every level was
-added (`contract.DeepStackProbe`). `ModelConfig.deepstack` decides what a combination that cannot carry them does.
+DeepStack (Qwen3-VL, `mmadapt.deepstack`): whether the encoder computes its levels is decided before the parts are
+built; the levels go through their own projections and, for a backbone that takes them, into its forward, checked
+like the main tokens and verified with hooks on the declared decoder layers.
 
 Packed batches add `cu_seqlens` (see `mmadapt.packing`): positions restart per sample,
 attention gets a block-diagonal causal mask, and stateful layers (Qwen3.5's Gated DeltaNet)
 run per sample; a training forward never builds a KV cache. At the public boundary (`forward`,
 `generate`, `check_batch`) masks may be bool or any integer / float dtype holding only 0 and 1
-(transformers' tokenizers return int64); they are converted to bool once, and everything inside
-takes `torch.bool` only.
+(transformers' tokenizers return int64); they are converted to bool once (`packing.as_bool_mask`),
+and everything inside takes `torch.bool` only.
 
 Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 """
@@ -33,27 +37,58 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from mmadapt import contract
+from mmadapt import contract, deepstack
 from mmadapt.backbones import BACKBONES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
-from mmadapt.packing import VARLEN, PackedRows, Segments, additive_mask, use_varlen_attention
+from mmadapt.packing import VARLEN, PackedRows, Segments, additive_mask, as_bool_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
-CONFIG_FILE = "config.json"
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInputs:
+    """What `VisionLanguageModel.prepare` makes of a batch: the backbone's inputs and what the losses and checks need.
+
+    `valid` (B, L) bool: real tokens; `spans`: the image spans; `visual`: the visual tokens at LLM width (None without
+    images); `inputs_embeds` (B, L, D) with the visual tokens in place; `position_ids` (B, L) or (3, B, L);
+    `attention_mask`: what the backbone takes (None, the (B, L) mask, or the packed rows' block mask);
+    `packed`: the packed rows' `PackedRows` (None when padded); `checked`: whether the contract was checked.
+    """
+
+    valid: torch.Tensor
+    spans: ImageSpans
+    visual: VisualTokens | None
+    inputs_embeds: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Any
+    packed: PackedRows | None
+    checked: bool
+
+    def backbone_kwargs(self) -> dict[str, Any]:
+        """The keyword inputs of the backbone (or its base model) for this batch."""
+        kwargs = {"inputs_embeds": self.inputs_embeds, "attention_mask": self.attention_mask,
+                  "position_ids": self.position_ids, **deepstack.backbone_inputs(self.spans, self.visual)}
+        if self.packed is not None:
+            kwargs["packed_segments"] = self.packed
+        return kwargs
+
+    def verified(self, backbone: Any) -> Any:
+        """A context around the backbone's forward that verifies the DeepStack levels were added (when checked)."""
+        return deepstack.probe(backbone, self.spans, self.visual) if self.checked else contextlib.nullcontext()
 
 
 class VisionLanguageModel(nn.Module):
@@ -62,16 +97,19 @@ class VisionLanguageModel(nn.Module):
         self.backbone_spec = BACKBONES.get(config.backbone.name)
         enc, proj, bb = config.encoder, config.projector, config.backbone
         encoder_spec = ENCODERS.get(enc.name)
-        self.encoder = (encoder_spec.from_pretrained(enc.pretrained, dtype=enc.dtype, **enc.options) if enc.pretrained
-                        else encoder_spec.build(enc.preset, **enc.options))
+        emits = deepstack.emits(self.backbone_spec, config.deepstack)  # decided before the parts are built
+        self.encoder = (encoder_spec.from_pretrained(enc.pretrained, dtype=enc.dtype, levels=emits, **enc.options)
+                        if enc.pretrained else encoder_spec.build(enc.preset, levels=emits, **enc.options))
         self.backbone, self.tokens = (
             self.backbone_spec.from_pretrained(bb.pretrained, dtype=bb.dtype, **bb.options) if bb.pretrained
             else self.backbone_spec.build(bb.preset, **bb.options))
-        if self.backbone_spec.isolate is not None:
-            self.backbone_spec.isolate(self.backbone)
+        if self.backbone_spec.hybrid is not None:
+            self.backbone_spec.hybrid.isolate(self.backbone)
         use_varlen_attention(self.backbone)
         self.config = config
-        self.levels = self._deepstack_levels()
+        self.levels = deepstack.levels_for(
+            self.encoder, self.backbone_spec, self.backbone.config, encoder_name=enc.name, mode=config.deepstack,
+            deepstack_backbones=[n for n, s in BACKBONES.items() if s.deepstack])
         width = self.backbone.config.hidden_size
         projector_spec = PROJECTORS.get(proj.name)
         self.projector = (
@@ -93,33 +131,6 @@ class VisionLanguageModel(nn.Module):
         """`VisionLanguageModel.from_names("clip", "mlp2x_gelu", {"name": "llama", "pretrained": "vicuna-7b"})`."""
         return cls(ModelConfig.from_names(encoder, projector, backbone, preset=preset, **kwargs))
 
-    def _deepstack_levels(self) -> int:
-        """How many DeepStack levels the backbone gets from the encoder (0: none); refuses to lose them silently."""
-        blocks, takes = self.encoder.deepstack_levels, self.backbone_spec.deepstack
-        enc, bb, mode = self.config.encoder.name, self.config.backbone.name, self.config.deepstack
-        if blocks and not takes and mode != "drop":
-            raise ValueError(
-                f"encoder {enc!r} emits {len(blocks)} DeepStack feature levels (blocks {list(blocks)}), but backbone "
-                f"{bb!r} cannot take them: they would be dropped silently. Fix: a DeepStack backbone "
-                f"({', '.join(n for n, s in BACKBONES.items() if s.deepstack)}), or build without them with "
-                "deepstack: drop (`build_model(..., deepstack=\"drop\")`, `model.deepstack: drop` in a run config, "
-                "`--deepstack drop`).")
-        if blocks and (mode == "drop" or not takes):
-            log.warning("deepstack: drop - the %d DeepStack levels of encoder %r (blocks %s) are not computed; "
-                        "backbone %r gets the main visual tokens only", len(blocks), enc, list(blocks), bb)
-        elif takes and not blocks:
-            log.info("backbone %r takes DeepStack levels but encoder %r emits none: it runs without them", bb, enc)
-        if not (blocks and takes) or mode == "drop":
-            self.encoder.emit_levels = False
-            return 0
-        layers = self.backbone.config.num_hidden_layers
-        if len(blocks) > layers:
-            raise ValueError(f"encoder {enc!r} emits {len(blocks)} DeepStack levels, added after decoder layers 0.."
-                             f"{len(blocks) - 1}, but backbone {bb!r} has {layers} layers: the last levels would be "
-                             "skipped. Fix: fewer deepstack_visual_indexes, or a deeper backbone.")
-        self.encoder.emit_levels = True
-        return len(blocks)
-
     def set_span_tokens(self, **ids: int) -> None:
         """Point the image span at other token ids (e.g. a tokenizer's); they are saved with the model."""
         self.tokens = dataclasses.replace(self.tokens, **ids)
@@ -128,7 +139,42 @@ class VisionLanguageModel(nn.Module):
     def uses_mrope(self) -> bool:
         return self.backbone_spec.positions == "mrope"
 
-    # ---- the four steps ---------------------------------------------------------------------
+    # ---- the one input path ----------------------------------------------------------------------
+    def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, *,
+                visual: VisualTokens | None = None, mm_token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, images_per_sample: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, check: bool | None = None,
+                trace: dict[str, Any] | None = None) -> ModelInputs:
+        """A batch's keyword inputs -> the backbone's (`ModelInputs`): locate the image spans, encode the images
+        (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
+        embeddings, derive positions (unless given) and the attention mask (packed rows: `cu_seqlens`).
+
+        `check`: run the image-token checks (default: the model config's `check_contract`). `trace`: a dict that
+        receives `valid`, `spans` and `visual` as soon as they exist, for a report on a batch that fails a check.
+        """
+        check = self.config.check_contract if check is None else check
+        trace = {} if trace is None else trace
+        trace["spans"] = spans = contract.locate(input_ids, self.tokens.image_token_id)
+        trace["valid"] = valid = as_bool_mask(attention_mask, input_ids)
+        segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
+        if visual is None:
+            visual = self.encode_checked(pixel_values, image_grid_thw, spans)
+        trace["visual"] = visual
+        if check:
+            self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample)
+        inputs_embeds = self.embed(input_ids, spans, visual)
+        if check and visual is not None:
+            contract.check_injected(inputs_embeds, spans, visual.features)
+        if position_ids is None:
+            position_ids = self.positions(valid, spans, visual, segments)
+        mask: Any = valid if attention_mask is not None else None
+        packed = None
+        if segments is not None:
+            mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
+            packed = PackedRows(segments, cu_seqlens, valid)
+        return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
+
     def encode_images(self, pixel_values: torch.Tensor | None,
                       image_grid_thw: torch.Tensor | None = None) -> VisualTokens | None:
         """Encoder then projector: visual tokens at LLM width, with their LLM-side grids."""
@@ -160,20 +206,6 @@ class VisionLanguageModel(nn.Module):
             return embeds
         return contract.scatter(embeds, spans, visual.features)
 
-    def deepstack_inputs(self, spans: ImageSpans, visual: VisualTokens | None) -> dict[str, Any]:
-        """The backbone's DeepStack arguments for these visual tokens ({} without levels)."""
-        if visual is None or not visual.levels:
-            return {}
-        return {"visual_pos_masks": spans.mask, "deepstack_visual_embeds": list(visual.levels)}
-
-    def deepstack_probe(self, spans: ImageSpans, visual: VisualTokens | None) -> Any:
-        """A context that verifies, during the backbone's forward, that each level was added after its decoder
-        layer (`contract.DeepStackProbe`); nothing to verify without levels."""
-        if visual is None or not visual.levels:
-            return contextlib.nullcontext()
-        decoder = self.backbone.get_decoder()
-        return contract.DeepStackProbe(decoder.layers, decoder.norm, spans, visual.levels)
-
     def positions(self, valid: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                   segments: Segments | None = None) -> torch.Tensor:
         if self.uses_mrope:
@@ -198,11 +230,34 @@ class VisionLanguageModel(nn.Module):
                 f"packed batches need attn_implementation 'sdpa' or 'eager'; the backbone uses {implementation!r}. "
                 "Fix: build the backbone with attn_implementation='sdpa', or pad instead of packing."
             )
-        if self.backbone_spec.layer_masks:
+        if self.backbone_spec.hybrid is not None and self.backbone_spec.hybrid.layer_masks:
             # Hybrid models take one mask per layer type; linear-attention layers isolate samples themselves.
             return {"full_attention": mask, "linear_attention": None}
         return mask
 
+    def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
+                     valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None,
+                     images_per_sample: torch.Tensor | None = None) -> None:
+        """The image-token contract for one batch; raises `ImageTokenContractError`."""
+        tokens_per_image = visual.tokens_per_image if visual is not None else input_ids.new_zeros(0)
+        contract.check_spans(spans, tokens_per_image, batch_size=input_ids.shape[0],
+                             images_per_sample=images_per_sample)
+        if visual is not None:
+            deepstack.check_levels(spans, visual, self.levels)
+        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
+        contract.check_attention(spans, valid)
+        if mm_token_type_ids is not None:
+            contract.check_token_types(spans, mm_token_type_ids)
+        if position_ids is not None and self.uses_mrope and spans.num_spans and position_ids.ndim == 2:
+            s = int(spans.sample[0])
+            raise ImageTokenContractError(
+                f"sample {s}: 1-D position_ids (B, L) were given to M-RoPE backbone "
+                f"{self.backbone_spec.name!r} for a batch with images; image tokens need (3, B, L) (t, h, w) "
+                "positions. Fix: omit position_ids (mmadapt computes them) or pass 3-D ones."
+            )
+
+    # ---- training and scoring --------------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -224,34 +279,19 @@ class VisionLanguageModel(nn.Module):
         supervised positions, `lm_head` + cross-entropy in chunks, the same loss and gradients) and the output's
         `logits` is None; `return_logits=True`, eval mode or no labels give transformers' full computation.
         `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
-        valid = as_bool_mask(attention_mask, input_ids)
-        segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
-        spans = contract.locate(input_ids, self.tokens.image_token_id)
-        visual = self.encode_checked(pixel_values, image_grid_thw, spans)
-        if self.config.check_contract:
-            self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample)
-        inputs_embeds = self.embed(input_ids, spans, visual)
-        if self.config.check_contract and visual is not None:
-            contract.check_injected(inputs_embeds, spans, visual.features)
-        if position_ids is None:
-            position_ids = self.positions(valid, spans, visual, segments)
-        kwargs.update(self.deepstack_inputs(spans, visual))
+        inputs = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw,
+                              mm_token_type_ids=mm_token_type_ids, position_ids=position_ids,
+                              images_per_sample=images_per_sample, cu_seqlens=cu_seqlens)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
-        backbone_mask: Any = valid if attention_mask is not None else None
-        if segments is not None:
-            if kwargs["use_cache"] or kwargs.get("cache") is not None:
-                raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
-                                 "of a row. Fix: use_cache=False (the default) or generate from unpacked rows.")
-            backbone_mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
-            kwargs["packed_segments"] = PackedRows(segments, cu_seqlens, valid)
+        if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
+            raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
+                             "of a row. Fix: use_cache=False (the default) or generate from unpacked rows.")
         return_logits = return_logits or self.full_logits_loss
         chunked = labels is not None and self.training and not return_logits and self.loss_without_logits()
-        with self.deepstack_probe(spans, visual) if self.config.check_contract else contextlib.nullcontext():
+        with inputs.verified(self.backbone):
             if chunked or self.router_aux_loss(kwargs):
-                return self.own_loss(inputs_embeds, backbone_mask, position_ids, labels, valid, chunked=chunked,
-                                     **kwargs)
-            return self.backbone(inputs_embeds=inputs_embeds, attention_mask=backbone_mask,
-                                 position_ids=position_ids, labels=labels, **kwargs)
+                return self.own_loss(inputs, labels, chunked=chunked, **kwargs)
+            return self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
         """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""
@@ -269,71 +309,40 @@ class VisionLanguageModel(nn.Module):
                          self._full_logits_reason)
         return not self._full_logits_reason
 
-    def own_loss(self, inputs_embeds: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor,
-                 labels: torch.Tensor | None, valid: torch.Tensor, *, chunked: bool, num_items_in_batch: Any = None,
-                 output_router_logits: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """The backbone's base model, then the loss computed here: over the supervised positions only, in chunks
-        (`chunked`: `mmadapt.loss`), or from full logits with the backbone's own loss function; plus, for MoE
-        backbones with `output_router_logits`, the router's load-balancing loss over the real tokens (`valid`).
+    def own_loss(self, inputs: ModelInputs, labels: torch.Tensor | None, *, chunked: bool,
+                 num_items_in_batch: Any = None, output_router_logits: bool | None = None,
+                 **kwargs: Any) -> CausalLMOutputWithPast:
+        """The backbone's base model, then the losses computed here: the token loss over the supervised positions
+        only, in chunks (`chunked`: `mmadapt.loss`), or from full logits with the backbone's own loss function;
+        plus, for MoE backbones with `output_router_logits`, the router's load-balancing loss the backbone declares
+        (`mmadapt.loss.router_balance_loss`), over the real tokens only."""
+        from mmadapt.loss import causal_lm_loss, router_balance_loss
 
-        That auxiliary loss is transformers' `load_balancing_loss_func` with the (B, L) real-token mask: padding
-        never enters it, and since it averages routing statistics over every real token of the batch, a packed
-        batch gives the same value as the same samples padded (transformers' own forward would count padding
-        when no mask is given and cannot read the per-layer-type masks of packed rows).
-        """
         kwargs.pop("logits_to_keep", None)
         router = self.router_aux_loss({"output_router_logits": output_router_logits})
         if router:
             kwargs["output_router_logits"] = True
-        out = self.backbone.get_decoder()(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                          position_ids=position_ids, **kwargs)
+        out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
         hidden, head, logits, loss = out.last_hidden_state, self.backbone.get_output_embeddings(), None, None
+        config = self.backbone.config
         if chunked:
-            from mmadapt.loss import causal_lm_loss
-
             loss = causal_lm_loss(hidden, head, labels, num_items_in_batch)
         else:
             logits = head(hidden)
             if labels is not None:
-                loss = self.backbone.loss_function(logits, labels, self.backbone.config.vocab_size,
+                loss = self.backbone.loss_function(logits, labels, config.vocab_size,
                                                    num_items_in_batch=num_items_in_batch)
         if not router:
             return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache,
                                           hidden_states=out.hidden_states, attentions=out.attentions)
-        import sys
-
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-        config = self.backbone.config
-        balance = sys.modules[type(self.backbone.get_decoder()).__module__].load_balancing_loss_func
-        aux = balance(out.router_logits, config.num_experts, config.num_experts_per_tok, valid)
+        aux = router_balance_loss(self.backbone_spec, out.router_logits, config, inputs.valid)
         if loss is not None:
             loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, cache=out.cache,
                                          hidden_states=out.hidden_states, attentions=out.attentions,
                                          router_logits=out.router_logits)
-
-    def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
-                     valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None,
-                     images_per_sample: torch.Tensor | None = None) -> None:
-        """The image-token contract for one batch; raises `ImageTokenContractError`."""
-        tokens_per_image = visual.tokens_per_image if visual is not None else input_ids.new_zeros(0)
-        contract.check_spans(spans, tokens_per_image, batch_size=input_ids.shape[0],
-                             images_per_sample=images_per_sample)
-        if visual is not None:
-            contract.check_levels(spans, visual, self.levels)
-        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
-        contract.check_attention(spans, valid)
-        if mm_token_type_ids is not None:
-            contract.check_token_types(spans, mm_token_type_ids)
-        if position_ids is not None and self.uses_mrope and spans.num_spans and position_ids.ndim == 2:
-            s = int(spans.sample[0])
-            raise ImageTokenContractError(
-                f"sample {s}: 1-D position_ids (B, L) were given to M-RoPE backbone "
-                f"{self.backbone_spec.name!r} for a batch with images; image tokens need (3, B, L) (t, h, w) "
-                "positions. Fix: omit position_ids (mmadapt computes them) or pass 3-D ones."
-            )
 
     # ---- inference -------------------------------------------------------------------------
     @torch.no_grad()
@@ -353,19 +362,14 @@ class VisionLanguageModel(nn.Module):
         valid = as_bool_mask(attention_mask, input_ids)
         order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
-        spans = contract.locate(input_ids, self.tokens.image_token_id)
-        visual = self.encode_checked(pixel_values, image_grid_thw, spans)
-        if self.config.check_contract:
-            types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
-            self.check_inputs(input_ids, spans, visual, valid, types, images_per_sample=images_per_sample)
-        embeds = self.embed(input_ids, spans, visual)
-        positions = self.positions(valid, spans, visual)
-        next_position = positions.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
+        types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
+        inputs = self.prepare(input_ids, valid, pixel_values, image_grid_thw, mm_token_type_ids=types,
+                              images_per_sample=images_per_sample)
+        next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        with self.deepstack_probe(spans, visual) if self.config.check_contract else contextlib.nullcontext():
-            out = self.backbone(inputs_embeds=embeds, attention_mask=valid, position_ids=positions, use_cache=True,
-                                **self.deepstack_inputs(spans, visual))
+        with inputs.verified(self.backbone):
+            out = self.backbone(**inputs.backbone_kwargs(), use_cache=True)
         new_tokens = []
         for _ in range(max_new_tokens):
             token = next_token(out.logits[:, -1], temperature, top_p, generator).masked_fill(done, pad_token_id)
@@ -399,8 +403,8 @@ class VisionLanguageModel(nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt", *, tokenizer: Any = None,
                         max_shard_size: int | str = "5GB") -> None:
-        """A model directory: everything inference needs. `format="transformers"` writes the equivalent
-        transformers model instead (LLaVA / Qwen3.5-VL combinations only).
+        """A model directory: everything inference needs (`mmadapt.directory`). `format="transformers"` writes the
+        equivalent transformers model instead (LLaVA / Qwen3.5-VL / Qwen3-VL combinations only).
 
         mmadapt's format: `config.json` (the components with their full options and provenance, the image
         processor's settings, the chat template's name), safetensors weights (sharded above `max_shard_size`)
@@ -415,56 +419,31 @@ class VisionLanguageModel(nn.Module):
             return
         if format != "mmadapt":
             raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
-        from mmadapt.weights import save_weights
+        from mmadapt import directory as model_directory
 
-        os.makedirs(directory, exist_ok=True)
-        save_weights(self.state_dict(), directory, max_shard_size=max_shard_size)
-        config = {"mmadapt": self.resolved_config().to_dict(), "processor": self.encoder.processor_defaults(),
-                  "chat_template": self.backbone_spec.chat_template}
-        path = os.path.join(directory, CONFIG_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(config, f, indent=2)
-        os.replace(path + ".tmp", path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
+        model_directory.save(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:
-        """Load mmadapt's format or a transformers LLaVA / Qwen3.5-VL directory (detected from config.json).
+        """Load mmadapt's format or a transformers LLaVA / Qwen VLM directory (detected from config.json).
 
         The model is built on the meta device and materialised from the files; a missing weight is always
         an error (nothing is left randomly initialised). `strict=False` tolerates unexpected keys in an
         mmadapt directory; a transformers directory is read as three parts, which ignore keys of no part.
         """
-        path = os.path.join(directory, CONFIG_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: not a saved mmadapt or transformers model directory")
-        with open(path) as f:
-            saved = json.load(f)
-        if "mmadapt" not in saved:
-            from mmadapt.convert import load_transformers
+        from mmadapt import directory as model_directory
 
-            return load_transformers(cls, directory, saved)
-        from mmadapt.weights import Checkpoint, empty_weights, finish, load_part
-
-        with empty_weights():
-            model = cls(ModelConfig.from_dict(saved["mmadapt"]))
-        checkpoint = Checkpoint.open(directory, what="model")
-        tied = model.backbone_tied_keys()
-        ours, theirs = set(model.state_dict()), set(checkpoint.keys())
-        missing = sorted(k for k in ours - theirs if not (k in tied and tied[k] in theirs))
-        raise_on_key_mismatch(missing, sorted(theirs - ours), directory, strict)
-        load_part(model, checkpoint, (("", ""),), what=f"model {directory}", tied=tied)
-        if tied:
-            model.backbone.tie_weights()
-        return finish(model, f"model {directory}")
+        return model_directory.load(cls, directory, strict=strict)
 
     def backbone_tied_keys(self) -> dict[str, str]:
         """{key: key it is tied to} of the backbone's tied embeddings, both ways, as model keys."""
-        if not getattr(self.backbone.config, "tie_word_embeddings", False):
-            return {}
-        pairs = getattr(self.backbone, "_tied_weights_keys", None) or {}
-        return {f"backbone.{a}": f"backbone.{b}" for k, v in pairs.items() for a, b in ((k, v), (v, k))}
+        from mmadapt.backbones.base import tied_keys
+
+        return {f"backbone.{a}": f"backbone.{b}" for a, b in tied_keys(self.backbone).items()}
+
+    def tie_weights(self) -> None:
+        """Re-tie the backbone's tied embeddings (after loading weights into them)."""
+        self.backbone.tie_weights()
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -478,35 +457,3 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float,
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps at least the most likely token
         probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bool) -> None:
-    if missing or (strict and unexpected):
-        raise ValueError(
-            f"weights in {source} do not match the model: missing keys {sorted(missing)}, unexpected keys "
-            f"{sorted(unexpected)}. " + ("Missing weights are always an error (they would stay random)." if missing
-                                         else "Pass strict=False to ignore unexpected keys.")
-        )
-
-
-def as_bool_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
-    """The (B, L) bool mask, True = attend; all True when None.
-
-    The public boundary: transformers' 0/1 masks of any integer or float dtype become bool here, once.
-    Other values (a segment-id mask such as [1, 1, 2, 2, 0]) are refused: mmadapt packs with `cu_seqlens`.
-    """
-    if attention_mask is None:
-        return torch.ones_like(input_ids, dtype=torch.bool)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    valid = attention_mask != 0
-    if bool((attention_mask[valid] != 1).any()):
-        values = torch.unique(attention_mask).tolist()[:8]
-        raise ValueError(
-            f"attention_mask holds values {values}; only 0/1 (or bool) masks are accepted. A mask with other values "
-            "looks like per-sample segment ids (another framework's packing convention), which mmadapt does not "
-            "read: it packs with cu_seqlens. Fix: pass attention_mask=(segment_ids != 0) and "
-            "cu_seqlens=mmadapt.packing.cu_seqlens_from_segment_ids(segment_ids).")
-    return valid

@@ -15,7 +15,7 @@ attended to. From it the model derives:
 
 Masks are `torch.bool`. An integer tensor given as a mask to any function here is a `TypeError`:
 indexing with an int tensor gathers rows (story 2 in CONTEXT.md: every embedding became token 1's).
-Only the model's public entry points convert transformers' 0/1 masks, once (`model.as_bool_mask`).
+Only the model's public entry points convert transformers' 0/1 masks, once (`as_bool_mask`).
 
 Shapes: B rows, L tokens per row, S segments (samples and padding tails).
 """
@@ -38,6 +38,29 @@ def require_bool_mask(mask: torch.Tensor, name: str = "attention_mask") -> torch
             f"generate and check_batch convert 0/1 masks themselves."
         )
     return mask
+
+
+def as_bool_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """The (B, L) bool mask, True = attend; all True when None.
+
+    The public boundary: transformers' 0/1 masks of any integer or float dtype become bool here, once.
+    Other values (a segment-id mask such as [1, 1, 2, 2, 0]) are refused: mmadapt packs with `cu_seqlens`.
+    """
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    valid = attention_mask != 0
+    if bool((attention_mask[valid] != 1).any()):
+        values = torch.unique(attention_mask).tolist()[:8]
+        raise ValueError(
+            f"attention_mask holds values {values}; only 0/1 (or bool) masks are accepted. A mask with other values "
+            "looks like per-sample segment ids (another framework's packing convention), which mmadapt does not "
+            "read: it packs with cu_seqlens. Fix: pass attention_mask=(segment_ids != 0) and "
+            "cu_seqlens=mmadapt.packing.cu_seqlens_from_segment_ids(segment_ids).")
+    return valid
 
 
 @dataclass(frozen=True)

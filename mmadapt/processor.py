@@ -14,15 +14,14 @@ bool masks, right padding.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mmadapt.data import Collator, SampleEncoder
 from mmadapt.data.images import load_image, to_rgb
 from mmadapt.data.samples import Turn, _message_turns
+from mmadapt.data.tokenizer import load_tokenizer
 
 
 class Processor:
@@ -39,23 +38,14 @@ class Processor:
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **data_config: Any) -> Processor:
         """From a model directory alone: its tokenizer files and its config (the model is built on meta only)."""
-        from mmadapt.config import ModelConfig
+        from mmadapt import directory as model_directory
         from mmadapt.model import VisionLanguageModel
-        from mmadapt.train.export import load_tokenizer_from
-        from mmadapt.weights import empty_weights
 
-        directory = Path(directory)
-        tokenizer = load_tokenizer_from(directory)
+        tokenizer = load_tokenizer(directory)
         if tokenizer is None:
             raise FileNotFoundError(f"{directory} holds no tokenizer files (tokenizer.json, tokenizer_config.json); "
                                     "save the model with save_pretrained(dir, tokenizer=tokenizer)")
-        saved = json.loads((directory / "config.json").read_text())
-        if "mmadapt" in saved:  # the components' structure is enough: no weights are read
-            with empty_weights():
-                model = VisionLanguageModel(ModelConfig.from_dict(saved["mmadapt"]))
-        else:
-            model = VisionLanguageModel.from_pretrained(directory)
-        return cls.for_model(model, tokenizer, **data_config)
+        return cls.for_model(model_directory.structure(VisionLanguageModel, directory), tokenizer, **data_config)
 
     def __call__(self, prompts: str | Sequence[Any], images: Sequence[Any] | None = None,
                  return_tensors: str = "pt") -> dict[str, Any]:

@@ -29,7 +29,7 @@ from mmadapt.contract import ImageTokenContractError
 from mmadapt.encoders.base import VisualTokens, grid_coords
 from mmadapt.options import resolve_preset
 from mmadapt.registry import Registry, import_object
-from mmadapt.weights import Checkpoint, Rules, hf_config, load_part, parse_dtype, wrong_family
+from mmadapt.weights import Checkpoint, Rules, hf_config, load_pretrained, wrong_family
 
 
 class Projector(nn.Module):
@@ -74,17 +74,12 @@ class Projector(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, in_dim: int, out_dim: int, *, what: str, dtype: Any = None, levels: int = 0,
                         **options: Any) -> Projector:
-        from mmadapt.weights import Provenance, empty_weights, finish
-
         checkpoint = Checkpoint.open(path, what=what, weights=["mm_projector.bin"])
         implied, rules = cls.checkpoint_layout(checkpoint, options, what)
-        with empty_weights():
-            projector = cls(in_dim, out_dim, levels=levels, **{**implied, **options})
         hint = (f"the checkpoint's projector has other widths than encoder width {in_dim} -> backbone width "
                 f"{out_dim}: pair it with the encoder and backbone it was trained with")
-        load_part(projector, checkpoint, rules, what=what, dtype=parse_dtype(dtype), hint=hint)
-        projector.provenance = Provenance(checkpoint)
-        return finish(projector, what)
+        return load_pretrained(lambda: cls(in_dim, out_dim, levels=levels, **{**implied, **options}), checkpoint, rules,
+                               what=what, dtype=dtype, hint=hint)
 
 
 def _saved_part(checkpoint: Checkpoint, part: str) -> bool:

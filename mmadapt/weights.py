@@ -9,6 +9,9 @@ with the three pieces here:
   so reading one part of a composite checkpoint touches only that part's bytes.
 - `empty_weights()`: build a module with its parameters on the meta device (no random init, no
   memory); buffers are real, so computed non-persistent buffers (rotary `inv_freq`) stay correct.
+- `load_pretrained(build, checkpoint, rules)`: the one recipe every family (and whole models) load with: build
+  on the meta device, load strictly (`load_part`), re-tie tied embeddings, record `Provenance`, check that no
+  parameter was left on the meta device (`finish`).
 - `load_part(module, checkpoint, rules)`: rename the checkpoint's keys by prefix rules, materialise
   the module from them (`assign=True`: zero-copy when no dtype change is asked), and raise
   `MissingWeightsError` naming the checkpoint and the first missing keys when any parameter of the
@@ -24,7 +27,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ from torch import nn
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+MMADAPT_KEY = "mmadapt"  # config.json of an mmadapt model directory / training checkpoint (`mmadapt.directory`)
 SHOW_KEYS = 5
 
 
@@ -82,8 +86,8 @@ class Checkpoint:
 
     @property
     def model_type(self) -> str | None:
-        if "mmadapt" in self.config:
-            return "mmadapt"
+        if MMADAPT_KEY in self.config:
+            return MMADAPT_KEY
         return self.config.get("model_type")
 
     def describe_type(self) -> str:
@@ -279,6 +283,43 @@ def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: 
     return module
 
 
+def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bool) -> None:
+    """A whole model's keys against its weights': missing keys always raise, unexpected ones when `strict`."""
+    if missing or (strict and unexpected):
+        raise ValueError(
+            f"weights in {source} do not match the model: missing keys {sorted(missing)}, unexpected keys "
+            f"{sorted(unexpected)}. " + ("Missing weights are always an error (they would stay random)." if missing
+                                         else "Pass strict=False to ignore unexpected keys.")
+        )
+
+
+def load_pretrained(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rules = (("", ""),), *, what: str,
+                    skip: tuple[str, ...] = (), dtype: str | torch.dtype | None = None, hint: str | None = None,
+                    layouts: tuple[WeightLayout, ...] = (), tied: Callable[[nn.Module], dict[str, str]] | None = None,
+                    strict: bool | None = None, provenance: bool = True) -> nn.Module:
+    """`build()` on the meta device, materialised from `checkpoint` by `rules` (see `load_part`), strictly.
+
+    `tied(module)`: {key: key it is tied to} of tied weights (either side may be stored); the module's
+    `tie_weights()` re-ties them after loading. `strict`: None for a part of a composite checkpoint (keys of other
+    parts are ignored); True / False for a whole model, whose checkpoint must hold exactly its keys (False
+    tolerates extra keys; a missing one is always an error). `provenance`: record where the weights came from.
+    """
+    with empty_weights():
+        module = build()
+    tied_keys = tied(module) if tied is not None else {}
+    if strict is not None:
+        ours, theirs = set(module.state_dict()), set(checkpoint.keys())
+        missing = sorted(k for k in ours - theirs if not (k in tied_keys and tied_keys[k] in theirs))
+        raise_on_key_mismatch(missing, sorted(theirs - ours), checkpoint.path, strict)
+    load_part(module, checkpoint, rules, what=what, skip=skip, dtype=parse_dtype(dtype), tied=tied_keys, hint=hint,
+              layouts=layouts)
+    if tied_keys:
+        module.tie_weights()
+    if provenance:
+        module.provenance = Provenance(checkpoint)
+    return finish(module, what)
+
+
 def _is_buffer(module: nn.Module, key: str) -> bool:
     parent, _, name = key.rpartition(".")
     owner = module.get_submodule(parent) if parent else module
@@ -426,7 +467,7 @@ def merge_options(from_checkpoint: dict[str, Any], overrides: dict[str, Any], *,
 
 def mmadapt_part(checkpoint: Checkpoint, part: str, name: str, what: str) -> tuple[dict[str, Any], Rules]:
     """Options and key rules of one part of a saved mmadapt model directory (or training checkpoint)."""
-    saved = checkpoint.config["mmadapt"][part]
+    saved = checkpoint.config[MMADAPT_KEY][part]
     if saved["name"] != name:
         raise ValueError(f"{what}: the {part} saved in {checkpoint.path} is {saved['name']!r}, not {name!r}. "
                          f"Fix: name the component {saved['name']!r}, or point at another checkpoint.")

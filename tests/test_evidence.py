@@ -20,11 +20,11 @@ from PIL import Image
 
 import mmadapt
 from mmadapt import Processor, contract
+from mmadapt.cli import add_explain_command
 from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
 from mmadapt.data.processors import FixedSizeProcessor, QwenProcessor, as_uint8, processor_for
 from mmadapt.evidence import (
     EvidenceMap,
-    add_explain_command,
     evidence,
     explain,
     geometry_for,

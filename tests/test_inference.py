@@ -124,7 +124,7 @@ def lora_run(out, stages, seed=0):
 def test_chat_from_an_adapters_directory_and_from_a_base_model_with_adapters(tmp_path, images, capsys):
     """OUT/adapters stands for its run; BASE --adapters OUT/adapters merges peft's files into the base model: both
     answer as OUT/model does, and the merged weights equal OUT/model's (so the adapters did change the model)."""
-    from mmadapt.train.export import load_for_inference
+    from mmadapt.inference import load_for_inference
 
     base = lora_run(tmp_path, ["stages.encoder=frozen", "stages.projector=frozen", "stages.backbone=lora"])
     run = tmp_path / "run"

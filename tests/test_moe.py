@@ -67,7 +67,7 @@ def test_registration_is_qwen3_5s_spec_with_another_class_in_a_few_lines():
     registration = source[source.index("BACKBONES.register("):]
     assert registration.count("\n") <= 15
     spec = BACKBONES.get("qwen3_5_moe")
-    assert spec.positions == "mrope" and spec.isolate is not None and spec.layer_masks
+    assert spec.positions == "mrope" and spec.hybrid.isolate is not None and spec.hybrid.layer_masks
     assert {"tiny", "qwen3.5-35b-a3b", "qwen3.5-397b-a17b"} <= set(spec.presets)
 
 

@@ -7,6 +7,7 @@ torchvision uint8 resize kernel and the same fused float32 normalisation, so no 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -15,11 +16,13 @@ from transformers import CLIPImageProcessor, LlavaImageProcessor, Qwen2VLImagePr
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from mmadapt import ENCODERS, ImageTokenContractError, VisionLanguageModel
+from mmadapt.data.geometry import FIXED_MODES
 from mmadapt.data.processors import (
     FixedSizeProcessor,
     ImageProcessor,
     ProcessedImages,
     QwenProcessor,
+    as_uint8,
     aspect_limited,
     processor_for,
 )
@@ -254,6 +257,55 @@ def test_fixed_pixels_never_reach_dynamic_encoder():
     fixed = processor_for(clip)([Image.new("RGB", (32, 32))])
     with pytest.raises(ImageTokenContractError, match="dynamic-resolution"):
         qwen.encode_images(fixed.pixel_values, fixed.image_grid_thw)
+
+
+# ---- geometry: each mode's map equals what its pixel path does ----------------------------------------------
+def coordinate_image(height: int, width: int) -> Image.Image:
+    """Every pixel names itself: red = row, green = column, blue = 255 (the padding colour's blue is 127)."""
+    pixels = np.full((height, width, 3), 255, dtype=np.uint8)
+    pixels[..., 0], pixels[..., 1] = np.indices((height, width))
+    return Image.fromarray(pixels)
+
+
+def geometry_processor(mode: str, max_aspect_ratio: float) -> ImageProcessor:
+    """A processor of `mode` with nearest resampling, so every processed pixel is a copy of one original pixel."""
+    if mode == "qwen":
+        return QwenProcessor(patch_size=8, merge_size=2, min_pixels=256, max_pixels=64 * 64, mean=HALF, std=HALF,
+                             resample="nearest", max_aspect_ratio=max_aspect_ratio)
+    return FixedSizeProcessor(image_size=32, mean=HALF, std=HALF, mode=mode, tokens_per_image=16,
+                              resample="nearest", max_aspect_ratio=max_aspect_ratio)
+
+
+@pytest.mark.parametrize("mode", [*FIXED_MODES, "qwen"])
+@pytest.mark.parametrize(("size", "max_aspect_ratio"), [
+    ((48, 32), 200.0), ((31, 70), 200.0), ((5, 3), 200.0), ((250, 1), 200.0), ((10, 90), 3.0),
+], ids=["wide", "tall-odd", "tiny", "beyond-200", "beyond-3"])
+def test_geometry_maps_each_processed_pixel_onto_the_original_pixel_the_pixel_path_put_there(mode, size,
+                                                                                            max_aspect_ratio):
+    """`processor.geometry` (the composed map) against `processor.run` (the pixel operations) on an image whose
+    pixels hold their own coordinates: every processed pixel whose centre maps inside the original must be a
+    copy of the original pixel under it, every one that maps outside must be padding."""
+    width, height = size
+    processor = geometry_processor(mode, max_aspect_ratio)
+    geometry = processor.geometry(height, width)
+    seen = processor.run(as_uint8(coordinate_image(height, width))).numpy().astype(float)
+    assert (geometry.original, geometry.mode) == ((height, width), mode)
+    assert seen.shape[1:] == geometry.processed
+    processed = processor([coordinate_image(height, width)])
+    if processor.dynamic:
+        assert processed.image_grid_thw[0, 1:].tolist() == [n // processor.patch_size for n in geometry.processed]
+    else:
+        assert processed.pixel_values.shape[-2:] == geometry.processed
+    rows, cols = geometry.to_original(np.arange(geometry.processed[0]) + 0.5, np.arange(geometry.processed[1]) + 0.5)
+    eps = 1e-6  # centres on the original's border are skipped: either side is right
+    inside = np.outer((rows > eps) & (rows < height - eps), (cols > eps) & (cols < width - eps))
+    outside = ~np.outer((rows > -eps) & (rows < height + eps), (cols > -eps) & (cols < width + eps))
+    assert inside.any() or min(geometry.scale[0] * height, geometry.scale[1] * width) < 1  # thinner than a pixel
+    assert (seen[2][inside] == 255).all() and (seen[2][outside] == 127).all()
+    assert (np.abs(seen[0] + 0.5 - rows[:, None])[inside] <= 0.5 + eps).all()  # the row under the centre
+    assert (np.abs(seen[1] + 0.5 - cols[None, :])[inside] <= 0.5 + eps).all()
+    padded = mode == "pad" or max(width, height) > max_aspect_ratio * min(width, height)  # no square sizes here
+    assert outside.any() == padded
 
 
 @pytest.mark.slow

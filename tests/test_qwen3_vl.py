@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mmadapt
-from mmadapt import ImageTokenContractError, VisionLanguageModel
+from mmadapt import ImageTokenContractError, VisionLanguageModel, deepstack
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
 from mmadapt.testing import synthetic_batch
@@ -146,7 +146,7 @@ def test_logits_loss_and_positions_equal_transformers(pair):
         visual = ours.encode_images(batch["pixel_values"], batch["image_grid_thw"])
         assert torch.equal(ours.positions(mask, spans, visual)[:, mask], positions[:, mask])
         # DeepStack matters: the same model with its levels zeroed answers otherwise
-        zeroed = {**ours.deepstack_inputs(spans, visual),
+        zeroed = {**deepstack.backbone_inputs(spans, visual),
                   "deepstack_visual_embeds": [torch.zeros_like(level) for level in visual.levels]}
         without = ours.backbone(inputs_embeds=ours.embed(batch["input_ids"], spans, visual), attention_mask=mask,
                                 position_ids=ours.positions(mask, spans, visual), **zeroed).logits
@@ -266,7 +266,7 @@ def test_a_deepstack_encoder_with_a_plain_backbone_needs_deepstack_drop(caplog):
     with pytest.raises(ValueError, match=r"emits 3 DeepStack feature levels \(blocks \[0, 1, 2\]\), but backbone "
                                          r"'qwen3_5' cannot take them.*deepstack: drop"):
         mmadapt.build_model("qwen3_vl_vit", "qwen_merger", "qwen3_5")
-    with caplog.at_level(logging.WARNING, logger="mmadapt.model"):
+    with caplog.at_level(logging.WARNING, logger="mmadapt.deepstack"):
         model = mmadapt.build_model("qwen3_vl_vit", "qwen_merger", "qwen3_5", deepstack="drop")
     assert sum("deepstack: drop" in r.message for r in caplog.records) == 1
     assert model.levels == 0 and not model.encoder.emit_levels and not len(model.projector.deepstack)
@@ -284,7 +284,7 @@ def test_a_deepstack_encoder_with_a_plain_backbone_needs_deepstack_drop(caplog):
 
 
 def test_a_deepstack_backbone_with_a_plain_encoder_runs_without_levels(caplog):
-    with caplog.at_level(logging.INFO, logger="mmadapt.model"):
+    with caplog.at_level(logging.INFO, logger="mmadapt.deepstack"):
         model = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_vl")
     assert sum("emits none: it runs without them" in r.message for r in caplog.records) == 1
     assert model.levels == 0

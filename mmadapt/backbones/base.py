@@ -42,7 +42,46 @@ class SpanTokens:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoE:
+    """A mixture-of-experts backbone's facts: its experts, its routers and their load-balancing loss.
+
+    `expert_parameters`: 3-D expert tensors (nn.Parameters, not modules) that LoRA targets (peft's
+    `target_parameters`). `router_parameters`: parameter-name suffixes of the routers: never LoRA targets, and
+    frozen when the backbone trains fully unless the run asks for them (`stages.router: full`): routing learnt in
+    pretraining is kept by default. `balance_loss`: "module:function" of transformers' load-balancing loss
+    (`load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)`), added to the training loss x
+    `router_aux_loss_coef` when the backbone outputs router logits (`mmadapt.loss.router_balance_loss`).
+    `weight_layouts`: expert tensors that checkpoints may store in another layout (`mmadapt.weights.Fused`: one by
+    one; `Transposed`: Qwen3-VL-MoE's hub layout), converted at load.
+    """
+
+    expert_parameters: tuple[str, ...] = ()
+    router_parameters: tuple[str, ...] = ()
+    balance_loss: str
+    weight_layouts: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hybrid:
+    """A stack with stateful layers beside attention (Qwen3.5's Gated DeltaNet): how packed rows stay isolated.
+
+    `isolate(lm)` makes the stateful layers restart at sample boundaries (called once at build); `layer_masks`:
+    the model takes one attention mask per layer type ({"full_attention": ..., "linear_attention": ...}).
+    """
+
+    isolate: Callable[[Any], None]
+    layer_masks: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
 class BackboneSpec:
+    """A registered LLM backbone: a transformers causal LM and the facts the glue needs (see the module docstring).
+
+    Optional facts come in groups, so a plain backbone's registration stays short: `deepstack` (the model takes
+    `visual_pos_masks` (B, L) and `deepstack_visual_embeds`, a list of K (N, D) levels, and adds level i at the image
+    positions after decoder layer i: Qwen3-VL), `moe` (`MoE`) and `hybrid` (`Hybrid`).
+    """
+
     name: str
     description: str
     model_class: str
@@ -54,23 +93,15 @@ class BackboneSpec:
     vision_end_token: str | None = None
     chat_template: str = "vicuna_v1"
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    # nn.Parameters (not modules) that LoRA targets, e.g. MoE experts stored as 3-D tensors (peft's target_parameters)
-    lora_target_parameters: tuple[str, ...] = ()
-    # parameter-name suffixes of MoE routers: never LoRA targets, and frozen when the backbone trains fully unless
-    # the run asks for them (`stages.router: full`): routing learnt in pretraining is kept by default
-    router_parameters: tuple[str, ...] = ()
-    # module tensors that checkpoints may store in another layout (`mmadapt.weights.Fused`: MoE experts one by
-    # one; `Transposed`: Qwen3-VL-MoE's experts as the hub ships them), converted at load
-    weight_layouts: tuple[Any, ...] = ()
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     validate: Callable[[Any], None] | None = None
-    # Packing: `isolate(lm)` makes stateful layers restart at sample boundaries (called once at build);
-    # `layer_masks` means the model takes {layer_type: mask} (hybrid attention / linear-attention stacks).
-    isolate: Callable[[Any], None] | None = None
-    layer_masks: bool = False
-    # DeepStack: the model takes `visual_pos_masks` (B, L) and `deepstack_visual_embeds` (a list of K (N, D)
-    # levels) and adds level i to its hidden states at the image positions after decoder layer i (Qwen3-VL)
     deepstack: bool = False
+    moe: MoE | None = None
+    hybrid: Hybrid | None = None
+
+    @property
+    def weight_layouts(self) -> tuple[Any, ...]:
+        return self.moe.weight_layouts if self.moe is not None else ()
 
     def __post_init__(self) -> None:
         if self.positions not in ("1d", "mrope"):
@@ -99,22 +130,15 @@ class BackboneSpec:
 
     def from_pretrained(self, path: str, *, dtype: Any = None, **overrides: Any) -> tuple[Any, SpanTokens]:
         """The causal LM and span token ids from a checkpoint, built on the meta device and loaded strictly."""
-        from mmadapt.weights import Provenance, empty_weights, finish, load_part, merge_options, parse_dtype
+        from mmadapt.weights import load_pretrained, merge_options
 
         what = f"backbone {self.name!r}"
         checkpoint = Checkpoint.open(path, what=what)
         options, rules = self.checkpoint_layout(checkpoint, what)
         config, tokens = self.build_config(merge_options(options, overrides, what=what, path=checkpoint.path))
-        with empty_weights():
-            lm = import_object(self.model_class)(config)
-        tied = (getattr(lm, "_tied_weights_keys", None) or {}) if config.tie_word_embeddings else {}
-        tied = {**tied, **{v: k for k, v in tied.items()}}  # either side may be the one the checkpoint stores
-        load_part(lm, checkpoint, rules, what=what, dtype=parse_dtype(dtype), tied=tied,
-                  layouts=self.weight_layouts)
-        if config.tie_word_embeddings:
-            lm.tie_weights()
-        lm.provenance = Provenance(checkpoint)
-        return finish(lm, what), tokens
+        lm = load_pretrained(lambda: import_object(self.model_class)(config), checkpoint, rules, what=what, dtype=dtype,
+                             tied=tied_keys, layouts=self.weight_layouts)
+        return lm, tokens
 
     def checkpoint_layout(self, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules]:
         """(options: the LM config plus span token ids, key rules) for this backbone inside `checkpoint`."""
@@ -144,6 +168,14 @@ class BackboneSpec:
     def saved_options(self, lm: Any, tokens: SpanTokens) -> dict[str, Any]:
         """Options that rebuild exactly this backbone, with no preset."""
         return {**hf_options(lm.config), **{k: getattr(tokens, k) for k in TOKEN_FIELDS}}
+
+
+def tied_keys(lm: Any) -> dict[str, str]:
+    """{key: key it is tied to} of a causal LM's tied embeddings, both ways (either may be the one stored)."""
+    if not getattr(lm.config, "tie_word_embeddings", False):
+        return {}
+    pairs = getattr(lm, "_tied_weights_keys", None) or {}
+    return {a: b for k, v in pairs.items() for a, b in ((k, v), (v, k))}
 
 
 BACKBONES: Registry[BackboneSpec] = Registry("backbone")

@@ -9,7 +9,7 @@ a block-diagonal mask through the per-layer-type mask dict the model accepts.
 
 from typing import Any
 
-from mmadapt.backbones.base import BACKBONES, BackboneSpec
+from mmadapt.backbones.base import BACKBONES, BackboneSpec, Hybrid
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' fallback when rope_parameters has none
 
@@ -79,6 +79,5 @@ BACKBONES.register("qwen3_5", BackboneSpec(
         "qwen3.5-9b": _qwen(4096, 12288, 32, 16, 4, 32, tie=False),
     },
     validate=validate_mrope,
-    isolate=isolate_samples,
-    layer_masks=True,
+    hybrid=Hybrid(isolate=isolate_samples, layer_masks=True),
 ))

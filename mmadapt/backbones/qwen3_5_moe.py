@@ -7,7 +7,7 @@ router module), 3-D expert tensors (`mlp.experts.gate_up_proj` / `down_proj`: pe
 targets) and a gated shared expert (`mlp.shared_expert.{gate,up,down}_proj`). The hub's checkpoints store
 the experts fused, as the module holds them; checkpoints that store them one by one
 (`mlp.experts.{e}.gate_proj.weight`, ...: the multi-token-prediction block, other converters' output) are
-fused at load (`weight_layouts`), as transformers' own loader does.
+fused at load (`MoE.weight_layouts`), as transformers' own loader does.
 
 Presets are the published text configs; fields not confirmed from a released config are listed per
 preset in `UNCONFIRMED`.
@@ -15,7 +15,7 @@ preset in `UNCONFIRMED`.
 
 import dataclasses
 
-from mmadapt.backbones.base import BACKBONES
+from mmadapt.backbones.base import BACKBONES, MoE
 from mmadapt.backbones.qwen3_5 import TOKENS_AND_ROPE
 from mmadapt.weights import Fused
 
@@ -60,9 +60,10 @@ BACKBONES.register("qwen3_5_moe", dataclasses.replace(
     hf_model_type="qwen3_5_moe_text", presets=PRESETS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                   "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"),
-    lora_target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_parameters=("mlp.gate.weight",),
-    weight_layouts=(Fused("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight",
-                                                      "mlp.experts.{e}.up_proj.weight")),
-                   Fused("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",))),
+    moe=MoE(expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+            router_parameters=("mlp.gate.weight",),
+            balance_loss="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:load_balancing_loss_func",
+            weight_layouts=(Fused("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight",
+                                                              "mlp.experts.{e}.up_proj.weight")),
+                            Fused("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)))),
 ))

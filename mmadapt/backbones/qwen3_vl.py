@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mmadapt.backbones.base import BACKBONES, BackboneSpec
+from mmadapt.backbones.base import BACKBONES, BackboneSpec, MoE
 from mmadapt.weights import Transposed
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' fallback when rope_parameters has none
@@ -109,7 +109,8 @@ BACKBONES.register("qwen3_vl_moe", dataclasses.replace(
     model_class="mmadapt.backbones.qwen3_vl_lm:Qwen3VLMoeForCausalLM", config_class="transformers:Qwen3VLMoeTextConfig",
     hf_model_type="qwen3_vl_moe_text", presets=MOE_PRESETS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),  # dense MLPs if any
-    lora_target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    router_parameters=("mlp.gate.weight",),
-    weight_layouts=(Transposed("mlp.experts.gate_up_proj"), Transposed("mlp.experts.down_proj")),
+    moe=MoE(expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+            router_parameters=("mlp.gate.weight",),
+            balance_loss="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:load_balancing_loss_func",
+            weight_layouts=(Transposed("mlp.experts.gate_up_proj"), Transposed("mlp.experts.down_proj"))),
 ))

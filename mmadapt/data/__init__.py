@@ -8,18 +8,20 @@
 """
 
 from mmadapt.data.collate import Collator
+from mmadapt.data.geometry import Geometry
 from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
 from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_grouped_sampler
 from mmadapt.data.problems import REASONS, DataProblem
 from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, ProcessedImages, QwenProcessor, processor_for
-from mmadapt.data.report import DataReport, check_dataset
+from mmadapt.data.report import BadDataError, BadSampleBudget, DataReport, check_dataset
 from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import TEMPLATES, ChatTemplate
-from mmadapt.data.tokenizer import char_tokenizer, prepare_tokenizer
+from mmadapt.data.tokenizer import char_tokenizer, load_tokenizer, prepare_tokenizer
 
 __all__ = [
-    "DEFAULT_MAX_PIXELS", "IMAGE", "REASONS", "TEMPLATES", "ChatTemplate", "Collator", "DataConfig", "DataProblem",
-    "DataReport", "EncodedSample", "FixedSizeProcessor", "ImageProcessor", "ProcessedImages", "QwenProcessor",
-    "Sample", "SampleEncoder", "Turn", "VLMDataset", "char_tokenizer", "check_dataset", "image_size",
-    "length_grouped_sampler", "load_image", "parse_record", "prepare_tokenizer", "processor_for", "read_records",
+    "DEFAULT_MAX_PIXELS", "IMAGE", "REASONS", "TEMPLATES", "BadDataError", "BadSampleBudget", "ChatTemplate",
+    "Collator", "DataConfig", "DataProblem", "DataReport", "EncodedSample", "FixedSizeProcessor", "Geometry",
+    "ImageProcessor", "ProcessedImages", "QwenProcessor", "Sample", "SampleEncoder", "Turn", "VLMDataset",
+    "char_tokenizer", "check_dataset", "image_size", "length_grouped_sampler", "load_image", "load_tokenizer",
+    "parse_record", "prepare_tokenizer", "processor_for", "read_records",
 ]

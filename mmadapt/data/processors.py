@@ -30,11 +30,14 @@ Policy for tiny and extreme images (a valid RGB image never raises inside a proc
   short side is first padded, centred, with the mean colour up to that ratio (2 x 700 -> 4 x 700), in
   every mode, which also bounds "crop"'s intermediate to S x 200*S instead of growing with the ratio.
 - images that are not RGB are converted with `mmadapt.data.images.to_rgb` (same policy as loading).
+
+Geometry: each mode is written once, as steps (`mmadapt.data.geometry`): `plan(height, width)` lists them,
+`run` applies them to the pixels and `geometry(height, width)` composes them into the map the evidence maps
+read, so the pixels and the maps cannot disagree.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
@@ -44,6 +47,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
+from mmadapt.data.geometry import FIXED_MODES, Geometry, Step, aspect_limited, centre_offset
 from mmadapt.data.images import to_rgb
 
 if TYPE_CHECKING:
@@ -58,7 +62,6 @@ RESAMPLE: Final[dict[str, tvF.InterpolationMode]] = {
     "box": tvF.InterpolationMode.BOX,
     "hamming": tvF.InterpolationMode.HAMMING,
 }
-FIXED_MODES: Final[tuple[str, ...]] = ("pad", "resize", "crop")
 RESCALE: Final[float] = 1 / 255  # transformers' rescale_factor; kept literal so the fused constants match
 
 
@@ -78,6 +81,7 @@ class ImageProcessor:
     """Base: `__call__(images) -> ProcessedImages`; `tokens_for_size(width, height)` estimates without pixels."""
 
     dynamic: ClassVar[bool] = False
+    mode: str  # the resize mode, named in `Geometry.mode`
 
     def __init__(self, *, mean: Sequence[float], std: Sequence[float], resample: str, max_aspect_ratio: float) -> None:
         if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
@@ -117,9 +121,39 @@ class ImageProcessor:
 
     def limit_aspect(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pad the short side (centred, mean colour) so that long / short <= max_aspect_ratio."""
-        height, width = pixels.shape[-2:]
-        target = aspect_limited(height, width, self.max_aspect_ratio)
-        return pixels if target == (height, width) else pad_centred(pixels, *target, self.fill)
+        return self.apply(self.aspect_step(*pixels.shape[-2:]), pixels)
+
+    # ---- geometry: the steps of `mode`, run on pixels here and composed into a map for the evidence maps ----
+    def aspect_step(self, height: int, width: int) -> Step:
+        """Every mode's first step: the short side padded, centred, so that long / short <= max_aspect_ratio."""
+        return Step("pad", aspect_limited(height, width, self.max_aspect_ratio))
+
+    def mode_steps(self, height: int, width: int) -> list[Step]:
+        """The mode's own steps for an (aspect-limited) H x W image."""
+        raise NotImplementedError
+
+    def plan(self, height: int, width: int) -> list[Step]:
+        """All steps from an H x W original to the processed image."""
+        first = self.aspect_step(height, width)
+        return [first, *self.mode_steps(*first.size)]
+
+    def geometry(self, height: int, width: int) -> Geometry:
+        """Where an H x W original lies on the processed image (processed = scale * original + offset)."""
+        return Geometry.of((height, width), self.plan(height, width), self.mode)
+
+    def run(self, pixels: torch.Tensor, steps: Sequence[Step] | None = None) -> torch.Tensor:
+        """uint8 (3, H, W) -> the processed uint8 image: `steps` (default: its `plan`) applied in order."""
+        for step in self.plan(*pixels.shape[-2:]) if steps is None else steps:
+            pixels = self.apply(step, pixels)
+        return pixels
+
+    def apply(self, step: Step, pixels: torch.Tensor) -> torch.Tensor:
+        """One step on uint8 (3, H, W) pixels: the pad in the mean colour, the resize with `resample`."""
+        if step.op == "pad":
+            return pad_centred(pixels, *step.size, self.fill)
+        if step.op == "crop":
+            return centre_crop(pixels, *step.size)
+        return self.resize(pixels, *step.size)
 
 
 class FixedSizeProcessor(ImageProcessor):
@@ -146,14 +180,10 @@ class FixedSizeProcessor(ImageProcessor):
 
     def fit(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 (3, H, W) -> uint8 (3, S, S) by `mode`."""
-        side = self.image_size
-        pixels = self.limit_aspect(pixels)
-        if self.mode == "pad":
-            longest = max(pixels.shape[-2:])
-            pixels = pad_centred(pixels, longest, longest, self.fill)
-        if self.mode == "crop":
-            return centre_crop(self.resize(pixels, *shortest_edge_size(*pixels.shape[-2:], side)), side)
-        return self.resize(pixels, side, side)
+        return self.run(pixels)
+
+    def mode_steps(self, height: int, width: int) -> list[Step]:
+        return FIXED_MODES[self.mode](height, width, self.image_size)
 
     def tokens_for_size(self, width: int, height: int) -> int:
         return self.tokens_per_image
@@ -163,6 +193,7 @@ class QwenProcessor(ImageProcessor):
     """Qwen2-VL / Qwen3-VL / Qwen3.5 image preprocessing; defaults are Qwen3.5's preprocessor_config.json."""
 
     dynamic: ClassVar[bool] = True
+    mode: str = "qwen"
 
     def __init__(self, *, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2,
                  min_pixels: int = 65536, max_pixels: int = 16777216, mean: Sequence[float] = (0.5, 0.5, 0.5),
@@ -196,11 +227,15 @@ class QwenProcessor(ImageProcessor):
 
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image is resized to: aspect limited, then Qwen's smart_resize."""
+        return self.plan(height, width)[-1].size
+
+    def mode_steps(self, height: int, width: int) -> list[Step]:
+        """One plain resize to smart_resize(H, W): multiples of P*m, min_pixels <= area <= max_pixels."""
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-        height, width = aspect_limited(height, width, self.max_aspect_ratio)
-        return smart_resize(height, width, factor=self.patch_size * self.merge_size,
+        size = smart_resize(height, width, factor=self.patch_size * self.merge_size,
                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return [Step("resize", size)]
 
     def tokens_for_size(self, width: int, height: int) -> int:
         resized_height, resized_width = self.target_size(height, width)
@@ -209,13 +244,13 @@ class QwenProcessor(ImageProcessor):
     def process(self, pixels: list[torch.Tensor]) -> ProcessedImages:
         if not pixels:
             return ProcessedImages(torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long), [])
-        pixels = [self.limit_aspect(p) for p in pixels]
-        sizes = [self.target_size(*p.shape[-2:]) for p in pixels]
+        plans = [self.plan(*p.shape[-2:]) for p in pixels]
+        sizes = [plan[-1].size for plan in plans]  # the smart-resized (height, width)
         grids = torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in sizes])
         counts = grids.prod(-1)
         out = torch.empty(int(counts.sum()), self.patch_dim)  # written in place: no concatenation copy
-        for image, size, chunk in zip(pixels, sizes, out.split(counts.tolist()), strict=True):
-            self.patchify(self.normalize(self.resize(image, *size)), out=chunk)
+        for image, plan, chunk in zip(pixels, plans, out.split(counts.tolist()), strict=True):
+            self.patchify(self.normalize(self.run(image, plan)), out=chunk)
         return ProcessedImages(out, grids, (counts // self.projector_merge**2).tolist())
 
     def patchify(self, image: torch.Tensor, out: torch.Tensor) -> None:
@@ -227,18 +262,12 @@ class QwenProcessor(ImageProcessor):
         out.view(frames.shape).copy_(frames)
 
 
-# ---- geometry helpers (uint8 (3, H, W) tensors) -------------------------------------------------
+# ---- pixel helpers (uint8 (3, H, W) tensors); their sizes and offsets come from mmadapt.data.geometry ---
 def as_uint8(image: Image.Image) -> torch.Tensor:
     """An RGB PIL image as a uint8 (3, H, W) tensor (a channels-last view of one copy of the pixels)."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"processors take PIL images (see mmadapt.data.load_image), got {type(image).__name__}")
     return torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
-
-
-def aspect_limited(height: int, width: int, max_ratio: float) -> tuple[int, int]:
-    """(height, width) with the short side grown so that long / short <= max_ratio."""
-    short = math.ceil(max(height, width) / max_ratio)
-    return (max(height, short), width) if height < width else (height, max(width, short))
 
 
 def pad_centred(pixels: torch.Tensor, height: int, width: int, fill: tuple[int, ...]) -> torch.Tensor:
@@ -250,22 +279,15 @@ def pad_centred(pixels: torch.Tensor, height: int, width: int, fill: tuple[int, 
     # (width * 3) row broadcast down the rows fills far faster than a (3,) colour broadcast per pixel.
     row = torch.tensor(fill, dtype=torch.uint8).repeat(width)
     canvas = row.expand(height, width * 3).contiguous().view(height, width, 3).permute(2, 0, 1)
-    top, left = (height - old_height) // 2, (width - old_width) // 2
+    top, left = centre_offset(old_height, height), centre_offset(old_width, width)
     canvas[:, top : top + old_height, left : left + old_width] = pixels
     return canvas
 
 
-def shortest_edge_size(height: int, width: int, side: int) -> tuple[int, int]:
-    """CLIP's resize target: the short side to `side`, the long side scaled and truncated (transformers' rule)."""
-    if height <= width:
-        return side, int(side * width / height)
-    return int(side * height / width), side
-
-
-def centre_crop(pixels: torch.Tensor, side: int) -> torch.Tensor:
-    height, width = pixels.shape[-2:]
-    top, left = int((height - side) / 2.0), int((width - side) / 2.0)
-    return pixels[:, top : top + side, left : left + side]
+def centre_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The centred `height` x `width` window of `pixels` (transformers' center_crop offsets), a view."""
+    top, left = centre_offset(height, pixels.shape[-2]), centre_offset(width, pixels.shape[-1])
+    return pixels[:, top : top + height, left : left + width]
 
 
 # ---- the processor a model takes ---------------------------------------------------------------

@@ -5,19 +5,26 @@ render the template, apply the truncation policy, collate. Problems are collecte
 reason with the sample id and detail; nothing a sample contains can crash the scan (an
 unexpected exception is reported as `unexpected_error` with its type and message).
 `mmadapt data check` is this function plus printing and an exit status.
+
+`BadSampleBudget` is the training-time side of the same report: the trainer's collator drops bad
+samples, the budget counts them, logs the first of each reason and stops the run with
+`BadDataError` once more than `data.max_bad_fraction` of the samples seen were bad.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mmadapt.data.collate import Collator
 from mmadapt.data.pipeline import SampleEncoder
 from mmadapt.data.problems import DataProblem
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,3 +96,70 @@ def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: b
         report.token_lengths.append(len(sample))
         report.visual_tokens.extend(sample.tokens_per_image)
     return report
+
+
+# ---- the training run's budget of bad samples ------------------------------------------------------------------
+class BadDataError(ValueError):
+    """More of the training samples were bad than `data.max_bad_fraction` allows (a user error: one CLI line)."""
+
+
+def as_problem(problem: dict[str, Any]) -> DataProblem:
+    """The `DataProblem` of a collated batch's `meta["problems"]` entry (for its message)."""
+    return DataProblem(problem["reason"], problem["detail"], sample_id=problem["id"], path=problem["path"])
+
+
+class BadSampleCounts(Protocol):
+    """What a `BadSampleBudget` counts into: all ranks' totals; this rank's count and first sample of each reason.
+
+    A training run's `TrainerState` is one, so the counts are saved and restored with its checkpoints.
+    """
+
+    samples_seen: int
+    bad_samples: int
+    bad_counts: dict[str, int]
+    first_bad: dict[str, dict[str, Any]]
+
+
+@dataclass
+class BadSampleBudget:
+    """Count a training run's bad samples into `counts` (not a copy), log the first of each reason with its sample
+    and file, and stop with `BadDataError` once more than `max_fraction` of the samples seen so far were bad
+    (after 32 samples, or at once when every one so far was bad). `logger` gets the first-of-a-reason lines."""
+
+    counts: BadSampleCounts
+    max_fraction: float
+    logger: logging.Logger = log
+
+    def add(self, problems: Sequence[dict[str, Any]], seen: int, bad: int) -> None:
+        """One global batch: `seen` samples, `bad` of them bad (all ranks); `problems` are this rank's (`to_dict`s)."""
+        counts = self.counts
+        counts.samples_seen += seen
+        counts.bad_samples += bad
+        for problem in problems:
+            reason = problem["reason"]
+            if reason not in counts.bad_counts:
+                self.logger.warning("bad sample skipped (the first %s; the others are counted): %s", reason,
+                                    as_problem(problem))
+                counts.first_bad[reason] = problem
+            counts.bad_counts[reason] = counts.bad_counts.get(reason, 0) + 1
+
+    def exceeded(self) -> bool:
+        """More than `max_fraction` of the samples seen were bad, and enough were seen to tell."""
+        seen, bad = self.counts.samples_seen, self.counts.bad_samples
+        return bad > self.max_fraction * seen and (seen >= 32 or bad == seen)
+
+    def check(self, step: int) -> None:
+        """Raise `BadDataError` if the budget is exceeded; its one-line message names `step` (the step being taken),
+        the reasons, the first bad sample and the fix."""
+        if self.exceeded():
+            raise BadDataError(self.message(step))
+
+    def message(self, step: int) -> str:
+        counts = self.counts
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(counts.bad_counts.items())) or "on other ranks"
+        first = f" First: {as_problem(next(iter(counts.first_bad.values())))}." if counts.first_bad else ""
+        hint = (" Image paths are relative to data.image_root (unset: the current directory)."
+                if "missing_image" in counts.bad_counts else "")
+        return (f"stopping at step {step}: {counts.bad_samples} of the {counts.samples_seen} samples seen were "
+                f"bad ({reasons}), more than data.max_bad_fraction = {self.max_fraction}.{first}{hint} Fix the data "
+                "(mmadapt data check FILE lists every problem) or raise data.max_bad_fraction.")

@@ -5,19 +5,33 @@ chat template need when the tokenizer lacks them (logged), points the model's sp
 at the tokenizer's ids, and resizes the embeddings when the vocabulary grew (logged). After
 it, the tokenizer and the model agree on every id the pipeline emits.
 
-`char_tokenizer()` is a character-level `PreTrainedTokenizerFast` over printable ASCII, built
+`load_tokenizer(directory)` reads the tokenizer saved in a model directory or checkpoint (None when it holds
+none). `char_tokenizer()` is a character-level `PreTrainedTokenizerFast` over printable ASCII, built
 in code (no hub): the tokenizer of the tiny presets, the demo and the tests.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import string
+from pathlib import Path
 from typing import Any
 
 from mmadapt.data.templates import TEMPLATES
 
 log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Any:
+    """The transformers tokenizer saved in `directory` (a model directory or checkpoint); None when it has none."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def char_tokenizer() -> Any:

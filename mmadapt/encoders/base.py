@@ -55,8 +55,8 @@ class VisionEncoder(nn.Module):
     dynamic: ClassVar[bool] = False
     output_dim: int
     patch_size: int
-    # DeepStack: the blocks whose outputs become extra feature levels (empty: a plain encoder). The model turns
-    # `emit_levels` off when the levels have nowhere to go (`deepstack: drop`, or a backbone without DeepStack).
+    # DeepStack: the blocks whose outputs become extra feature levels (empty: a plain encoder). `emit_levels` is set
+    # when the spec builds the encoder (`mmadapt.deepstack.emits`: off when the levels have nowhere to go).
     deepstack_levels: tuple[int, ...] = ()
     emit_levels: bool = True
 
@@ -79,15 +79,12 @@ class VisionEncoder(nn.Module):
     def from_pretrained(cls, path: str, *, what: str, dtype: Any = None, **overrides: Any) -> VisionEncoder:
         """Architecture and weights from `path` (built on the meta device, loaded strictly); `overrides` may
         change non-architecture options such as `feature_layer`."""
-        from mmadapt.weights import Provenance, empty_weights, finish, load_part, merge_options, parse_dtype
+        from mmadapt.weights import load_pretrained, merge_options
 
         checkpoint = Checkpoint.open(path, what=what)
         options, rules, skip = cls.checkpoint_layout(checkpoint, what)
-        with empty_weights():
-            encoder = cls(**merge_options(options, overrides, what=what, path=checkpoint.path))
-        load_part(encoder, checkpoint, rules, what=what, skip=skip, dtype=parse_dtype(dtype))
-        encoder.provenance = Provenance(checkpoint)
-        return finish(encoder, what)
+        options = merge_options(options, overrides, what=what, path=checkpoint.path)
+        return load_pretrained(lambda: cls(**options), checkpoint, rules, what=what, skip=skip, dtype=dtype)
 
     def processor_defaults(self) -> dict[str, Any]:
         """Keyword arguments of this encoder's image processor (`mmadapt.data.processors`)."""
@@ -159,17 +156,20 @@ class EncoderSpec:
     def options(self, preset: str | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         return resolve_preset(self.presets, preset, overrides, kind=f"encoder {self.name!r}")
 
-    def build(self, preset: str | None = "tiny", **overrides: Any) -> VisionEncoder:
-        return self._checked(import_object(self.factory)(**self.options(preset, overrides)))
+    def build(self, preset: str | None = "tiny", *, levels: bool = True, **overrides: Any) -> VisionEncoder:
+        """A freshly initialised encoder; `levels`: whether it computes its DeepStack levels (if it has any)."""
+        return self._checked(import_object(self.factory)(**self.options(preset, overrides)), levels)
 
-    def from_pretrained(self, path: str, *, dtype: Any = None, **overrides: Any) -> VisionEncoder:
+    def from_pretrained(self, path: str, *, dtype: Any = None, levels: bool = True, **overrides: Any) -> VisionEncoder:
         """This encoder's architecture and weights from a checkpoint (see the family's `checkpoint_layout`)."""
         factory = import_object(self.factory)
-        return self._checked(factory.from_pretrained(path, what=f"encoder {self.name!r}", dtype=dtype, **overrides))
+        encoder = factory.from_pretrained(path, what=f"encoder {self.name!r}", dtype=dtype, **overrides)
+        return self._checked(encoder, levels)
 
-    def _checked(self, encoder: VisionEncoder) -> VisionEncoder:
+    def _checked(self, encoder: VisionEncoder, levels: bool) -> VisionEncoder:
         if encoder.dynamic != self.dynamic:
             raise TypeError(f"encoder {self.name!r} registered dynamic={self.dynamic} but built {encoder.dynamic}")
+        encoder.emit_levels = levels
         return encoder
 
 

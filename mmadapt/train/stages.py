@@ -32,8 +32,9 @@ def lora_config(model: Any, component: str, r: int, alpha: int, dropout: float, 
     parameters = None
     if targets is None:
         targets = list(model.backbone_spec.lora_targets) if component == "backbone" else linear_names(model.encoder)
-        if component == "backbone" and model.backbone_spec.lora_target_parameters:
-            parameters = list(model.backbone_spec.lora_target_parameters)
+        moe = model.backbone_spec.moe
+        if component == "backbone" and moe is not None and moe.expert_parameters:
+            parameters = list(moe.expert_parameters)
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                       target_parameters=parameters, bias="none")
 
@@ -46,7 +47,7 @@ def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int =
                  targets: list[str] | None = None, router: str = "frozen") -> dict[str, dict[str, int]]:
     """Freeze / unfreeze / add LoRA per component; returns and logs {component: {trainable, total}}.
 
-    MoE routers (the backbone's `router_parameters`) are never LoRA targets and stay frozen when the backbone trains
+    MoE routers (the backbone's `moe.router_parameters`) are never LoRA targets and stay frozen when the backbone trains
     fully, unless `router="full"`."""
     if router not in ("frozen", "full"):
         raise ValueError(f"stages.router must be 'frozen' or 'full', got {router!r}")
@@ -64,7 +65,7 @@ def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int =
             for name, p in module.named_parameters():
                 p.requires_grad_("lora_" in name)
             module.lora_config = config  # kept for save_adapters
-    routers = model.backbone_spec.router_parameters
+    routers = model.backbone_spec.moe.router_parameters if model.backbone_spec.moe is not None else ()
     if routers and modes.get("backbone", "full") == "full" and router == "frozen":
         frozen = [p for name, p in model.backbone.named_parameters() if name.endswith(routers)]
         for p in frozen:

@@ -8,7 +8,9 @@ skipped (gradients dropped), counted and logged; after `max_consecutive_skips` i
 run stops with `NonFiniteError`, naming the first module that produced non-finite values.
 Bad samples (`DataProblem`s: a missing image, too long, ...) are dropped by the collator, counted
 and logged (the first of each reason with its sample id and file); once more than
-`data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`.
+`data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`
+(`BadSampleBudget` in `mmadapt.data.report`; the trainer only sums the counts over the ranks).
+The counters, the step and the log records are one `TrainerState`, saved with every checkpoint.
 
 Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with
 fp32 master weights, fp32 AdamW state, fp32 gradient accumulation and fp32 gradient
@@ -32,22 +34,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mmadapt.data.problems import DataProblem
+from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
+from mmadapt.data.report import BadSampleBudget
+from mmadapt.directory import write_config
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
+from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
+from mmadapt.train.state import TrainerState
 
 log = logging.getLogger(__name__)
-
-
-class BadDataError(ValueError):
-    """More of the training samples were bad than `data.max_bad_fraction` allows (a user error: one CLI line)."""
-
-
-def as_problem(problem: dict[str, Any]) -> DataProblem:
-    """The `DataProblem` of a collated batch's `meta["problems"]` entry (for its message)."""
-    return DataProblem(problem["reason"], problem["detail"], sample_id=problem["id"], path=problem["path"])
 
 
 class NonFiniteError(RuntimeError):
@@ -121,8 +118,18 @@ def upcast_trainable(model: torch.nn.Module) -> int:
     return len(low)
 
 
+def state_field(name: str) -> property:
+    """`trainer.<name>` reads and writes `trainer.state.<name>` (the trainer's attributes before `TrainerState`)."""
+    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
+                    doc=f"`self.state.{name}`")
+
+
 class Trainer:
     """`Trainer(model, config, train_data, collate_fn).fit()`; works for 1 process or under torchrun."""
+
+    step, skipped, consecutive_skips = state_field("step"), state_field("skipped"), state_field("consecutive_skips")
+    samples_seen, bad_samples = state_field("samples_seen"), state_field("bad_samples")
+    bad_counts, first_bad, history = state_field("bad_counts"), state_field("first_bad"), state_field("history")
 
     def __init__(self, model: Any, config: RunConfig, train_data: Dataset, collate_fn: Callable,
                  *, eval_data: Dataset | None = None, evaluate: Callable[[Any, int], dict[str, float]] | None = None,
@@ -153,11 +160,7 @@ class Trainer:
 
         self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=t.warmup_steps,
                                        num_training_steps=t.steps)
-        self.step, self.skipped, self.consecutive_skips = 0, 0, 0
-        self.samples_seen, self.bad_samples = 0, 0
-        self.bad_counts: dict[str, int] = {}  # this rank's, by reason
-        self.first_bad: dict[str, dict[str, Any]] = {}  # this rank's first of each reason
-        self.history: list[dict[str, Any]] = []
+        self.state = TrainerState()
         if config.checkpoint.resume:
             self.resume()
 
@@ -220,7 +223,7 @@ class Trainer:
             final_eval = {}
         final = self.save()
         if self.is_main:
-            self.plot()
+            plot_history(self.history, self.out / "loss.png")
             self.export_model(final)
         dist_utils.barrier()
         return {"steps": self.step, "skipped": self.skipped, "bad_samples": self.bad_samples,
@@ -260,34 +263,21 @@ class Trainer:
         return record
 
     def count_problems(self, micro: list[dict[str, Any]]) -> int:
-        """Count the bad samples of one global batch (all ranks), log the first of each reason (with its sample and
-        file), and stop with `BadDataError` once more than `data.max_bad_fraction` of the samples seen so far were
-        bad (after 32 samples, or at once when every one so far was bad). Returns the step's count."""
+        """Sum one global batch's samples and bad samples over the ranks and hand them to the bad-sample budget
+        (it logs the first of each reason and raises `BadDataError` when over budget). Returns the step's count."""
         problems = [p for b in micro for p in b.get("meta", {}).get("problems", ())]
         good = sum(len(row) for b in micro for row in b.get("meta", {}).get("sample_ids", ()))
         counts = dist_utils.all_reduce_sum(torch.tensor([good + len(problems), len(problems)], device=self.device))
         seen, bad = (int(v) for v in counts.tolist())
-        self.samples_seen += seen
-        self.bad_samples += bad
-        for problem in problems:
-            reason = problem["reason"]
-            if reason not in self.bad_counts:
-                log.warning("bad sample skipped (the first %s; the others are counted): %s", reason,
-                            as_problem(problem))
-                self.first_bad[reason] = problem
-            self.bad_counts[reason] = self.bad_counts.get(reason, 0) + 1
-        limit = self.cfg.data.max_bad_fraction
-        if bad and self.bad_samples > limit * self.samples_seen and (
-                self.samples_seen >= 32 or self.bad_samples == self.samples_seen):
-            reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.bad_counts.items())) or "on other ranks"
-            first = f" First: {as_problem(next(iter(self.first_bad.values())))}." if self.first_bad else ""
-            hint = (" Image paths are relative to data.image_root (unset: the current directory)."
-                    if "missing_image" in self.bad_counts else "")
-            raise BadDataError(
-                f"stopping at step {self.step + 1}: {self.bad_samples} of the {self.samples_seen} samples seen were "
-                f"bad ({reasons}), more than data.max_bad_fraction = {limit}.{first}{hint} Fix the data (mmadapt "
-                "data check FILE lists every problem) or raise data.max_bad_fraction.")
+        budget = self.bad_sample_budget()
+        budget.add(problems, seen, bad)
+        if bad:
+            budget.check(self.step + 1)
         return bad
+
+    def bad_sample_budget(self) -> BadSampleBudget:
+        """The budget of `data.max_bad_fraction`, counting into `self.state` (so its counts are checkpointed)."""
+        return BadSampleBudget(self.state, self.cfg.data.max_bad_fraction, logger=log)
 
     def backward(self, micro: list[dict[str, Any]]) -> tuple[float, int]:
         """Accumulate the gradients of one global batch; returns (its mean token loss, its supervised tokens)."""
@@ -373,11 +363,8 @@ class Trainer:
                            "scheduler": self.scheduler.state_dict()}
         path = None
         if self.is_main:
-            state = {"step": self.step, "skipped": self.skipped, "consecutive_skips": self.consecutive_skips,
-                     "samples_seen": self.samples_seen, "bad_samples": self.bad_samples,
-                     "bad_counts": self.bad_counts, "first_bad": self.first_bad, "history": self.history}
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
-                                   trainer_state=state, config=self.cfg, keep=self.cfg.checkpoint.keep,
+                                   trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
                                    extras=self.write_model_files)
             save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes())
         dist_utils.barrier()
@@ -385,16 +372,13 @@ class Trainer:
 
     def write_model_files(self, directory: Path) -> None:
         """What a checkpoint needs to become a model directory: the model's config and the tokenizer."""
-        config = {"mmadapt": self.model.resolved_config().to_dict(),
-                  "processor": self.model.encoder.processor_defaults(),
-                  "chat_template": self.model.backbone_spec.chat_template}
-        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        write_config(self.model, directory)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
 
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
-        from mmadapt.train.export import export
+        from mmadapt.inference import export
 
         target = self.out / "model"
         export(checkpoint, target)
@@ -411,37 +395,7 @@ class Trainer:
         dist_utils.load_full_optimizer_state(self.wrapped, self.optimizer, state["optimizer"]["optimizer"])
         self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
         set_rng_state(state["rng"])
-        trainer = state["trainer"]
-        self.step, self.skipped = trainer["step"], trainer["skipped"]
-        self.consecutive_skips, self.history = trainer["consecutive_skips"], trainer["history"]
-        self.samples_seen, self.bad_samples = trainer.get("samples_seen", 0), trainer.get("bad_samples", 0)
-        self.bad_counts, self.first_bad = trainer.get("bad_counts", {}), trainer.get("first_bad", {})
+        self.state = TrainerState.from_dict(state["trainer"])
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
             (self.out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
-
-    def plot(self) -> Path | None:
-        if not self.history:
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [r["step"] for r in self.history]
-        fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-        ax_loss.plot(steps, [r["loss"] for r in self.history], label="train loss")
-        evals = [(r["step"], r["eval_loss"]) for r in self.history if "eval_loss" in r]
-        if evals:
-            ax_loss.plot(*zip(*evals, strict=True), "o-", label="eval loss")
-        ax_loss.set_ylabel("loss")
-        ax_loss.legend()
-        ax_grad.plot(steps, [r["grad_norm"] for r in self.history], color="tab:orange")
-        ax_grad.set_ylabel("grad norm")
-        ax_grad.set_xlabel("step")
-        ax_grad.set_yscale("log")
-        fig.tight_layout()
-        path = self.out / "loss.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path

@@ -1,0 +1,88 @@
+"""A model directory on disk: everything inference needs, written and read in this one module.
+
+mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoint, `OUT/model`):
+- `config.json`: {"mmadapt": the `ModelConfig` that rebuilds the model with no preset (each part's full options
+  and provenance: path + SHA-256 of the checkpoint it came from), "processor": the encoder's image-processor
+  settings, "chat_template": the backbone's template name};
+- the weights: `model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size`
+  (`mmadapt.weights.save_weights`: tied tensors stored once, files replaced atomically);
+- the tokenizer's own files, when one is given (read back by `mmadapt.data.load_tokenizer`).
+A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its
+three parts (`mmadapt.convert`). Reading is strict: built on the meta device, every weight from the files
+(`mmadapt.weights.load_pretrained`), a missing weight always an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mmadapt.config import ModelConfig
+from mmadapt.weights import MMADAPT_KEY, Checkpoint, empty_weights, load_pretrained, save_weights
+
+CONFIG_FILE = "config.json"
+
+
+def describe(model: Any) -> dict[str, Any]:
+    """The `config.json` of `model`: its rebuildable config, its image processor's settings, its chat template."""
+    return {MMADAPT_KEY: model.resolved_config().to_dict(), "processor": model.encoder.processor_defaults(),
+            "chat_template": model.backbone_spec.chat_template}
+
+
+def write_config(model: Any, directory: str | os.PathLike) -> Path:
+    """Write (atomically) the `config.json` of `model` into `directory`; returns its path."""
+    path = Path(directory) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(describe(model), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The `config.json` of a model directory (mmadapt or transformers) as a dict."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a saved mmadapt or transformers model directory")
+    return json.loads(path.read_text())
+
+
+def is_mmadapt(saved: dict[str, Any]) -> bool:
+    return MMADAPT_KEY in saved
+
+
+def model_config(saved: dict[str, Any]) -> ModelConfig:
+    return ModelConfig.from_dict(saved[MMADAPT_KEY])
+
+
+def save(model: Any, directory: str | os.PathLike, *, tokenizer: Any = None, max_shard_size: int | str = "5GB") -> None:
+    """A complete mmadapt model directory: weights, `config.json` and, given one, the tokenizer's files."""
+    os.makedirs(directory, exist_ok=True)
+    save_weights(model.state_dict(), directory, max_shard_size=max_shard_size)
+    write_config(model, directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def load(cls: type, directory: str | os.PathLike, *, strict: bool = True) -> Any:
+    """`cls` (the model class) from an mmadapt or transformers model directory; see the module docstring."""
+    saved = read_config(directory)
+    if not is_mmadapt(saved):
+        from mmadapt.convert import load_transformers
+
+        return load_transformers(cls, directory, saved)
+    checkpoint = Checkpoint.open(directory, what="model")
+    return load_pretrained(lambda: cls(model_config(saved)), checkpoint, what=f"model {directory}",
+                           tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False)
+
+
+def structure(cls: type, directory: str | os.PathLike) -> Any:
+    """The model of `directory` with its parameters on the meta device (its structure, no weights read), for what
+    needs only the parts' settings (the processor); a transformers directory is loaded as it comes."""
+    saved = read_config(directory)
+    if not is_mmadapt(saved):
+        return load(cls, directory)
+    with empty_weights():
+        return cls(model_config(saved))
