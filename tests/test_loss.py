@@ -115,8 +115,12 @@ def test_packed_rows(names):
 def test_bf16_autocast(names):
     model = tiny(names)
     batch = synthetic_batch(model, (1, 2), seed=5)
+    # bf16 rounds each gradient differently on the two paths. Measured over seeds 0-2 with 2 threads and with 1:
+    # loss equal, global gradient difference 4.2e-3 - 4.6e-3, worst single tensor 0.9e-2 - 2.0e-2 (a Qwen ViT norm
+    # weight whose gradient is 2e-4 of the largest; 1.5e-2 with 2 threads, 2.0e-2 with 1). The tolerances sit
+    # 2.5x and more above the spread; a wrong chunk or a lost gradient is off by O(1).
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert_same(model, batch, loss_tol=2e-3, grad_tol=2e-2, global_tol=2e-2)
+        assert_same(model, batch, loss_tol=2e-3, grad_tol=5e-2, global_tol=2e-2)
 
 
 def test_logits_where_they_are_asked_for_and_nothing_supervised():
