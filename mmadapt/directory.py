@@ -6,7 +6,8 @@ mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoi
   settings, "chat_template": the backbone's template name};
 - the weights: `model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size`
   (`mmadapt.weights.save_weights`: tied tensors stored once, files replaced atomically);
-- the tokenizer's own files, when one is given (read back by `mmadapt.data.load_tokenizer`).
+- the tokenizer's own files, when one is given, with the chat template the model was trained with
+  (`save_tokenizer`; read back by `mmadapt.data.load_tokenizer`).
 A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its
 three parts (`mmadapt.convert`). Reading is strict: built on the meta device, every weight from the files
 (`mmadapt.weights.load_pretrained`), a missing weight always an error.
@@ -63,7 +64,23 @@ def save(model: Any, directory: str | os.PathLike, *, tokenizer: Any = None, max
     save_weights(model.state_dict(), directory, max_shard_size=max_shard_size)
     write_config(model, directory)
     if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
+
+
+def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
+    """The tokenizer's files (with the chat template it carries), written so that loading them gives a tokenizer
+    that tokenizes the same. transformers 5 drops a SentencePiece Llama tokenizer's `legacy: true` on save, and the
+    reloaded tokenizer then tokenizes differently ("</s>USER" as "USER" where LLaVA-1.5 trained on "▁US" "ER", no
+    "▁" after a special token): the flag is written back into `tokenizer_config.json`."""
+    tokenizer.save_pretrained(directory)
+    if getattr(tokenizer, "legacy", None) is True:
+        path = Path(directory) / "tokenizer_config.json"
+        config = json.loads(path.read_text())
+        if config.get("legacy") is not True:
+            config["legacy"] = True
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+            os.replace(tmp, path)
 
 
 def load(cls: type, directory: str | os.PathLike, *, strict: bool = True) -> Any:

@@ -410,17 +410,17 @@ class VisionLanguageModel(nn.Module):
         processor's settings, the chat template's name), safetensors weights (sharded above `max_shard_size`)
         and, given a `tokenizer`, its files. `from_pretrained(directory)` needs nothing else.
         """
+        from mmadapt import directory as model_directory
+
         if format == "transformers":
             from mmadapt.convert import save_transformers
 
             save_transformers(self, directory)
             if tokenizer is not None:
-                tokenizer.save_pretrained(directory)
+                model_directory.save_tokenizer(tokenizer, directory)
             return
         if format != "mmadapt":
             raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
-        from mmadapt import directory as model_directory
-
         model_directory.save(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
 
     @classmethod

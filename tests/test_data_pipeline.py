@@ -192,8 +192,9 @@ def test_vicuna_template_for_llava_1_5(image_dir):
     sample = encoder.encode(GOOD["photo"], 0)
     text = tokenizer.decode(sample.input_ids)
     span = "<image>" * sample.tokens_per_image[0]
-    assert text == ("<s>A chat between a curious human and an artificial intelligence assistant. The assistant gives "
-                    f"helpful, detailed, and polite answers to the human's questions. USER: {span}\nWho is this? "
+    # conv_vicuna_v1's system prompt (LLaVA-1.5 trains with --version v1): a curious *user*, the *user*'s questions
+    assert text == ("<s>A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                    f"helpful, detailed, and polite answers to the user's questions. USER: {span}\nWho is this? "
                     "ASSISTANT: An astronaut.</s>")
     assert tokenizer.decode(sample.input_ids[sample.labels != IGNORE]) == " An astronaut.</s>"
     assert sample.pixel_values.shape == (1, 3, model.encoder.image_size, model.encoder.image_size)

@@ -13,7 +13,7 @@ from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
 from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_grouped_sampler
 from mmadapt.data.problems import REASONS, DataProblem
 from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, ProcessedImages, QwenProcessor, processor_for
-from mmadapt.data.report import BadDataError, BadSampleBudget, DataReport, check_dataset
+from mmadapt.data.report import BadDataError, BadSampleBudget, DataReport, check_dataset, show_sample
 from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import TEMPLATES, ChatTemplate
 from mmadapt.data.tokenizer import char_tokenizer, load_tokenizer, prepare_tokenizer
@@ -23,5 +23,5 @@ __all__ = [
     "Collator", "DataConfig", "DataProblem", "DataReport", "EncodedSample", "FixedSizeProcessor", "Geometry",
     "ImageProcessor", "ProcessedImages", "QwenProcessor", "Sample", "SampleEncoder", "Turn", "VLMDataset",
     "char_tokenizer", "check_dataset", "image_size", "length_grouped_sampler", "load_image", "load_tokenizer",
-    "parse_record", "prepare_tokenizer", "processor_for", "read_records",
+    "parse_record", "prepare_tokenizer", "processor_for", "read_records", "show_sample",
 ]

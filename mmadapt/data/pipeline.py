@@ -19,9 +19,10 @@ on one. `length_grouped_sampler` batches samples of similar length together.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -29,10 +30,20 @@ import torch
 from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
-from mmadapt.data.templates import IGNORE, TEMPLATES, ChatTemplate, render
+from mmadapt.data.templates import (
+    IGNORE,
+    MISMATCH_POLICIES,
+    MODES,
+    TEMPLATES,
+    ChatTemplate,
+    ChatTemplateError,
+    JinjaTemplate,
+    resolve_template,
+)
 from mmadapt.data.tokenizer import prepare_tokenizer
 
 Truncation = Literal["drop", "raise", "text"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +54,18 @@ class DataConfig:
     truncation: Truncation = "drop"
     insert_missing_placeholder: bool = False
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    chat_template: str = "auto"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_mismatch: str = "error"
 
     def __post_init__(self) -> None:
+        if self.chat_template not in MODES and self.chat_template not in TEMPLATES:
+            raise ValueError(f"chat_template must be one of {[*MODES, *TEMPLATES.names()]}, got {self.chat_template!r}")
+        if self.chat_template_mismatch not in MISMATCH_POLICIES:
+            raise ValueError(f"chat_template_mismatch must be one of {list(MISMATCH_POLICIES)}, got "
+                             f"{self.chat_template_mismatch!r}")
+        if not isinstance(self.template_kwargs, dict):
+            raise TypeError(f"template_kwargs must be a mapping, got {type(self.template_kwargs).__name__}")
         if self.truncation not in ("drop", "raise", "text"):
             raise ValueError(f"truncation must be 'drop', 'raise' or 'text', got {self.truncation!r}")
         if self.max_length < 2:
@@ -66,17 +87,28 @@ class SampleEncoder:
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing} that template {template.name!r} needs. "
                              "Fix: call mmadapt.data.prepare_tokenizer(model, tokenizer) first.")
+        span = [t for t in (*(self.brackets or ())[:1], image_token_id, *(self.brackets or ())[1:]) if t is not None]
+        self.image_text = "".join(tokenizer.convert_ids_to_tokens(span))  # how a template writes an image
 
     @classmethod
     def for_model(cls, model: Any, tokenizer: Any, processor: Any = None, **config: Any) -> SampleEncoder:
-        """The encoder for `model`; adds missing special tokens to `tokenizer` (see `prepare_tokenizer`)."""
+        """The encoder for `model`; adds missing special tokens to `tokenizer` (see `prepare_tokenizer`), resolves
+        `chat_template` (the tokenizer's own by default), checks a built-in against the tokenizer's own, and leaves
+        the template in use as `tokenizer.chat_template` (so a saved tokenizer serves what was trained)."""
         from mmadapt.data.processors import processor_for
 
-        prepare_tokenizer(model, tokenizer)  # idempotent: adds what is missing, aligns ids and embeddings
-        return cls(tokenizer=tokenizer, template=TEMPLATES.get(model.backbone_spec.chat_template),
-                   processor=processor or processor_for(model), image_token_id=model.tokens.image_token_id,
-                   vision_start_token_id=model.tokens.vision_start_token_id,
-                   vision_end_token_id=model.tokens.vision_end_token_id, config=DataConfig(**config))
+        data = DataConfig(**config)
+        own = tokenizer_template(tokenizer)
+        template = resolve_template(data.chat_template, tokenizer, model.backbone_spec.chat_template)
+        prepare_tokenizer(model, tokenizer, template)  # idempotent: adds what is missing, aligns ids and embeddings
+        encoder = cls(tokenizer=tokenizer, template=template, processor=processor or processor_for(model),
+                      image_token_id=model.tokens.image_token_id,
+                      vision_start_token_id=model.tokens.vision_start_token_id,
+                      vision_end_token_id=model.tokens.vision_end_token_id, config=data)
+        encoder.check_template(own)
+        if own is None or not isinstance(template, JinjaTemplate) or template.source or template.file:
+            tokenizer.chat_template = template.jinja(tokenizer)
+        return encoder
 
     @property
     def span_ids(self) -> set[int]:
@@ -101,8 +133,7 @@ class SampleEncoder:
         except DataProblem as problem:
             raise problem.for_sample(sample.id) from None
         processed = self.processor(images)
-        pieces = self.template.pieces(sample.turns, self.tokenizer)
-        ids, labels = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
+        ids, labels = self.render(sample, processed.tokens_per_image)
         self.check_span_tokens(sample, ids, processed.tokens_per_image)
         ids, labels = self.fit(sample.id, ids, labels)
         return EncodedSample(id=sample.id, input_ids=torch.tensor(ids), labels=torch.tensor(labels),
@@ -131,8 +162,7 @@ class SampleEncoder:
             turns = turns[:-1]
         sample = self.check_placeholders(Sample(sample_id, tuple(images), turns))
         processed = self.processor(list(images))
-        pieces = self.template.pieces(sample.turns, self.tokenizer, add_generation_prompt=True)
-        ids, _ = render(pieces, self.tokenizer, self.image_span, processed.tokens_per_image)
+        ids, _ = self.render(sample, processed.tokens_per_image, add_generation_prompt=True)
         self.check_span_tokens(sample, ids, processed.tokens_per_image)
         if len(ids) > self.config.max_length:
             raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
@@ -141,6 +171,39 @@ class SampleEncoder:
                              pixel_values=processed.pixel_values if images else None,
                              image_grid_thw=processed.image_grid_thw if images else None,
                              tokens_per_image=list(processed.tokens_per_image))
+
+    def render(self, sample: Sample, tokens_per_image: Sequence[int], *,
+               add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids and labels of `sample` under the chat template, image spans expanded (see `templates`)."""
+        try:
+            return self.template.encode(sample.turns, self.tokenizer, image_token_id=self.image_token_id,
+                                        image_span=self.image_span, image_text=self.image_text,
+                                        tokens_per_image=tokens_per_image, add_generation_prompt=add_generation_prompt,
+                                        **self.config.template_kwargs)
+        except ChatTemplateError as e:
+            raise DataProblem("placeholder_mismatch", f"{e}: the text holds an image token (or a bracket token) "
+                              f"literally, or the template dropped a placeholder. Fix: write images as {IMAGE} only, "
+                              "in user turns", sample_id=sample.id) from None
+
+    def check_template(self, own: str | None) -> None:
+        """At start: the template places images (when the model takes them), and a built-in in use where the
+        tokenizer has its own template renders a probe conversation to the same ids (`ChatTemplateMismatch`)."""
+        if self.image_token_id is not None:
+            probe = Sample("template probe", ("probe.png",), PROBE_TURNS)
+            try:
+                self.template.encode(probe.turns, self.tokenizer, image_token_id=self.image_token_id,
+                                     image_span=self.image_span, image_text=self.image_text, tokens_per_image=[1],
+                                     **self.config.template_kwargs)
+            except ChatTemplateError as e:
+                raise ChatTemplateError(
+                    f"chat template {self.template.name!r} cannot take images: {e} (an image part rendered to no image "
+                    f"placeholder). Fix: a template that places images (chat_template: "
+                    f"{', '.join(n for n in TEMPLATES.names() if n != 'llava_hf')}, or the model's own tokenizer's)"
+                ) from None
+        if own is None or (isinstance(self.template, JinjaTemplate) and self.template.source is None
+                           and self.template.file is None):
+            return
+        check_against_own(self, own)
 
     def image_span(self, num_tokens: int) -> list[int]:
         span = [self.image_token_id] * num_tokens
@@ -198,10 +261,52 @@ class SampleEncoder:
         try:
             sample = self.check_placeholders(self.parse(record, index))
             tokens = [self.processor.tokens_for_size(*image_size(p)) for p in sample.images]
-            pieces = self.template.pieces(sample.turns, self.tokenizer)
-            return min(len(render(pieces, self.tokenizer, self.image_span, tokens)[0]), self.config.max_length)
+            return min(len(self.render(sample, tokens)[0]), self.config.max_length)
         except DataProblem:
             return 1
+
+
+PROBE_TURNS = (Turn("user", f"{IMAGE}\nWhat is in the picture?"), Turn("assistant", "A red square."),
+               Turn("user", "And its colour?"), Turn("assistant", "Red."))
+
+
+class ChatTemplateMismatch(ChatTemplateError):
+    """A built-in template renders the tokenizer's own differently: the model would train on another format than
+    the one it was trained or will be served with."""
+
+
+def tokenizer_template(tokenizer: Any) -> str | None:
+    own = getattr(tokenizer, "chat_template", None)
+    return own if isinstance(own, str) and own else None
+
+
+def check_against_own(encoder: SampleEncoder, own: str) -> None:
+    """Render `PROBE_TURNS` with the built-in in use and with the tokenizer's own template; differing ids are a
+    `ChatTemplateMismatch` (or, with `chat_template_mismatch: warn`, one logged warning)."""
+    theirs = JinjaTemplate(name="tokenizer", description="the tokenizer's own", source=own)
+    texts = [t.text.replace(f"{IMAGE}\n", "") for t in PROBE_TURNS]  # text-only: templates without images compare too
+    turns = [Turn(t.role, text) for t, text in zip(PROBE_TURNS, texts, strict=True)]
+    kwargs = dict(image_token_id=encoder.image_token_id, image_span=encoder.image_span,
+                  image_text=encoder.image_text, tokens_per_image=[], **encoder.config.template_kwargs)
+    ours = encoder.template.encode(turns, encoder.tokenizer, **kwargs)[0]
+    expected = theirs.encode(turns, encoder.tokenizer, **kwargs)[0]
+    if ours == expected:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b), min(len(ours), len(expected)))
+    decode = encoder.tokenizer.decode
+
+    def context(ids: list[int]) -> str:
+        return f"{decode(ids[max(0, k - 8):k])!r} >>> {decode(ids[k:k + 8])!r}"
+
+    message = (f"chat template {encoder.template.name!r} renders a conversation differently from the tokenizer's own "
+               f"chat_template: first difference at token {k}: built-in {context(ours)}; tokenizer's "
+               f"{context(expected)}"
+               ". The model would train on a prompt format it was not trained or served with. Fix: chat_template: "
+               "auto (the tokenizer's own), or accept it knowingly with chat_template_mismatch: warn")
+    if encoder.config.chat_template_mismatch == "warn":
+        log.warning("%s (accepted: chat_template_mismatch: warn)", message)
+        return
+    raise ChatTemplateMismatch(message)
 
 
 def check_answers(sample: Sample) -> None:

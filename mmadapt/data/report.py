@@ -6,6 +6,9 @@ reason with the sample id and detail; nothing a sample contains can crash the sc
 unexpected exception is reported as `unexpected_error` with its type and message).
 `mmadapt data check` is this function plus printing and an exit status.
 
+`show_sample` renders one encoded sample as the model will see it (`mmadapt data show`): its text with the
+supervised stretches marked, each image span collapsed to `<image x N>`, and its counts.
+
 `BadSampleBudget` is the training-time side of the same report: the trainer's collator drops bad
 samples, the budget counts them, logs the first of each reason and stops the run with
 `BadDataError` once more than `data.max_bad_fraction` of the samples seen were bad.
@@ -163,3 +166,38 @@ class BadSampleBudget:
         return (f"stopping at step {step}: {counts.bad_samples} of the {counts.samples_seen} samples seen were "
                 f"bad ({reasons}), more than data.max_bad_fraction = {self.max_fraction}.{first}{hint} Fix the data "
                 "(mmadapt data check FILE lists every problem) or raise data.max_bad_fraction.")
+
+
+GREEN, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def show_sample(encoder: SampleEncoder, sample: Any, *, colour: bool = False) -> str:
+    """An `EncodedSample` as text: supervised stretches in green (`colour`) or between `[[` and `]]`, each image's
+    visual tokens as `<image x N>`, then a line of counts (tokens, supervised, visual)."""
+    ids, labels = sample.input_ids.tolist(), sample.labels.tolist()
+    image = encoder.image_token_id
+    out, run, state = [], [], None
+
+    def flush() -> None:
+        if not run:
+            return
+        if state == "image":
+            out.append(f"<image x {len(run)}>")
+            return
+        text = encoder.tokenizer.decode(run, skip_special_tokens=False)
+        if state == "supervised":
+            text = f"{GREEN}{text}{RESET}" if colour else f"[[{text}]]"
+        out.append(text)
+
+    for token, label in zip(ids, labels, strict=True):
+        kind = "image" if token == image else "supervised" if label != -100 else "prompt"
+        if kind != state:
+            flush()
+            run, state = [], kind
+        run.append(token)
+    flush()
+    visual = sum(1 for t in ids if t == image)
+    supervised = sum(1 for label in labels if label != -100)
+    counts = (f"-- {sample.id}: {len(ids)} tokens, {supervised} supervised, {visual} visual "
+              f"({len(sample.tokens_per_image)} image{'s' if len(sample.tokens_per_image) != 1 else ''})")
+    return "".join(out) + "\n" + counts

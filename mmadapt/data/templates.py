@@ -1,118 +1,205 @@
 """Chat templates: a conversation -> token ids and labels, image spans expanded in place.
 
-A template turns `Turn`s into `Piece`s: plain text, a special token (by its string, looked up
-in the tokenizer, never split), or an image (expanded by the backbone's span tokens to
-exactly the visual-token count the processor reported). Only assistant content and the
-assistant's end-of-turn token are supervised; everything else is labelled -100.
-Each backbone names its template (`BackboneSpec.chat_template`); templates register by name.
+The checkpoint's own template is the source of truth (`resolve_template`): `auto` (the default) takes the
+tokenizer's jinja `chat_template` when it has one, else the backbone's built-in; `tokenizer` requires the
+tokenizer's; a name picks a built-in. A template renders the conversation to text plus the character ranges
+that are supervised; the text is then tokenized, each image placeholder token expanded to the N visual tokens
+its image yields (the span's start / end tokens written by the template, as it writes them), and a token is
+labelled when its characters overlap a supervised range (everything else is -100).
 
-- `vicuna_v1` (LLaVA-1.5): "<s>{system} USER: <image>\\n{q} ASSISTANT: {a}</s>USER: ..."
-- `chatml` (Qwen): "<|im_start|>user\\n<|vision_start|><|image_pad|>...<|vision_end|>{q}<|im_end|>\\n
-  <|im_start|>assistant\\n{a}<|im_end|>\\n"; no default system prompt (Qwen3 style).
+- `JinjaTemplate` (the tokenizer's own, or a shipped official one: `qwen3_5`, `qwen3_vl`, `llava_hf`): the text is
+  exactly `tokenizer.apply_chat_template(messages, **template_kwargs)` and the ids exactly its tokenization
+  (`add_special_tokens=False`). Supervised spans are found without assuming the template is prefix-stable: the
+  conversation is rendered a second time with each assistant content replaced by a marker, the scaffolding
+  between markers is located in the real rendering, and what lies between is each assistant's content as the
+  template wrote it. **The rule for scaffolding inside an assistant turn**: what the template's generation
+  prompt (`add_generation_prompt=True`) writes is the prompt - it is given to the model when serving, so it is
+  not supervised -, and anything the template writes in the turn after it is part of the answer: with Qwen3.5's
+  thinking default the generation prompt ends in `<think>\\n`, so the `\\n</think>\\n\\n` the template writes before
+  an answer is supervised (the model learns to close its empty think block), and with `enable_thinking: false`
+  the whole `<think>\\n\\n</think>\\n\\n` is in the prompt and is not. The end-of-turn token the template writes right
+  after the content (`<|im_end|>`) is supervised; headers, system, user and image tokens never are. Messages are
+  passed with string content, or with OpenAI-style parts (`{"type": "image"}`, `{"type": "text"}`) when the
+  template reads parts (found by a probe); a template that writes no image placeholder for an image part cannot
+  take images (`ChatTemplateError`, at start).
+- `VicunaTemplate` (`vicuna_v1`, LLaVA-1.5): LLaVA's own `conv_vicuna_v1` prompt and its tokenization
+  (`tokenizer_image_token`: the text around each `<image>` tokenized as its own string), labels as its
+  `preprocess_v1` gives them (each answer and its `</s>`): equal to LLaVA-1.5's training ids token for token with
+  a SentencePiece Llama tokenizer (tests/test_templates.py). LLaVA's dataset moves `<image>` to the front of the
+  turn; mmadapt keeps the data's placement.
+- `ChatMLTemplate` (`chatml`): Qwen's ChatML, no default system prompt, images as the backbone's span; equal to
+  Qwen3-VL's official template for text and image conversations.
 
-Text pieces are tokenized one at a time (without the tokenizer's own special tokens), so the
-label boundary is exact for any tokenizer. A piece that does not start the sequence is
-tokenized behind a "\n" sentinel whose tokens are then dropped: SentencePiece-style tokenizers
-would otherwise add a word-start marker ("▁") at every piece, which whole-string tokenization
-(and the published checkpoints) never has.
+Each built-in exports an equivalent jinja template (`jinja`), written into the tokenizer a model is trained
+with, so `apply_chat_template` of the saved tokenizer gives the training prompt; mmadapt recognises its own
+exports and uses the built-in again (`resolve_template`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
 
 from mmadapt.data.samples import IMAGE, Turn
 from mmadapt.registry import Registry
 
 IGNORE = -100
+MODES = ("auto", "tokenizer")  # besides built-in names
+MISMATCH_POLICIES = ("error", "warn")
+Span = tuple[int, int]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template cannot render what the data needs (images, the conversation's shape)."""
 
 
 @dataclass(frozen=True)
-class Piece:
-    kind: Literal["text", "special", "image"]
-    value: str = ""
-    supervised: bool = False
+class Rendered:
+    """A conversation as text, with the character ranges whose tokens are supervised."""
+
+    text: str
+    supervised: list[Span] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChatTemplate:
-    """Base class: `pieces(turns)` says what to emit; `specials` lists the special tokens it uses."""
+    """Base class: `render(turns, ...)` -> `Rendered`; `encode(...)` -> (ids, labels) with image spans expanded."""
 
     name: str
     description: str
-    default_system: str | None = None
-    bos: bool = False  # start with the tokenizer's BOS token
 
     def specials(self, tokenizer: Any) -> list[str]:
-        raise NotImplementedError
+        """Special tokens the template writes (the tokenizer must know them as single tokens)."""
+        return []
 
     def end_of_turn(self, tokenizer: Any) -> str:
         """The token that ends an assistant turn (generation stops there)."""
         raise NotImplementedError
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
-        """The pieces of one user or assistant turn; `first` when nothing or a special token precedes it."""
+    def jinja(self, tokenizer: Any) -> str:
+        """An equivalent jinja template, for `tokenizer.chat_template` (`apply_chat_template` renders the same)."""
         raise NotImplementedError
 
-    def system_pieces(self, system: str | None) -> list[Piece]:
+    def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
+               **template_kwargs: Any) -> Rendered:
         raise NotImplementedError
 
-    def generation_prompt(self) -> list[Piece]:
-        raise NotImplementedError
-
-    def pieces(self, turns: Sequence[Turn], tokenizer: Any, add_generation_prompt: bool = False) -> list[Piece]:
-        system = self.default_system
-        if turns and turns[0].role == "system":
-            system, turns = turns[0].text, turns[1:]
-        out = [Piece("special", tokenizer.bos_token)] if self.bos and tokenizer.bos_token else []
-        out += self.system_pieces(system)
-        for turn in turns:
-            if turn.role == "system":
-                raise ValueError("a system turn may only come first")
-            out += self.turn_pieces(turn, tokenizer, first=not out or out[-1].kind == "special")
-        return out + (self.generation_prompt() if add_generation_prompt else [])
+    def encode(self, turns: Sequence[Turn], tokenizer: Any, *, image_token_id: int | None,
+               image_span: Callable[[int], list[int]], image_text: str, tokens_per_image: Sequence[int],
+               add_generation_prompt: bool = False, **template_kwargs: Any) -> tuple[list[int], list[int]]:
+        """Token ids and labels of the conversation, each image placeholder expanded to its visual tokens."""
+        rendered = self.render(turns, tokenizer, image_text=image_text, add_generation_prompt=add_generation_prompt,
+                               **template_kwargs)
+        encoded = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+        labels = supervised_labels(encoded["input_ids"], encoded["offset_mapping"], rendered.supervised)
+        return expand_images(encoded["input_ids"], labels, image_token_id, tokens_per_image, self.name)
 
 
-def content(text: str, supervised: bool = False) -> list[Piece]:
-    """Text with `<image>` markers as text and image pieces, in order."""
-    out: list[Piece] = []
-    for k, chunk in enumerate(text.split(IMAGE)):
-        if k:
-            out.append(Piece("image"))
-        if chunk:
-            out.append(Piece("text", chunk, supervised))
-    return out
+def supervised_labels(ids: Sequence[int], offsets: Sequence[Span], supervised: Sequence[Span]) -> list[int]:
+    """Each token's id where its characters overlap a supervised range, else -100."""
+    labels = []
+    for token, (start, end) in zip(ids, offsets, strict=True):
+        hit = any(start < hi and end > lo for lo, hi in supervised) if end > start else False
+        labels.append(token if hit else IGNORE)
+    return labels
 
 
+def expand_images(ids: list[int], labels: list[int], image_token_id: int | None, tokens_per_image: Sequence[int],
+                  template: str) -> tuple[list[int], list[int]]:
+    """Every image placeholder token -> its image's N visual tokens (labels -100)."""
+    found = [k for k, t in enumerate(ids) if t == image_token_id] if image_token_id is not None else []
+    if len(found) != len(tokens_per_image):
+        raise ChatTemplateError(f"template {template!r} wrote {len(found)} image placeholder(s) for "
+                                f"{len(tokens_per_image)} image(s)")
+    out_ids, out_labels, previous = [], [], 0
+    for k, n in zip(found, tokens_per_image, strict=True):
+        out_ids += ids[previous:k] + [image_token_id] * n
+        out_labels += labels[previous:k] + [IGNORE] * n
+        previous = k + 1
+    return out_ids + ids[previous:], out_labels + labels[previous:]
+
+
+def split_system(turns: Sequence[Turn], default: str | None = None) -> tuple[str | None, Sequence[Turn]]:
+    if turns and turns[0].role == "system":
+        return turns[0].text, turns[1:]
+    if any(t.role == "system" for t in turns):
+        raise ChatTemplateError("a system turn may only come first")
+    return default, turns
+
+
+# ---- LLaVA-1.5 -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class VicunaTemplate(ChatTemplate):
-    """LLaVA-1.5's `conv_vicuna_v1` (sep " ", sep2 = EOS), labels as LLaVA's `preprocess_v1`.
+    """LLaVA-1.5's `conv_vicuna_v1` (sep " ", sep2 = EOS) with LLaVA's own tokenization and labels (module doc)."""
 
-    Separating spaces lead their piece (" USER:", " " + text), as they attach to the following
-    word in whole-string SentencePiece tokenization ("▁USER:", "▁Hi").
-    """
+    default_system: str
 
     def specials(self, tokenizer: Any) -> list[str]:
-        return [tokenizer.eos_token or "</s>"]
-
-    def system_pieces(self, system: str | None) -> list[Piece]:
-        return content(system) if system else []
+        return [self.end_of_turn(tokenizer)]
 
     def end_of_turn(self, tokenizer: Any) -> str:
         return tokenizer.eos_token or "</s>"
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
-        if turn.role == "user":
-            return [Piece("text", "USER:" if first else " USER:"), *content(" " + turn.text)]
-        return [Piece("text", " ASSISTANT:"), *content(" " + turn.text, supervised=True),
-                Piece("special", self.end_of_turn(tokenizer), supervised=True)]
+    def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str = IMAGE,
+               add_generation_prompt: bool = False, **template_kwargs: Any) -> Rendered:
+        """`Conversation.get_prompt()` of SeparatorStyle.TWO; supervised: each answer with its `</s>`."""
+        system, turns = split_system(turns, self.default_system)
+        text, supervised, eos = (system or "") + " ", [], self.end_of_turn(tokenizer)
+        for turn in turns:
+            role = "USER" if turn.role == "user" else "ASSISTANT"
+            text += f"{role}:"
+            start = len(text)  # the answer with its leading space: what follows the generation prompt "ASSISTANT:"
+            text += " " + turn.text + (" " if turn.role == "user" else eos)
+            if turn.role == "assistant":
+                supervised.append((start, len(text)))
+        return Rendered(text + ("ASSISTANT:" if add_generation_prompt else ""), supervised)
 
-    def generation_prompt(self) -> list[Piece]:
-        return [Piece("text", " ASSISTANT:")]
+    def encode(self, turns: Sequence[Turn], tokenizer: Any, *, image_token_id: int | None,
+               image_span: Callable[[int], list[int]], image_text: str, tokens_per_image: Sequence[int],
+               add_generation_prompt: bool = False, **template_kwargs: Any) -> tuple[list[int], list[int]]:
+        """LLaVA's `tokenizer_image_token`: each text chunk between images tokenized as its own string (its BOS
+        dropped after the first), each `<image>` replaced by the image's span."""
+        rendered = self.render(turns, tokenizer, add_generation_prompt=add_generation_prompt)
+        chunks = rendered.text.split(IMAGE)
+        if len(chunks) - 1 != len(tokens_per_image):
+            raise ChatTemplateError(f"template {self.name!r}: {len(chunks) - 1} {IMAGE} placeholder(s) for "
+                                    f"{len(tokens_per_image)} image(s)")
+        ids: list[int] = []
+        labels: list[int] = []
+        position = 0
+        for k, chunk in enumerate(chunks):
+            if k:
+                span = image_span(tokens_per_image[k - 1])
+                ids, labels = ids + span, labels + [IGNORE] * len(span)
+                position += len(IMAGE)
+            encoded = tokenizer(chunk, return_offsets_mapping=True)
+            chunk_ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
+            bos = tokenizer.bos_token_id
+            if chunk_ids[:1] == [bos] and bos is not None:
+                if k:  # LLaVA keeps the first chunk's BOS only
+                    chunk_ids, offsets = chunk_ids[1:], offsets[1:]
+            elif k == 0 and bos is not None:  # a tokenizer that adds no BOS itself: the sequence still starts with one
+                chunk_ids, offsets = [bos, *chunk_ids], [(0, 0), *offsets]
+            shifted = [(a + position, b + position) if b > a else (0, 0) for a, b in offsets]
+            ids += chunk_ids
+            labels += supervised_labels(chunk_ids, shifted, rendered.supervised)
+            position += len(chunk)
+        return ids, labels
+
+    def jinja(self, tokenizer: Any) -> str:
+        eos = self.end_of_turn(tokenizer)
+        return (JINJA_MARK.format(name=self.name) + "{%- set ns = namespace(system=" + repr(self.default_system)
+                + ") -%}{%- if messages and messages[0].role == 'system' %}{%- set ns.system = messages[0].content %}"
+                "{%- endif %}{{- bos_token + ns.system + ' ' }}{%- for message in messages %}"
+                "{%- if message.role == 'user' %}{{- 'USER: ' + message.content + ' ' }}"
+                "{%- elif message.role == 'assistant' %}{{- 'ASSISTANT: ' + message.content + " + repr(eos) + " }}"
+                "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}")
 
 
+# ---- Qwen's ChatML ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ChatMLTemplate(ChatTemplate):
     """Qwen's ChatML; the assistant's `<|im_end|>` is supervised (it is how the model learns to stop)."""
@@ -120,70 +207,224 @@ class ChatMLTemplate(ChatTemplate):
     def specials(self, tokenizer: Any) -> list[str]:
         return ["<|im_start|>", "<|im_end|>"]
 
-    def system_pieces(self, system: str | None) -> list[Piece]:
-        if not system:
-            return []
-        return [Piece("special", "<|im_start|>"), Piece("text", "system\n"), *content(system),
-                Piece("special", "<|im_end|>"), Piece("text", "\n")]
-
     def end_of_turn(self, tokenizer: Any) -> str:
         return "<|im_end|>"
 
-    def turn_pieces(self, turn: Turn, tokenizer: Any, first: bool = False) -> list[Piece]:
-        answer = turn.role == "assistant"
-        return [Piece("special", "<|im_start|>"), Piece("text", f"{turn.role}\n"),
-                *content(turn.text, supervised=answer), Piece("special", "<|im_end|>", supervised=answer),
-                Piece("text", "\n")]
+    def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
+               **template_kwargs: Any) -> Rendered:
+        system, turns = split_system(turns)
+        text = f"<|im_start|>system\n{system.replace(IMAGE, image_text)}<|im_end|>\n" if system else ""
+        supervised = []
+        for turn in turns:
+            text += f"<|im_start|>{turn.role}\n"
+            start = len(text)
+            text += turn.text.replace(IMAGE, image_text) + "<|im_end|>"
+            if turn.role == "assistant":
+                supervised.append((start, len(text)))
+            text += "\n"
+        return Rendered(text + ("<|im_start|>assistant\n" if add_generation_prompt else ""), supervised)
 
-    def generation_prompt(self) -> list[Piece]:
-        return [Piece("special", "<|im_start|>"), Piece("text", "assistant\n")]
+    def jinja(self, tokenizer: Any) -> str:
+        return (JINJA_MARK.format(name=self.name) + "{%- for message in messages %}{{- '<|im_start|>' + message.role "
+                "+ '\\n' }}{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in "
+                "message.content %}{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+                "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}"
+                "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                "{%- endif %}")
+
+
+# ---- jinja: the tokenizer's own template, or an official one shipped with mmadapt --------------------------------
+MARK = "\ue000{}\ue001"  # private-use characters: an assistant content no template rewrites
+PROBE_TEXT = "\ue002"
+JINJA_MARK = "{{#- mmadapt built-in chat template {name!r} -#}}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class JinjaTemplate(ChatTemplate):
+    """A jinja chat template rendered by transformers' `apply_chat_template` (module docstring).
+
+    `source`: the template text; None is the tokenizer's own `chat_template`. `file`: a template shipped in
+    `mmadapt/data/chat_templates/` (official templates, their sources named in NOTICE there).
+    """
+
+    source: str | None = None
+    file: str | None = None
+
+    def text(self, tokenizer: Any) -> str:
+        if self.file is not None:
+            return shipped_template(self.file)
+        if self.source is not None:
+            return self.source
+        own = getattr(tokenizer, "chat_template", None)
+        if not isinstance(own, str) or not own:
+            raise ChatTemplateError("the tokenizer has no chat_template of its own (chat_template: tokenizer). Fix: "
+                                    f"chat_template: auto, or a built-in ({', '.join(TEMPLATES.names())})")
+        return own
+
+    def jinja(self, tokenizer: Any) -> str:
+        return self.text(tokenizer)
+
+    def apply(self, tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
+        return tokenizer.apply_chat_template(messages, chat_template=self.text(tokenizer), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def specials(self, tokenizer: Any) -> list[str]:
+        return [self.end_of_turn(tokenizer)] if self.end_of_turn(tokenizer) else []
+
+    def end_of_turn(self, tokenizer: Any) -> str:
+        """The special token the template writes right after an assistant's content (else the tokenizer's EOS)."""
+        after = self._probe(tokenizer, "end")
+        specials = sorted((t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab())
+                           if t and after.startswith(t)), key=len, reverse=True)
+        return specials[0] if specials else (tokenizer.eos_token or "")
+
+    def reads_parts(self, tokenizer: Any) -> bool:
+        """Whether the template reads OpenAI-style content parts (else message content must be a string)."""
+        return self._probe(tokenizer, "parts") == "yes"
+
+    def _probe(self, tokenizer: Any, what: str) -> str:
+        return _probe(self, tokenizer, self.text(tokenizer), what)
+
+    def messages(self, turns: Sequence[Turn], tokenizer: Any, contents: Sequence[str]) -> list[dict]:
+        parts = self.reads_parts(tokenizer)
+        out = []
+        for turn, content in zip(turns, contents, strict=True):
+            if parts:
+                pieces: list[dict] = []
+                for k, chunk in enumerate(content.split(IMAGE)):
+                    if k:
+                        pieces.append({"type": "image"})
+                    if chunk:
+                        pieces.append({"type": "text", "text": chunk})
+                out.append({"role": turn.role, "content": pieces})
+            else:
+                out.append({"role": turn.role, "content": content})
+        return out
+
+    def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
+               **template_kwargs: Any) -> Rendered:
+        turns = list(turns)
+        real = self.apply(tokenizer, self.messages(turns, tokenizer, [t.text for t in turns]), add_generation_prompt,
+                          **template_kwargs)
+        marks = [MARK.format(k) if t.role == "assistant" else t.text for k, t in enumerate(turns)]
+        marked = self.apply(tokenizer, self.messages(turns, tokenizer, marks), add_generation_prompt,
+                            **template_kwargs)
+        prompt = self._generation_prompt(tokenizer, template_kwargs)
+        end = self.end_of_turn(tokenizer)
+        supervised, position = [], 0
+        scaffolds = _split_marks(marked, [k for k, t in enumerate(turns) if t.role == "assistant"])
+        for k, scaffold in enumerate(scaffolds[:-1]):
+            if not real.startswith(scaffold, position):
+                raise ChatTemplateError(
+                    f"template {self.name!r} rewrites the text around assistant turn {k} (e.g. a reasoning block in "
+                    "its content), so its answer cannot be located. Fix: give reasoning in the template's own field, "
+                    "or use a built-in template")
+            start = position + _answer_start(scaffold, prompt)
+            position += len(scaffold)
+            following = scaffolds[k + 1]
+            stop = real.find(following, position) if following else len(real)
+            if stop < 0:
+                raise ChatTemplateError(f"template {self.name!r}: the text after assistant turn {k} was not found")
+            position = stop
+            if end and real.startswith(end, stop):
+                stop += len(end)
+            supervised.append((start, stop))
+        return Rendered(real, supervised)
+
+    def _generation_prompt(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
+        probe = [{"role": "user", "content": PROBE_TEXT}]
+        if self.reads_parts(tokenizer):
+            probe = [{"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]}]
+        bare = self.apply(tokenizer, probe, False, **template_kwargs)
+        prompted = self.apply(tokenizer, probe, True, **template_kwargs)
+        return prompted[len(bare):] if prompted.startswith(bare) else ""
+
+
+def _split_marks(marked: str, assistants: list[int]) -> list[str]:
+    """The scaffolding around the assistant markers: [before the first, between, ..., after the last]."""
+    out, position = [], 0
+    for k in assistants:
+        mark = MARK.format(k)
+        found = marked.find(mark, position)
+        if found < 0:
+            raise ChatTemplateError(f"assistant turn {k}'s content does not appear in the rendered template")
+        out.append(marked[position:found])
+        position = found + len(mark)
+    return [*out, marked[position:]]
+
+
+def _answer_start(scaffold: str, prompt: str) -> int:
+    """Where the answer starts in the text before an assistant's content: after the generation prompt the template
+    writes there (the longest part of it that the turn agrees with), or at the content when it writes none."""
+    for size in range(len(prompt), 0, -1):
+        found = scaffold.rfind(prompt[:size])
+        if found >= 0 and (size == len(prompt) or found + size == len(scaffold)):
+            return found + size
+    return len(scaffold)
+
+
+def _probe(template: JinjaTemplate, tokenizer: Any, text: str, what: str) -> str:
+    """Facts about a jinja template, found by rendering probes (cached per tokenizer and template)."""
+    cache = tokenizer.__dict__.setdefault("_mmadapt_template_probes", {})
+    key = (text, what)
+    if key not in cache:
+        cache[key] = _run_probe(template, tokenizer, what)
+    return cache[key]
+
+
+def _run_probe(template: JinjaTemplate, tokenizer: Any, what: str) -> str:
+    if what == "parts":
+        try:
+            out = template.apply(tokenizer, [{"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]}],
+                                 False)
+        except Exception:  # a template that cannot iterate parts fails on them: it reads strings
+            return "no"
+        return "yes" if PROBE_TEXT in out else "no"
+    mark = MARK.format(0)
+    messages = template.messages([Turn("user", "hi"), Turn("assistant", mark)], tokenizer, ["hi", mark])
+    out = template.apply(tokenizer, messages, False)
+    return out.split(mark, 1)[1] if mark in out else ""
+
+
+@functools.cache
+def shipped_template(file: str) -> str:
+    return resources.files("mmadapt.data").joinpath("chat_templates", file).read_text()
 
 
 TEMPLATES: Registry[ChatTemplate] = Registry("chat template")
 TEMPLATES.register("vicuna_v1", VicunaTemplate(
-    name="vicuna_v1", description="LLaVA-1.5 / Vicuna v1: 'USER: ... ASSISTANT: ...</s>'", bos=True,
-    default_system="A chat between a curious human and an artificial intelligence assistant. The assistant gives "
-                   "helpful, detailed, and polite answers to the human's questions.",
+    name="vicuna_v1", description="LLaVA-1.5 / Vicuna v1 (conv_vicuna_v1): '<s>{system} USER: ... ASSISTANT: ...</s>'",
+    default_system="A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                   "helpful, detailed, and polite answers to the user's questions.",
 ))
 TEMPLATES.register("chatml", ChatMLTemplate(
-    name="chatml", description="Qwen ChatML: '<|im_start|>role\\n...<|im_end|>', vision_start/pad/end spans",
+    name="chatml", description="Qwen ChatML (Qwen3-VL's): '<|im_start|>role\\n...<|im_end|>', vision_start/pad/end "
+    "spans",
 ))
+TEMPLATES.register("qwen3_5", JinjaTemplate(
+    name="qwen3_5", description="Qwen3.5's official template (thinking by default; template_kwargs "
+    "{enable_thinking: false} for the non-thinking form)", file="qwen3_5.jinja"))
+TEMPLATES.register("qwen3_vl", JinjaTemplate(
+    name="qwen3_vl", description="Qwen3-VL-Instruct's official template", file="qwen3_vl.jinja"))
+TEMPLATES.register("llava_hf", JinjaTemplate(
+    name="llava_hf", description="llava-hf/llava-1.5-*-hf's template: 'USER: <image>\\n... ASSISTANT:', no system "
+    "prompt, no end token", file="llava_hf.jinja"))
 
 
-def render(
-    pieces: Sequence[Piece],
-    tokenizer: Any,
-    image_span: Any,
-    tokens_per_image: Sequence[int],
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels; `image_span(n)` gives the ids of an image with n visual tokens."""
-    ids: list[int] = []
-    labels: list[int] = []
-    images = iter(tokens_per_image)
-    text_started = False
-    for piece in pieces:
-        if piece.kind == "image":
-            new = image_span(next(images))
-        elif piece.kind == "special":
-            new = [tokenizer.convert_tokens_to_ids(piece.value)]
-        else:
-            new = encode_text(tokenizer, piece.value, first=not text_started)
-            text_started = True
-        ids += new
-        labels += new if piece.supervised else [IGNORE] * len(new)
-    return ids, labels
-
-
-SENTINEL = "\n"
-
-
-def encode_text(tokenizer: Any, text: str, first: bool) -> list[int]:
-    """Token ids of `text` as it tokenizes inside a longer string (see the module docstring)."""
-    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if first:
-        return plain
-    prefix = tokenizer(SENTINEL, add_special_tokens=False)["input_ids"]
-    joined = tokenizer(SENTINEL + text, add_special_tokens=False)["input_ids"]
-    if joined[: len(prefix)] == prefix:
-        return joined[len(prefix):]
-    return plain  # the sentinel merged with the text: no clean cut, keep the plain tokens
+def resolve_template(choice: str, tokenizer: Any, backbone_default: str) -> ChatTemplate:
+    """`auto`: the tokenizer's own template (a built-in when it is one of mmadapt's exports), else the backbone's
+    built-in; `tokenizer`: the tokenizer's, required; a name: that built-in."""
+    own = getattr(tokenizer, "chat_template", None)
+    own = own if isinstance(own, str) and own else None
+    if choice not in MODES:
+        return TEMPLATES.get(choice)
+    if own is None:
+        if choice == "tokenizer":
+            raise ChatTemplateError("chat_template: tokenizer, but the tokenizer has no chat_template. Fix: "
+                                    f"chat_template: auto, or a built-in ({', '.join(TEMPLATES.names())})")
+        return TEMPLATES.get(backbone_default)
+    for name, template in TEMPLATES.items():
+        if own.startswith(JINJA_MARK.format(name=name)) or (isinstance(template, JinjaTemplate) and template.file
+                                                             and own == template.text(tokenizer)):
+            return template  # mmadapt's own export, or a shipped official template: the exact built-in
+    return JinjaTemplate(name="tokenizer", description="the tokenizer's own chat_template")

@@ -50,23 +50,26 @@ def char_tokenizer() -> Any:
                                    eos_token="</s>")
 
 
-def required_tokens(model: Any, tokenizer: Any) -> list[str]:
+def required_tokens(model: Any, tokenizer: Any, template: Any = None) -> list[str]:
     spec = model.backbone_spec
     span = [spec.image_token, spec.vision_start_token, spec.vision_end_token]
-    return [t for t in [*span, *TEMPLATES.get(spec.chat_template).specials(tokenizer)] if t is not None]
+    template = template or TEMPLATES.get(spec.chat_template)
+    return [t for t in [*span, *template.specials(tokenizer)] if t]
 
 
-def prepare_tokenizer(model: Any, tokenizer: Any) -> Any:
-    """Add missing special tokens, align the model's span ids, resize embeddings if needed. Returns `tokenizer`."""
+def prepare_tokenizer(model: Any, tokenizer: Any, template: Any = None) -> Any:
+    """Add missing special tokens (the backbone's image span and what `template` writes; default: the backbone's
+    built-in), align the model's span ids, resize embeddings if needed. Returns `tokenizer`."""
+    template = template or TEMPLATES.get(model.backbone_spec.chat_template)
     vocab = tokenizer.get_vocab()
-    missing = [t for t in dict.fromkeys(required_tokens(model, tokenizer)) if t not in vocab]
+    missing = [t for t in dict.fromkeys(required_tokens(model, tokenizer, template)) if t not in vocab]
     if missing:
         tokenizer.add_tokens(missing, special_tokens=True)
         log.info("added special tokens %s to the tokenizer (ids %s)", missing,
                  tokenizer.convert_tokens_to_ids(missing))
     spec = model.backbone_spec
     if tokenizer.eos_token is None:
-        tokenizer.eos_token = TEMPLATES.get(spec.chat_template).end_of_turn(tokenizer)
+        tokenizer.eos_token = template.end_of_turn(tokenizer)
         log.info("the tokenizer has no EOS token; using the template's end of turn %r", tokenizer.eos_token)
     ids = {"image_token_id": tokenizer.convert_tokens_to_ids(spec.image_token)}
     if spec.vision_start_token is not None:

@@ -69,6 +69,13 @@ class DataSection:
     tokenizer: str | None = None
     max_length: int = 2048
     truncation: Literal["drop", "raise", "text"] = "drop"
+    # the chat template: auto (the tokenizer's own jinja template when it has one, else the backbone's built-in),
+    # tokenizer (require the tokenizer's), or a built-in (vicuna_v1, chatml, qwen3_5, qwen3_vl, llava_hf);
+    # template_kwargs go to the template (e.g. {enable_thinking: false}). A built-in that renders differently from
+    # the tokenizer's own template stops the run at start unless chat_template_mismatch: warn
+    chat_template: str = "auto"
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_mismatch: Literal["error", "warn"] = "error"
     # bad samples (missing image, placeholder mismatch, too long, ...) are skipped, counted and logged (the first of
     # each reason in full); the run stops once more than this share of the samples seen were bad (after 32, or at
     # once when every sample so far was bad): `mmadapt data check` the file
@@ -221,6 +228,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     args = getattr(hint, "__args__", ())
     if value is None:
         return None
+    if origin is dict and not isinstance(value, dict):
+        raise ValueError(f"{key} must be a mapping, got {value!r}")
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key} must be a list, got {value!r}")

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mmadapt.data.tokenizer import TOKENIZER_FILES
 from mmadapt.train.config import RunConfig
 
 log = logging.getLogger(__name__)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -52,13 +52,16 @@ def tokenizer_source(config: RunConfig) -> str | None:
 
 
 def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer at `path`; None: mmadapt's character tokenizer."""
+    from mmadapt.data import char_tokenizer
+    from mmadapt.data import load_tokenizer as load_saved
+
     if path is None:
-        from mmadapt.data import char_tokenizer
-
         return char_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = load_saved(path)
+    if tokenizer is None:
+        raise FileNotFoundError(f"data.tokenizer {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return tokenizer
 
 
 def build_run(config: RunConfig, model: Any = None) -> RunParts:
@@ -73,7 +76,9 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     tokenizer = load_tokenizer(tokenizer_source(config))
     d = config.data
     encoder = SampleEncoder.for_model(model, tokenizer, image_root=d.image_root, max_length=d.max_length,
-                                      truncation=d.truncation)
+                                      truncation=d.truncation, chat_template=d.chat_template,
+                                      template_kwargs=d.template_kwargs,
+                                      chat_template_mismatch=d.chat_template_mismatch)
     collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
     train = VLMDataset(d.train, encoder)
     evaluation = VLMDataset(d.eval, encoder) if d.eval else None

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
-from mmadapt.directory import write_config
+from mmadapt.directory import save_tokenizer, write_config
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
@@ -374,7 +374,7 @@ class Trainer:
         """What a checkpoint needs to become a model directory: the model's config and the tokenizer."""
         write_config(self.model, directory)
         if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(directory)
+            save_tokenizer(self.tokenizer, directory)
 
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
