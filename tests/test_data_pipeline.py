@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-from mmadapt import build_model
+from mmadapt import build_model, check_batch
 from mmadapt.cli import main
 from mmadapt.data import (
     Collator,
@@ -419,3 +419,43 @@ def test_vicuna_multi_turn_matches_llava_conv_vicuna_v1(image_dir):
     text = tokenizer.decode(encoder.encode(record, 0).input_ids)
     system = encoder.template.default_system
     assert text == f"<s>{system} USER: Hi ASSISTANT: Hello.</s>USER: Bye ASSISTANT: Ciao.</s>"
+
+
+# ---- the pipeline with real tokenizers (tests/fixtures/tokenizers) -----------------------------------------------
+REAL = {
+    # (model parts, vendored tokenizer, the template it carries as its own: None = none, the backbone's built-in)
+    "llava + SentencePiece llama": (("clip", "mlp2x_gelu", "llama"), "llama2", None),
+    "qwen3.5 + Qwen BPE, official template": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), "qwen3", "qwen3_5"),
+}
+
+
+@pytest.mark.parametrize("case", list(REAL))
+def test_the_pipeline_with_real_tokenizers_pads_packs_and_supervises_exactly_the_answers(case, image_dir):
+    from real_tokenizers import real_tokenizer
+
+    from mmadapt.data.templates import TEMPLATES
+
+    names, tokenizer_name, own = REAL[case]
+    torch.manual_seed(0)
+    model = build_model(*names)
+    tokenizer = real_tokenizer(tokenizer_name)
+    if own is not None:
+        tokenizer.chat_template = TEMPLATES.get(own).jinja(tokenizer)
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(image_dir))
+    records = [GOOD[k] for k in ("photo", "two", "text", "messages", "exif")]
+    dataset = VLMDataset(records, encoder)
+    samples = [dataset[i] for i in range(len(dataset))]
+    assert all(not isinstance(s, DataProblem) for s in samples)
+    end = encoder.template.end_of_turn(tokenizer)
+    for record, sample in zip(records, samples, strict=True):
+        answer = (record.get("conversations") or [{"value": record["messages"][-1]["content"]}])[-1]["value"]
+        supervised = [t for t, label in zip(sample.input_ids.tolist(), sample.labels.tolist(), strict=True)
+                      if label != -100]
+        assert tokenizer.decode(supervised).strip().endswith(f"{answer}{end}")  # the answer and its end token
+        assert int((sample.input_ids == model.tokens.image_token_id).sum()) == sum(sample.tokens_per_image)
+    padded = Collator.for_model(model, encoder.pad_token_id)(samples)
+    packed = Collator.for_model(model, encoder.pad_token_id, max_tokens=2048)(samples)
+    assert check_batch(model, padded).ok and check_batch(model, packed).ok
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(**padded).loss, model(**packed).loss, atol=1e-5)

@@ -298,3 +298,43 @@ def test_vicuna_v1_export_serves_the_training_prompt(llava_model, tmp_path):
     saved = AutoTokenizer.from_pretrained(tmp_path)
     served = saved.apply_chat_template([{"role": r, "content": t} for r, t in turns], tokenize=True)
     assert chat_ids(served) == trained
+
+
+def test_a_saved_model_directory_serves_the_prompt_it_was_trained_with_template_kwargs_included(qwen_model, tmp_path):
+    from mmadapt import Processor
+
+    tokenizer = qwen_tokenizer(None)
+    tokenizer.chat_template = None
+    encoder = SampleEncoder.for_model(qwen_model, tokenizer, chat_template="qwen3_5",
+                                      template_kwargs={"enable_thinking": False})
+    turns = [Turn("user", "<image>\nWhat is in the picture?")]
+    image = __import__("PIL.Image", fromlist=["Image"]).new("RGB", (64, 64), (200, 30, 30))
+    trained = encoder.prompt_for("p", turns, [image]).input_ids.tolist()
+    assert tokenizer.decode(trained).endswith("<think>\n\n</think>\n\n")  # the non-thinking generation prompt
+    qwen_model.save_pretrained(tmp_path, tokenizer=tokenizer)
+    served = Processor.from_pretrained(tmp_path)("<image>\nWhat is in the picture?", images=[image])
+    assert served["input_ids"][0].tolist() == trained  # no template_kwargs given again: they were saved
+
+
+def test_data_show_prints_the_samples_with_supervised_tokens_marked(tmp_path, capsys):
+    import json
+
+    from PIL import Image
+    from real_tokenizers import unpacked
+
+    from mmadapt.cli import main
+
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(tmp_path / "red.png")
+    records = [{"id": "a", "image": "red.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour is this?"}, {"from": "gpt", "value": "Red."}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    code = main(["data", "show", str(tmp_path / "d.jsonl"), "--encoder", "clip", "--projector", "mlp2x_gelu",
+                 "--backbone", "llama", "--tokenizer", str(unpacked("llama2")), "--n", "2", "--colour", "never",
+                 "--image-root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "chat template 'vicuna_v1'" in out
+    assert "USER: <image x 16>\nWhat colour is this? ASSISTANT:[[Red.</s>]]" in out
+    assert "-- a: " in out and "16 visual (1 image)" in out and "-- b: " in out and "0 visual (0 images)" in out
+    assert "USER: Hi ASSISTANT:[[Hello!</s>]]" in out

@@ -39,6 +39,7 @@ from mmadapt.data.templates import (
     ChatTemplateError,
     JinjaTemplate,
     resolve_template,
+    with_kwargs,
 )
 from mmadapt.data.tokenizer import prepare_tokenizer
 
@@ -106,8 +107,9 @@ class SampleEncoder:
                       vision_start_token_id=model.tokens.vision_start_token_id,
                       vision_end_token_id=model.tokens.vision_end_token_id, config=data)
         encoder.check_template(own)
-        if own is None or not isinstance(template, JinjaTemplate) or template.source or template.file:
-            tokenizer.chat_template = template.jinja(tokenizer)
+        builtin = not isinstance(template, JinjaTemplate) or template.source or template.file
+        if own is None or builtin or data.template_kwargs:  # what is trained is what a saved tokenizer serves
+            tokenizer.chat_template = with_kwargs(template.jinja(tokenizer), data.template_kwargs)
         return encoder
 
     @property

@@ -411,6 +411,23 @@ TEMPLATES.register("llava_hf", JinjaTemplate(
     "prompt, no end token", file="llava_hf.jinja"))
 
 
+def with_kwargs(jinja: str, template_kwargs: dict[str, Any]) -> str:
+    """`jinja` with `template_kwargs` set inside it (`{%- set enable_thinking = false -%}`), so that a tokenizer saved
+    with it renders as in training without being told them again."""
+    import json
+
+    def literal(value: Any) -> str:
+        return "none" if value is None else json.dumps(value)
+
+    for key in template_kwargs:
+        if not key.isidentifier():
+            raise ValueError(f"template_kwargs key {key!r} is not a template variable name")
+    sets = "".join(f"{{%- set {k} = {literal(v)} -%}}" for k, v in template_kwargs.items())
+    head = next((JINJA_MARK.format(name=n) for n in TEMPLATES.names() if jinja.startswith(JINJA_MARK.format(name=n))),
+                "")
+    return head + sets + jinja[len(head):]
+
+
 def resolve_template(choice: str, tokenizer: Any, backbone_default: str) -> ChatTemplate:
     """`auto`: the tokenizer's own template (a built-in when it is one of mmadapt's exports), else the backbone's
     built-in; `tokenizer`: the tokenizer's, required; a name: that built-in."""
