@@ -338,3 +338,32 @@ def test_data_show_prints_the_samples_with_supervised_tokens_marked(tmp_path, ca
     assert "USER: <image x 16>\nWhat colour is this? ASSISTANT:[[Red.</s>]]" in out
     assert "-- a: " in out and "16 visual (1 image)" in out and "-- b: " in out and "0 visual (0 images)" in out
     assert "USER: Hi ASSISTANT:[[Hello!</s>]]" in out
+
+
+@pytest.mark.parametrize("name", list(QWEN_CONVERSATIONS))
+@pytest.mark.parametrize("system", [None, "You are a careful assistant."])
+def test_chatml_is_qwen3_vls_official_rendering(qwen_model, name, system):
+    tokenizer = qwen_tokenizer("qwen3_vl")
+    official = SampleEncoder.for_model(qwen_model, tokenizer)
+    chatml = SampleEncoder.for_model(qwen_model, qwen_tokenizer("qwen3_vl"), chat_template="chatml")  # no mismatch
+    turns = ([("system", system)] if system else []) + QWEN_CONVERSATIONS[name]
+    images = sum(t.count("<image>") for _, t in turns)
+    assert encode_jinja(chatml, turns, [3] * images) == encode_jinja(official, turns, [3] * images)
+    assert encode_jinja(chatml, turns[:-1], [3] * images, add_generation_prompt=True) == \
+        encode_jinja(official, turns[:-1], [3] * images, add_generation_prompt=True)
+
+
+def test_llava_hf_template_with_a_sentencepiece_tokenizer(llava_model):
+    tokenizer = real_tokenizer("llama2")
+    encoder = SampleEncoder.for_model(llava_model, tokenizer, chat_template="llava_hf")
+    turns = CONVERSATIONS["two turns, image"]
+    ids, labels = encode_jinja(encoder, turns, [1])
+    # OpenAI-style parts, as mmadapt passes them to a template that reads parts: the text around each <image> as is
+    messages = [{"role": r, "content": [{"type": "image"}, {"type": "text", "text": t.replace("<image>", "")}]
+                 if "<image>" in t else [{"type": "text", "text": t}]} for r, t in turns]
+    assert tokenizer.decode(ids).startswith("USER: <image> \n\nWhat is it? ASSISTANT: A cat. USER:")
+    expected = tokenizer.apply_chat_template(messages, chat_template=TEMPLATES.get("llava_hf").jinja(tokenizer),
+                                             tokenize=True)
+    assert ids == chat_ids(expected)
+    # llava-hf writes no end token after an answer: each answer's own tokens are its labels
+    assert [s.strip() for s in supervised_text(tokenizer, ids, labels)] == ["A cat.", "It is black, with a white spot."]

@@ -313,6 +313,7 @@ class JinjaTemplate(ChatTemplate):
         end = self.end_of_turn(tokenizer)
         supervised, position = [], 0
         scaffolds = _split_marks(marked, [k for k, t in enumerate(turns) if t.role == "assistant"])
+        answers = [t.text for t in turns if t.role == "assistant"]
         for k, scaffold in enumerate(scaffolds[:-1]):
             if not real.startswith(scaffold, position):
                 raise ChatTemplateError(
@@ -321,8 +322,7 @@ class JinjaTemplate(ChatTemplate):
                     "or use a built-in template")
             start = position + _answer_start(scaffold, prompt)
             position += len(scaffold)
-            following = scaffolds[k + 1]
-            stop = real.find(following, position) if following else len(real)
+            stop = _content_end(real, position, answers[k], scaffolds[k + 1], last=k + 2 == len(scaffolds))
             if stop < 0:
                 raise ChatTemplateError(f"template {self.name!r}: the text after assistant turn {k} was not found")
             position = stop
@@ -351,6 +351,20 @@ def _split_marks(marked: str, assistants: list[int]) -> list[str]:
         out.append(marked[position:found])
         position = found + len(mark)
     return [*out, marked[position:]]
+
+
+def _content_end(real: str, position: int, content: str, following: str, *, last: bool) -> int:
+    """Where an assistant's content, starting at `position` of the rendering, ends: before the scaffolding that
+    follows it (the content as given or trimmed, as templates write it; else the first place the scaffolding fits,
+    at the very end for the last turn). -1 when the scaffolding is not found."""
+    for candidate in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+        stop = position + len(candidate)
+        if real.startswith(candidate, position) and real.startswith(following, stop) and (
+                not last or stop + len(following) == len(real)):
+            return stop
+    if last:
+        return len(real) - len(following) if real.endswith(following) else -1
+    return real.find(following, position)
 
 
 def _answer_start(scaffold: str, prompt: str) -> int:
