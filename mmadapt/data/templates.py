@@ -332,6 +332,14 @@ class JinjaTemplate(ChatTemplate):
         return Rendered(real, supervised)
 
     def _generation_prompt(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
+        """What `add_generation_prompt=True` appends (e.g. "<|im_start|>assistant\\n<think>\\n"); cached."""
+        key = ("generation prompt", self.text(tokenizer), repr(sorted(template_kwargs.items())))
+        cache = tokenizer.__dict__.setdefault("_mmadapt_template_probes", {})
+        if key not in cache:
+            cache[key] = self._render_generation_prompt(tokenizer, template_kwargs)
+        return cache[key]
+
+    def _render_generation_prompt(self, tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
         probe = [{"role": "user", "content": PROBE_TEXT}]
         if self.reads_parts(tokenizer):
             probe = [{"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]}]
