@@ -38,6 +38,7 @@ exports and uses the built-in again (`resolve_template`).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -236,6 +237,7 @@ class ChatMLTemplate(ChatTemplate):
 # ---- jinja: the tokenizer's own template, or an official one shipped with mmadapt --------------------------------
 MARK = "\ue000{}\ue001"  # private-use characters: an assistant content no template rewrites
 PROBE_TEXT = "\ue002"
+CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]+\|>")  # Qwen-style control tokens: <|im_start|>, <|im_end|>, ...
 JINJA_MARK = "{{#- mmadapt built-in chat template {name!r} -#}}"
 
 
@@ -269,14 +271,17 @@ class JinjaTemplate(ChatTemplate):
                                              add_generation_prompt=add_generation_prompt, **kwargs)
 
     def specials(self, tokenizer: Any) -> list[str]:
-        return [self.end_of_turn(tokenizer)] if self.end_of_turn(tokenizer) else []
+        """The `<|...|>` control tokens the template writes and its end of turn (for tokenizers that lack them)."""
+        written = CONTROL_TOKEN.findall(self._probe(tokenizer, "conversation"))
+        return [t for t in dict.fromkeys([*written, self.end_of_turn(tokenizer)]) if t]  # in order: stable ids
 
     def end_of_turn(self, tokenizer: Any) -> str:
         """The special token the template writes right after an assistant's content (else the tokenizer's EOS)."""
         after = self._probe(tokenizer, "end")
         specials = sorted((t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab())
                            if t and after.startswith(t)), key=len, reverse=True)
-        return specials[0] if specials else (tokenizer.eos_token or "")
+        control = CONTROL_TOKEN.match(after)
+        return specials[0] if specials else control.group(0) if control else (tokenizer.eos_token or "")
 
     def reads_parts(self, tokenizer: Any) -> bool:
         """Whether the template reads OpenAI-style content parts (else message content must be a string)."""
@@ -404,6 +409,8 @@ def _run_probe(template: JinjaTemplate, tokenizer: Any, what: str) -> str:
         return "yes" if PROBE_TEXT in out else "no"
     mark = MARK.format(0)
     messages = template.messages([Turn("user", "hi"), Turn("assistant", mark)], tokenizer, ["hi", mark])
+    if what == "conversation":
+        return template.apply(tokenizer, messages, False) + template.apply(tokenizer, messages[:1], True)
     out = template.apply(tokenizer, messages, False)
     return out.split(mark, 1)[1] if mark in out else ""
 
