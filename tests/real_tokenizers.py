@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import lzma
 import shutil
@@ -23,6 +24,7 @@ def unpacked(name: str) -> Path:
     if name not in NAMES:
         raise ValueError(f"no vendored tokenizer {name!r}; known: {NAMES}")
     target = Path(tempfile.mkdtemp(prefix=f"mmadapt-tokenizer-{name}-"))
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
     with lzma.open(FIXTURES / name / "tokenizer.json.xz") as packed, open(target / "tokenizer.json", "wb") as out:
         shutil.copyfileobj(packed, out)
     shutil.copy(FIXTURES / name / "tokenizer_config.json", target)
