@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -166,6 +167,8 @@ class VisionLanguageModel(nn.Module):
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
+        if visual is None and pixel_values is None and self.runs_vision_every_step():
+            inputs_embeds = inputs_embeds + self.vision_placeholder(inputs_embeds)
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
         mask: Any = valid if attention_mask is not None else None
@@ -174,6 +177,29 @@ class VisionLanguageModel(nn.Module):
             mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
             packed = PackedRows(segments, cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
+
+    def runs_vision_every_step(self) -> bool:
+        """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
+        multi-process run whose encoder or projector is sharded (FSDP2 all-gathers their parameters in the forward)
+        or trained (their gradients are reduced in the backward), so that every rank runs the same collectives,
+        whatever its batch holds (otherwise FSDP2's all-gathers fall out of step: gloo's "Connection reset", a hang
+        on NCCL). Skipped where it is safe: eval and inference (no backward), one process (no collectives), and a
+        frozen, unsharded vision side (DDP keeps no gradient buckets for it and its forward runs no collective)."""
+        if not self.training or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        parts = (self.encoder, self.projector)
+        return any(p.requires_grad for part in parts for p in part.parameters()) or any(
+            isinstance(m, FSDPModule) for part in parts for m in part.modules())
+
+    def vision_placeholder(self, like: torch.Tensor) -> torch.Tensor:
+        """0 x the vision side's output (main tokens and DeepStack levels) on its minimal input (one black image): a
+        scalar that adds exactly nothing to the embeddings and gives every vision parameter an exactly-zero
+        gradient, while the encoder and projector run their forward and backward (and their collectives)."""
+        visual = self.encode_images(*self.encoder.minimal_input(like.device))
+        total = sum(t.float().sum() for t in (visual.features, *visual.levels))
+        return (total * 0.0).to(like.dtype)
 
     def encode_images(self, pixel_values: torch.Tensor | None,
                       image_grid_thw: torch.Tensor | None = None) -> VisualTokens | None:

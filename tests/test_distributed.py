@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 from skimage import data as skdata
 
@@ -67,3 +68,57 @@ def test_fsdp2_with_deepstack_and_experts_equals_one_process(dataset):
     assert len(one) == len(fsdp) == 3
     for a, b in zip(one, fsdp, strict=True):
         assert abs(a - b) <= 1e-5, (one, fsdp)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """24 records, every other one text-only: with one sample per rank most steps give one rank an image and the
+    other none (LLaVA's 665k mix has ~40k text-only samples)."""
+    root = tmp_path_factory.mktemp("mixed")
+    (root / "images").mkdir()
+    for k, (name, load) in enumerate(PHOTOS.items()):
+        Image.fromarray(load()).resize((32 + 16 * (k % 2), 32)).save(root / "images" / f"{name}.png")
+    records = []
+    for i in range(24):
+        name = list(PHOTOS)[i % 4]
+        question = "<image>\nWhat is this?" if i % 2 else f"Say the word {name}."
+        record = {"id": f"s{i}", "conversations": [{"from": "human", "value": question},
+                                                   {"from": "gpt", "value": name}]}
+        records.append({**record, "image": f"{name}.png"} if i % 2 else record)
+    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (root / "base.yaml").write_text(
+        f"data: {{train: {root / 'train.jsonl'}, image_root: {root / 'images'}, max_length: 256}}\n"
+        "train: {steps: 3, lr: 1.0e-3, progress: false}\nstages: {encoder: full}\n")
+    return root
+
+
+MIXED = {  # (overrides, strategies run with 2 processes)
+    "encoder full": ([], ("fsdp", "ddp")),
+    "encoder frozen": (["stages.encoder=frozen"], ("fsdp",)),
+    "LoRA": (["stages.encoder=lora", "stages.backbone=lora"], ("fsdp", "ddp")),
+    "DeepStack + MoE": (["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"],
+                        ("fsdp",)),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_mixed_text_only_and_image_batches_keep_every_rank_in_step(mixed, case):
+    """FSDP2 died in the first step where one rank had an image and the other none (its all-gathers no longer
+    paired: gloo's "Connection reset by peer"); every rank now runs the vision side, and 2 processes equal one."""
+    overrides, strategies = MIXED[case]
+    tag = case.replace(" ", "-").replace("+", "")
+    one = train(mixed, f"{tag}-one", *overrides, "data.batch_size=1", "train.grad_accum=2")
+    for strategy in strategies:
+        two = train(mixed, f"{tag}-{strategy}", *overrides, "data.batch_size=1", f"distributed.strategy={strategy}",
+                    procs=2)
+        assert len(one) == len(two) == 3
+        for a, b in zip(one, two, strict=True):
+            assert abs(a - b) <= 1e-5, (case, strategy, one, two)
+        if "stages.backbone=lora" in overrides:  # the adapters saved from the sharded run are the same weights
+            from safetensors.torch import load_file
+
+            for part in ("encoder", "backbone"):
+                ours, theirs = (load_file(mixed / run / "adapters" / part / "adapter_model.safetensors")
+                                for run in (f"{tag}-one", f"{tag}-{strategy}"))
+                assert ours.keys() == theirs.keys() and ours
+                assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in ours)

@@ -67,6 +67,11 @@ class VisionEncoder(nn.Module):
     def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
         raise NotImplementedError
 
+    def minimal_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The smallest valid (pixel_values, image_grid_thw): one black image, for the forward a batch without images
+        still runs when every rank must run the same modules (`VisionLanguageModel.runs_vision_every_step`)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no minimal_input()")
+
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:
         raise NotImplementedError
 
@@ -134,6 +139,9 @@ class FixedSizeEncoder(VisionEncoder):
                     f"{image_grid_thw[bad][0].tolist()}, but this fixed-size encoder always yields "
                     f"{list(self.grid)}. Fix: drop image_grid_thw (fixed encoders do not need it)."
                 )
+
+    def minimal_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.zeros(1, self.num_channels, self.image_size, self.image_size, device=device), None
 
     def processor_defaults(self) -> dict[str, Any]:
         return {"image_size": self.image_size, "mean": self.processor_mean, "std": self.processor_std,

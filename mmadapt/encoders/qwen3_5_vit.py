@@ -61,6 +61,12 @@ class QwenViTEncoder(VisionEncoder):
         options = {**hf_options(vision), **preprocessor_pixels(checkpoint.directory)}
         return options, (("model.visual.", "tower."),), cls.projector_keys
 
+    def minimal_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One merge window of patches: the smallest image the ViT and the merger take."""
+        m = self.merge_size
+        return (torch.zeros(m * m, self.patch_dim, device=device),
+                torch.tensor([[1, m, m]], device=device, dtype=torch.long))
+
     def processor_defaults(self) -> dict[str, Any]:
         """Qwen3.5's processor (mean = std = 0.5) with this encoder's pixel bounds (saved with the model)."""
         pixels = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}

@@ -105,9 +105,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
 ADAPTER_STAGES = "stages.json"
 
 
-def save_adapters(model: Any, directory: str | os.PathLike, modes: dict[str, str] | None = None) -> list[str]:
+def save_adapters(model: Any, directory: str | os.PathLike, modes: dict[str, str] | None = None,
+                  state: dict[str, Any] | None = None) -> list[str]:
     """Each LoRA'd component's adapters in peft's format: DIR/<component>/adapter_model.safetensors + config,
-    and DIR/stages.json with the run's stages `modes` (what else the run trained, which the adapters lack)."""
+    and DIR/stages.json with the run's stages `modes` (what else the run trained, which the adapters lack).
+    `state`: the model's full state dict, when its parameters are sharded (FSDP2: the trainer's gathered copy)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -122,8 +124,11 @@ def save_adapters(model: Any, directory: str | os.PathLike, modes: dict[str, str
             continue
         target = os.path.join(directory, component)
         os.makedirs(target, exist_ok=True)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(module).items()}
-        save_file(state, os.path.join(target, "adapter_model.safetensors"))
+        own = None if state is None else {k[len(component) + 1:]: v for k, v in state.items()
+                                          if k.startswith(f"{component}.")}
+        adapters = get_peft_model_state_dict(module, state_dict=own)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in adapters.items()},
+                  os.path.join(target, "adapter_model.safetensors"))
         config = module.lora_config.to_dict()
         with open(os.path.join(target, "adapter_config.json"), "w") as f:
             json.dump({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, f, indent=2,

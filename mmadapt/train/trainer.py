@@ -366,7 +366,7 @@ class Trainer:
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
                                    extras=self.write_model_files)
-            save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes())
+            save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes(), state=model_state)
         dist_utils.barrier()
         return path
 
