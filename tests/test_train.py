@@ -456,3 +456,61 @@ def test_a_fresh_run_refuses_an_out_directory_holding_another_run(tmp_path):
     run(QWEN, tmp_path, "train.steps=2")
     with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(step-0000002\).*--resume"):
         run(QWEN, tmp_path, "train.steps=3")
+
+
+# ---- optimizer settings of real recipes ----------------------------------------------------------------------------
+def test_learning_rates_by_part_and_no_weight_decay_on_biases_and_norms(tmp_path):
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    model = tiny(QWEN)
+    cfg = config(tmp_path, "train.weight_decay=0.1", "train.lr_by_part={projector: 2.0e-5, encoder: 2.0e-6}")
+    trainer = Trainer(model, cfg, samples_for(model), Collator.for_model(model, 0))
+    where = {id(p): g for g in trainer.optimizer.param_groups for p in g["params"]}
+    # transformers' Trainer's own rule for what decays (Trainer.get_decay_parameter_names)
+    decays = set(get_parameter_names(model, [torch.nn.LayerNorm], [r"bias", r"layernorm", r"rmsnorm",
+                                                                   r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]))
+    rates = {"encoder": 2e-6, "projector": 2e-5, "backbone": 1e-3}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert len(where) == len(trainable) and any(n not in decays for n, _ in trainable)
+    for name, p in trainable:
+        group = where[id(p)]
+        assert group["lr"] == rates[name.split(".")[0]], name
+        assert group["weight_decay"] == (0.1 if name in decays else 0.0), name
+    assert all(n.endswith("bias") or "norm" in n for n, _ in trainable if n not in decays)
+    summary = trainer.fit()
+    first = summary["history"][0]
+    assert first["lr_by_part"]["projector"] / first["lr"] == pytest.approx(2e-5 / 1e-3)
+
+
+def test_epochs_and_warmup_ratio(tmp_path):
+    model = tiny(QWEN)
+    cfg = config(tmp_path, "train.epochs=1.5", "data.batch_size=4", "train.warmup_ratio=0.34",
+                 "train.schedule=linear")
+    trainer = Trainer(model, cfg, samples_for(model), Collator.for_model(model, 0))  # 16 samples: 4 steps an epoch
+    assert (trainer.total_steps, trainer.warmup_steps) == (6, 3)  # ceil(1.5 x 4), ceil(0.34 x 6)
+    history = trainer.fit()["history"]
+    assert len(history) == 6
+    assert [r["lr"] for r in history] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3, 2e-3 / 3, 1e-3 / 3])
+    with pytest.raises(ValueError, match="not both"):
+        config(tmp_path, "train.warmup_ratio=0.1", "train.warmup_steps=3")
+    with pytest.raises(ValueError, match=r"unknown parts \['vision'\]"):
+        config(tmp_path, "train.lr_by_part={vision: 1.0e-5}")
+
+
+def test_resume_is_bitwise_with_rates_by_part_weight_decay_epochs_and_warmup_ratio(tmp_path, monkeypatch):
+    settings = ("train.epochs=1.5", "data.batch_size=4", "train.warmup_ratio=0.2", "train.weight_decay=0.05",
+                "train.lr_by_part={projector: 3.0e-3, encoder: 1.0e-4}", "checkpoint.every=3")
+    _, full = run(QWEN, tmp_path / "full", *settings)
+    original = Trainer.save
+
+    def save_then_stop(self):
+        original(self)
+        if self.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(QWEN, tmp_path / "cut", *settings)
+    monkeypatch.setattr(Trainer, "save", original)
+    _, resumed = run(QWEN, tmp_path / "cut", *settings, "checkpoint.resume=true", model=tiny(QWEN, seed=123))
+    assert len(losses(full)) == 6 and losses(resumed) == losses(full)  # bitwise

@@ -89,10 +89,17 @@ class DataSection:
 @dataclass(kw_only=True)
 class TrainSection:
     steps: int = 100
+    # the run's length in epochs instead of steps (each epoch: the samples' full global batches); when set, it
+    # decides the steps
+    epochs: float | None = None
     lr: float = 1e-4
-    weight_decay: float = 0.0
+    # learning rates of single parts, e.g. {projector: 2.0e-5, encoder: 2.0e-6} (LLaVA's mm_projector_lr,
+    # Qwen-VL's vision lr); the others train at lr
+    lr_by_part: dict[str, float] = field(default_factory=dict)
+    weight_decay: float = 0.0  # never on biases and norm weights (as transformers' Trainer)
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
+    warmup_ratio: float | None = None  # warmup as a share of the steps (LLaVA: 0.03), instead of warmup_steps
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     grad_accum: int = 1
     clip_grad_norm: float | None = 1.0
@@ -109,6 +116,21 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.grad_accum < 1:
             raise ValueError(f"train.steps ({self.steps}) and train.grad_accum ({self.grad_accum}) must be >= 1")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"train.epochs must be > 0, got {self.epochs}")
+        parts = ("encoder", "projector", "backbone")
+        unknown = sorted(set(self.lr_by_part) - set(parts))
+        if unknown:
+            raise ValueError(f"train.lr_by_part has unknown parts {unknown}; parts: {list(parts)}")
+        bad = {k: v for k, v in self.lr_by_part.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or v <= 0}
+        if bad:
+            raise ValueError(f"train.lr_by_part rates must be numbers > 0, got {bad}")
+        if self.warmup_ratio is not None:
+            if not 0 <= self.warmup_ratio < 1:
+                raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps:
+                raise ValueError("give train.warmup_steps or train.warmup_ratio, not both")
 
 
 @dataclass(kw_only=True)

@@ -40,6 +40,7 @@ from mmadapt.directory import save_tokenizer, write_config
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
+from mmadapt.train.optim import parameter_groups, total_steps, warmup_steps
 from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState
@@ -151,15 +152,20 @@ class Trainer:
             model.full_logits_loss = config.train.full_logits
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
-        if not params:
+        if not any(p.requires_grad for p in self.wrapped.parameters()):
             raise ValueError("no trainable parameters: every component is frozen (check `stages`)")
         t = config.train
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        groups = parameter_groups(model, self.wrapped, lr=t.lr, weight_decay=t.weight_decay, lr_by_part=t.lr_by_part)
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        global_batch = config.data.batch_size * t.grad_accum * self.dist.world
+        self.total_steps = total_steps(t, len(train_data) // global_batch)
+        self.warmup_steps = warmup_steps(t, self.total_steps)
+        if t.epochs is not None:
+            log.info("train.epochs %s: %d steps of %d samples", t.epochs, self.total_steps, global_batch)
         from transformers import get_scheduler
 
-        self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=t.warmup_steps,
-                                       num_training_steps=t.steps)
+        self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=self.warmup_steps,
+                                       num_training_steps=self.total_steps)
         self.state = TrainerState()
         if config.checkpoint.resume:
             self.resume()
@@ -200,7 +206,7 @@ class Trainer:
         progress = self.progress_bar()
         last_eval = None
         started = time.perf_counter()
-        while self.step < t.steps:
+        while self.step < self.total_steps:
             micro = [next(batches) for _ in range(t.grad_accum)]
             record = self.train_step(micro)
             self.step += 1
@@ -211,7 +217,7 @@ class Trainer:
                 record.update(last_eval)
             self.log(record, progress)
             every = self.cfg.checkpoint.every
-            if every and self.step % every == 0 and self.step < t.steps:
+            if every and self.step % every == 0 and self.step < self.total_steps:
                 self.save()
         if progress is not None:
             progress.close()
@@ -243,7 +249,7 @@ class Trainer:
         loss_value, total_tokens = self.backward(micro)
         clip = self.cfg.train.clip_grad_norm
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
-        record = {"loss": loss_value, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+        record = {"loss": loss_value, "grad_norm": grad_norm, **self.learning_rates(),
                   "tokens": total_tokens, "problems": self.count_problems(micro)}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -261,6 +267,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return record
+
+    def learning_rates(self) -> dict[str, Any]:
+        """{"lr": this step's rate at train.lr} and, with train.lr_by_part, {"lr_by_part": {part: rate}}."""
+        rates, peak = self.scheduler.get_last_lr(), self.cfg.train.lr
+        groups = self.optimizer.param_groups
+        factor = rates[0] / groups[0]["initial_lr"]  # the schedule's share of the peak
+        at_peak = [rate for rate, group in zip(rates, groups, strict=True) if group["initial_lr"] == peak]
+        out: dict[str, Any] = {"lr": at_peak[0] if at_peak else factor * peak}
+        if self.cfg.train.lr_by_part:
+            out["lr_by_part"] = {part: factor * rate for part, rate in self.cfg.train.lr_by_part.items()}
+        return out
 
     def count_problems(self, micro: list[dict[str, Any]]) -> int:
         """Sum one global batch's samples and bad samples over the ranks and hand them to the bad-sample budget
@@ -342,7 +359,7 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.cfg.train.steps, initial=self.step, desc="training", unit="step")
+        return tqdm(total=self.total_steps, initial=self.step, desc="training", unit="step")
 
     def log(self, record: dict[str, Any], progress: Any) -> None:
         self.history.append(record)

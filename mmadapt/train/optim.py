@@ -1,0 +1,64 @@
+"""The optimizer settings real recipes use: learning rates per part, no weight decay on biases and norms, the
+length of a run in epochs, warmup as a share of it.
+
+- `parameter_groups`: the trainable parameters in deterministic groups, one per (part, decay) - parts are the
+  model's components (`encoder`, `projector`, `backbone`), each at `train.lr` or its `train.lr_by_part` rate
+  (LLaVA's `mm_projector_lr`, Qwen-VL's vision lr); biases and norm weights get no weight decay, chosen as
+  transformers' `Trainer` chooses them (`Trainer.get_decay_parameter_names`). The same groups in the same order
+  on every build, so a checkpoint's optimizer state loads into them (bitwise resume).
+- `total_steps`: `train.steps`, or `train.epochs` x the steps of one epoch (the sampler's: the samples' full
+  global batches).
+- `warmup_steps`: `train.warmup_steps`, or `train.warmup_ratio` x the total steps rounded up (as transformers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+PARTS = ("encoder", "projector", "backbone")
+NO_DECAY_NAMES = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]  # transformers'
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters weight decay applies to: not biases, not LayerNorm / RMSNorm weights."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return set(get_parameter_names(model, [nn.LayerNorm], NO_DECAY_NAMES))
+
+
+def parameter_groups(model: nn.Module, wrapped: nn.Module, *, lr: float, weight_decay: float,
+                     lr_by_part: dict[str, float]) -> list[dict[str, Any]]:
+    """The trainable parameters of `wrapped` (the model as trained: itself, DDP or FSDP2) in groups by part and
+    decay, named `<part>` / `<part>.no_decay`; `model` is the unwrapped model (its names decide the groups)."""
+    decay = decay_parameter_names(model)
+    groups: dict[tuple[str, bool], list[nn.Parameter]] = {}
+    for name, p in wrapped.named_parameters():
+        if not p.requires_grad:
+            continue
+        name = name.removeprefix("module.")  # DDP's wrapper
+        part = name.split(".", 1)[0]
+        if part not in PARTS:
+            raise ValueError(f"trainable parameter {name!r} belongs to no part ({', '.join(PARTS)})")
+        groups.setdefault((part, name in decay), []).append(p)
+    out = []
+    for part in PARTS:
+        for decays in (True, False):
+            if (part, decays) in groups:
+                out.append({"params": groups[(part, decays)], "lr": lr_by_part.get(part, lr),
+                            "weight_decay": weight_decay if decays else 0.0,
+                            "name": part if decays else f"{part}.no_decay"})
+    return out
+
+
+def total_steps(train: Any, steps_per_epoch: int) -> int:
+    """`train.steps`, or `train.epochs` x `steps_per_epoch` rounded up when epochs are given."""
+    if train.epochs is None:
+        return train.steps
+    return max(1, math.ceil(train.epochs * steps_per_epoch))
+
+
+def warmup_steps(train: Any, steps: int) -> int:
+    return train.warmup_steps if train.warmup_ratio is None else math.ceil(train.warmup_ratio * steps)
