@@ -52,3 +52,10 @@ def test_bench_loss_quick_run_prints_its_tables():
     out = run("bench_loss.py", "--quick")
     assert "| Qwen3.5-0.8B-shaped (tiny;" in out and "| LLaVA-1.5-shaped (tiny;" in out
     assert "| 2 x 4 samples x 32 tokens | (8, 32) |" in out
+
+
+@pytest.mark.slow
+def test_bench_checkpointing_quick_run_prints_its_table():
+    out = run("bench_checkpointing.py", "--quick")
+    assert "#### Activation checkpointing: fwd + bwd of 64 tokens" in out
+    assert "| Qwen3.5 tiny | 2 |" in out and "| llama tiny | 4 |" in out

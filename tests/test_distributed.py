@@ -98,6 +98,8 @@ MIXED = {  # (overrides, strategies run with 2 processes)
     "LoRA": (["stages.encoder=lora", "stages.backbone=lora"], ("fsdp", "ddp")),
     "DeepStack + MoE": (["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"],
                         ("fsdp",)),
+    # activation checkpointing inside FSDP2's units (each decoder layer / vision block recomputed in the backward)
+    "checkpointing": (["train.activation_checkpointing=all"], ("fsdp",)),
 }
 
 

@@ -59,3 +59,60 @@ def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, 
     assert sorted(vision) == sorted(reached) and all(not g.any() for g in vision.values())
     assert grads.keys() == grads_with.keys() - vision.keys()
     assert all(torch.equal(grads[n], grads_with[n]) for n in grads)
+
+
+CHECKPOINTED = {  # every backbone family, with the DeepStack, packed and LoRA combinations
+    "llama": (("clip", "mlp2x_gelu", "llama"), {}),
+    "qwen3_5 packed": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), {"packed": True}),
+    "qwen3_5_moe": (("timm", "mlp2x_gelu", "qwen3_5_moe"), {}),
+    "qwen3_vl DeepStack": (("qwen3_vl_vit", "qwen_merger", "qwen3_vl"), {}),
+    "qwen3_vl_moe DeepStack packed": (("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe"), {"packed": True}),
+    "llava LoRA": (("siglip", "mlp2x_gelu", "llama"), {"lora": True}),
+    "qwen3_5 LoRA packed": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), {"lora": True, "packed": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINTED))
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(case):
+    """fp32: loss and every gradient within 1e-6 relative (in fact equal) with the backbone's decoder layers and the
+    encoder's blocks recomputed in the backward; a hook counts the recomputation, so it really happened."""
+    from mmadapt.data import Collator
+    from mmadapt.testing import synthetic_samples
+    from mmadapt.train import apply_stages
+    from mmadapt.train.optim import enable_activation_checkpointing
+
+    names, options = CHECKPOINTED[case]
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*names).train()
+    if options.get("lora"):
+        apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"})
+    samples = synthetic_samples(model, [1, 2, 0], text_lengths=[5, 9, 7], seed=2)
+    batch = Collator.for_model(model, 0, max_tokens=512 if options.get("packed") else None)(samples)
+    batch = {k: v for k, v in batch.items() if k != "meta"}
+    assert ("cu_seqlens" in batch) == bool(options.get("packed"))
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step()
+    enable_activation_checkpointing(model, "all")
+    calls = []
+    # transformers checkpoints the layer's forward, so a hook inside it sees the recomputation (a pre-hook: the
+    # recomputation stops once it has every saved tensor, before the MLP returns)
+    inside = model.backbone.get_decoder().layers[0].mlp
+    vision = next(m for n, m in model.encoder.named_modules() if n.endswith("mlp"))  # the first vision block's
+    vision_calls = []
+    handles = [inside.register_forward_pre_hook(lambda *_: calls.append(1)),
+               vision.register_forward_pre_hook(lambda *_: vision_calls.append(1))]
+    loss_ac, grads_ac = step()
+    for handle in handles:
+        handle.remove()
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    assert len(vision_calls) == (1 if options.get("lora") else 2)  # a frozen encoder has no backward to recompute
+    assert abs(float(loss_ac) - float(loss)) <= 1e-6 * abs(float(loss))
+    assert grads.keys() == grads_ac.keys() and len(grads) > 4
+    for name, g in grads.items():
+        assert (grads_ac[name] - g).norm() <= 1e-6 * g.norm() + 1e-12, name

@@ -67,6 +67,14 @@ class VisionEncoder(nn.Module):
     def check_pixels(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> None:
         raise NotImplementedError
 
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each block's activations in the backward instead of keeping them (non-reentrant): transformers'
+        towers through their own switch; a family with another tower overrides this."""
+        tower = getattr(self, "tower", None)
+        if not getattr(tower, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(self).__name__} cannot checkpoint its activations: its tower has no switch for it")
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
     def minimal_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The smallest valid (pixel_values, image_grid_thw): one black image, for the forward a batch without images
         still runs when every rank must run the same modules (`VisionLanguageModel.runs_vision_every_step`)."""

@@ -65,6 +65,12 @@ class TimmEncoder(FixedSizeEncoder):
         encoder.provenance = Provenance(checkpoint)
         return encoder
 
+    def enable_activation_checkpointing(self) -> None:
+        """timm's own per-block checkpointing (`set_grad_checkpointing`; non-reentrant by timm's default)."""
+        if not hasattr(self.tower, "set_grad_checkpointing"):
+            raise ValueError(f"timm model {self.options['model_name']!r} cannot checkpoint its activations")
+        self.tower.set_grad_checkpointing(True)
+
     def processor_defaults(self) -> dict[str, Any]:
         """Mean, std, interpolation from timm's data config; "pad" (prismatic's letterbox) keeps the whole image."""
         interpolation = self.data_config.get("interpolation", "bicubic")

@@ -107,6 +107,9 @@ class TrainSection:
     eval_every: int = 0
     log_every: int = 10
     max_consecutive_skips: int = 5
+    # recompute activations in the backward instead of keeping them (non-reentrant, per decoder layer / vision
+    # block): a list of parts (backbone, encoder) or "all"; default none
+    activation_checkpointing: list[str] | str = field(default_factory=list)
     # the loss from full (B, L, V) logits, as transformers computes it; default: supervised positions only,
     # lm_head + cross-entropy in chunks (`mmadapt.loss`: the same loss and gradients, far less memory)
     full_logits: bool = False
@@ -126,6 +129,12 @@ class TrainSection:
                or v <= 0}
         if bad:
             raise ValueError(f"train.lr_by_part rates must be numbers > 0, got {bad}")
+        checkpointed = [self.activation_checkpointing] if isinstance(self.activation_checkpointing, str) else list(
+            self.activation_checkpointing)
+        wrong = [p for p in checkpointed if p not in ("all", "backbone", "encoder")]
+        if wrong or ("all" in checkpointed and len(checkpointed) > 1):
+            raise ValueError("train.activation_checkpointing must be 'all' or a list of parts from [backbone, "
+                             f"encoder], got {self.activation_checkpointing!r}")
         if self.warmup_ratio is not None:
             if not 0 <= self.warmup_ratio < 1:
                 raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")

@@ -9,6 +9,7 @@ length of a run in epochs, warmup as a share of it.
 - `total_steps`: `train.steps`, or `train.epochs` x the steps of one epoch (the sampler's: the samples' full
   global batches).
 - `warmup_steps`: `train.warmup_steps`, or `train.warmup_ratio` x the total steps rounded up (as transformers).
+- `enable_activation_checkpointing`: `train.activation_checkpointing`, per decoder layer / vision block.
 """
 
 from __future__ import annotations
@@ -62,3 +63,18 @@ def total_steps(train: Any, steps_per_epoch: int) -> int:
 
 def warmup_steps(train: Any, steps: int) -> int:
     return train.warmup_steps if train.warmup_ratio is None else math.ceil(train.warmup_ratio * steps)
+
+
+def enable_activation_checkpointing(model: nn.Module, parts: list[str] | str) -> list[str]:
+    """Checkpoint the activations of `parts` ("all" = backbone and encoder; the projector has no blocks): the
+    backbone per decoder layer (transformers' own switch), the encoder per block (`enable_activation_checkpointing`
+    of its family), non-reentrant, so it composes with FSDP2 (applied before sharding: the recompute runs inside
+    each unit), LoRA on frozen embeddings, the chunked loss, DeepStack's probe (its hooks are gone before the
+    backward recomputes), packed rows and MoE. Returns the parts switched on."""
+    chosen = ["backbone", "encoder"] if parts == "all" else [parts] if isinstance(parts, str) else list(parts)
+    for part in chosen:
+        if part == "backbone":
+            model.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.encoder.enable_activation_checkpointing()
+    return chosen

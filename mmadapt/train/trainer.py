@@ -40,7 +40,7 @@ from mmadapt.directory import save_tokenizer, write_config
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
-from mmadapt.train.optim import parameter_groups, total_steps, warmup_steps
+from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
 from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState
@@ -148,6 +148,9 @@ class Trainer:
             self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
                                              dropout=lora.dropout, targets=lora.targets, router=config.stages.router)
         upcast_trainable(model)
+        if config.train.activation_checkpointing:
+            log.info("activation checkpointing: %s", ", ".join(enable_activation_checkpointing(
+                model, config.train.activation_checkpointing)))
         if hasattr(model, "full_logits_loss"):
             model.full_logits_loss = config.train.full_logits
         model.to(self.device)

@@ -1,0 +1,100 @@
+"""Activation checkpointing (`train.activation_checkpointing`): peak memory and time of a training step with and
+without it, at real widths and reduced depth, two depths so that the growth per layer shows.
+
+    python benchmarks/bench_checkpointing.py            # about 10 minutes on 2 CPU cores
+    python benchmarks/bench_checkpointing.py --quick    # tiny shapes: checks that it runs
+
+Rows: Qwen3.5-2B's LLM width (2048 wide, 248,320 vocabulary, 3 Gated DeltaNet layers per attention layer) at 4
+and 8 layers, and LLaVA-1.5-7B's (Vicuna-7B: 4096 wide, 32,064 vocabulary) at 2 and 4 layers (the published
+models have 24 and 32; the memory of this machine bounds the depth), a text batch of 2,048 tokens, fp32, the trainer's loss without full logits; the backbone only is
+checkpointed (the vision tower's share is the same pattern per block). "fwd + bwd peak" is `VmHWM` over the
+forward and backward above what was resident before it (the high-water mark reset through
+`/proc/self/clear_refs`), each configuration in its own process. Time: the mean of the measured steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from pathlib import Path
+
+import torch
+
+from mmadapt import build_model
+from mmadapt.train.optim import enable_activation_checkpointing
+
+ROWS = {  # name: (backbone, preset, depths)
+    "Qwen3.5-2B width": ("qwen3_5", "qwen3.5-2b", (4, 8)),
+    "LLaVA-1.5-7B width (Vicuna-7B)": ("llama", "vicuna-7b", (2, 4)),
+}
+QUICK = {"Qwen3.5 tiny": ("qwen3_5", "tiny", (2, 4)), "llama tiny": ("llama", "tiny", (2, 4))}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _child(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int,
+           queue: multiprocessing.Queue) -> None:
+    torch.manual_seed(0)
+    model = build_model("clip", "mlp2x_gelu", {"name": backbone, "preset": preset,
+                                               "options": {"num_hidden_layers": layers}}).train()
+    if checkpointed:
+        enable_activation_checkpointing(model, ["backbone"])
+    vocab = model.backbone.config.vocab_size
+    ids = torch.randint(3, min(vocab, 30000), (1, tokens))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    times, peaks = [], []
+    for k in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        before = _status_kib("VmRSS")
+        reset = _reset_peak()
+        started = time.perf_counter()
+        model(**batch).loss.backward()
+        if k:  # the first step warms up
+            times.append(time.perf_counter() - started)
+            peaks.append(_status_kib("VmHWM") - before if reset else float("nan"))
+    queue.put({"seconds": sum(times) / len(times), "peak_mib": max(peaks) / 1024})
+
+
+def measure(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_child, args=(backbone, preset, layers, checkpointed, tokens, steps, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one step: checks that it runs")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    rows, tokens = (QUICK, 64) if args.quick else (ROWS, 2048)
+    steps = 1 if args.quick else args.steps
+    print(f"#### Activation checkpointing: fwd + bwd of {tokens} tokens, fp32, CPU, reduced depth\n")
+    print("| model | layers | peak MiB without | peak MiB with | peak ratio | s without | s with | time ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (backbone, preset, depths) in rows.items():
+        for layers in depths:
+            without = measure(backbone, preset, layers, False, tokens, steps)
+            with_ = measure(backbone, preset, layers, True, tokens, steps)
+            print(f"| {name} | {layers} | {without['peak_mib']:.0f} | {with_['peak_mib']:.0f} | "
+                  f"{with_['peak_mib'] / max(without['peak_mib'], 1e-9):.2f}x | {without['seconds']:.2f} | "
+                  f"{with_['seconds']:.2f} | {with_['seconds'] / without['seconds']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
