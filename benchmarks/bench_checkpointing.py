@@ -4,12 +4,13 @@ without it, at real widths and reduced depth, two depths so that the growth per 
     python benchmarks/bench_checkpointing.py            # about 10 minutes on 2 CPU cores
     python benchmarks/bench_checkpointing.py --quick    # tiny shapes: checks that it runs
 
-Rows: Qwen3.5-2B's LLM width (2048 wide, 248,320 vocabulary, 3 Gated DeltaNet layers per attention layer) at 4
-and 8 layers, and LLaVA-1.5-7B's (Vicuna-7B: 4096 wide, 32,064 vocabulary) at 2 and 4 layers (the published
-models have 24 and 32; the memory of this machine bounds the depth), a text batch of 2,048 tokens, fp32, the trainer's loss without full logits; the backbone only is
-checkpointed (the vision tower's share is the same pattern per block). "fwd + bwd peak" is `VmHWM` over the
-forward and backward above what was resident before it (the high-water mark reset through
-`/proc/self/clear_refs`), each configuration in its own process. Time: the mean of the measured steps.
+Rows: Qwen3.5-2B's LLM width (2048 wide, 248,320 vocabulary, 3 Gated DeltaNet layers per attention layer) at
+4 and 8 layers, and LLaVA-1.5-7B's (Vicuna-7B: 4096 wide, 32,064 vocabulary) at 2 and 4 layers (the published
+models have 24 and 32; this machine's memory bounds the depth), a text batch of 2,048 tokens, fp32, the trainer's
+loss without full logits; the backbone only is checkpointed (the vision tower follows the same pattern per
+block). "fwd + bwd peak" is `VmHWM` over the forward and backward above what was resident before it (the
+high-water mark reset through `/proc/self/clear_refs`), each configuration in its own process. Time: the mean
+of the measured steps.
 """
 
 from __future__ import annotations
