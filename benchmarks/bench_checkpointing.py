@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import time
-from pathlib import Path
 
 import torch
+from bench_loss import _reset_peak, _status_kib  # the same peak measurement as the loss benchmark
 
 from mmadapt import build_model
 from mmadapt.train.optim import enable_activation_checkpointing
@@ -30,19 +30,6 @@ ROWS = {  # name: (backbone, preset, depths)
     "LLaVA-1.5-7B width (Vicuna-7B)": ("llama", "vicuna-7b", (1, 2)),
 }
 QUICK = {"Qwen3.5 tiny": ("qwen3_5", "tiny", (2, 4)), "llama tiny": ("llama", "tiny", (2, 4))}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _child(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int,
