@@ -228,6 +228,38 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=cmd_train)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Per-GPU memory of a run's training step before anything loads (`mmadapt.train.plan`)."""
+    import json
+    import logging
+
+    from mmadapt.train import RunConfig
+    from mmadapt.train.plan import parse_size, predict
+
+    logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    config = RunConfig.load(args.config, args.overrides)
+    plan = predict(config, gpus=args.gpus, gpu_memory=memory, device=args.device)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
+    return 0 if plan.fits is not False else 4
+
+
+def add_plan_command(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="predict a run's per-GPU memory before it starts: parameters, gradients, "
+                                       "optimizer state, activations (measured on a probe), whether it fits")
+    plan.add_argument("config", help="the run's YAML config")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, as for `mmadapt train`")
+    plan.add_argument("--gpus", type=int, default=1, help="devices the run shards or replicates over (default 1)")
+    plan.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 80GiB: say whether it fits")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="cuda (default): GPU optimizer kernels and a margin for the CUDA context; cpu: the peak "
+                           "above an idle process on this machine")
+    plan.add_argument("--json", action="store_true", help="print {fits, per_gpu: {parameters, ..., total}} as JSON")
+    plan.set_defaults(func=cmd_plan)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
     from mmadapt.inference import export
@@ -680,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=cmd_check_model)
     add_data_commands(sub)
     add_train_command(sub)
+    add_plan_command(sub)
     add_export_command(sub)
     add_chat_command(sub)
     add_eval_commands(sub)

@@ -27,7 +27,9 @@ class ComponentConfig:
     """A registry name, then either a preset (None: options only) or a `pretrained` checkpoint, and overrides.
 
     `pretrained` (a directory or weight file) gives the part's architecture *and* weights; `options` may
-    still set non-architecture settings (e.g. `feature_layer`). `dtype` applies to pretrained weights
+    still set non-architecture settings (e.g. `feature_layer`). A `preset` given with `pretrained` declares the
+    architecture the checkpoint must have (checked at load: every parameter's shape) and lets `mmadapt plan`
+    size the run before the checkpoint is downloaded. `dtype` applies to pretrained weights
     (None: the checkpoint's). `source` is filled in by mmadapt: where a saved part's weights came from.
     """
 
@@ -45,11 +47,8 @@ class ComponentConfig:
             raise TypeError(f"{self.name}: options must be a dict, got {type(self.options).__name__}")
         if self.pretrained is not None:
             self.pretrained = str(self.pretrained)
-            if self.preset is not None and not isinstance(self.preset, _Unset):
-                raise ValueError(
-                    f"{self.name}: give a preset or pretrained, not both (preset {self.preset!r}, pretrained "
-                    f"{self.pretrained!r}): a pretrained part's architecture comes from its checkpoint")
-            self.preset = None
+            if isinstance(self.preset, _Unset):
+                self.preset = None
         elif isinstance(self.preset, _Unset):
             self.preset = DEFAULT_PRESET
         if self.dtype is not None:

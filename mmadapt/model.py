@@ -117,6 +117,12 @@ class VisionLanguageModel(nn.Module):
             projector_spec.from_pretrained(proj.pretrained, self.encoder.output_dim, width, dtype=proj.dtype,
                                            levels=self.levels, **proj.options) if proj.pretrained
             else projector_spec.build(self.encoder.output_dim, width, levels=self.levels, **proj.options))
+        parts = (("encoder", encoder_spec, self.encoder), ("backbone", self.backbone_spec, self.backbone))
+        for part, spec, built in parts:
+            declared = getattr(config, part)
+            if declared.pretrained and declared.preset is not None:
+                expect_architecture(built, lambda s=spec, d=declared: s.build(d.preset, **d.options),
+                                    f"model.{part} {declared.name!r}", declared.preset, declared.pretrained)
         if self.projector.out_dim != width:
             raise ValueError(
                 f"projector {config.projector.name!r} outputs width {self.projector.out_dim} but backbone "
@@ -470,6 +476,22 @@ class VisionLanguageModel(nn.Module):
     def tie_weights(self) -> None:
         """Re-tie the backbone's tied embeddings (after loading weights into them)."""
         self.backbone.tie_weights()
+
+
+def expect_architecture(module: nn.Module, build_preset: Any, what: str, preset: str, path: str) -> None:
+    """A part loaded from `path` must have the architecture its declared `preset` builds: every parameter's shape."""
+    from mmadapt.weights import empty_weights
+
+    with empty_weights():
+        built = build_preset()
+    expected = {k: tuple(v.shape) for k, v in (built[0] if isinstance(built, tuple) else built).state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    wrong = [f"{k} {found.get(k)} (preset: {shape})" for k, shape in expected.items() if found.get(k) != shape]
+    wrong += [f"{k} {shape} (not in the preset)" for k, shape in found.items() if k not in expected]
+    if wrong:
+        raise ValueError(f"{what}: the checkpoint {path} does not have the architecture of preset {preset!r}: "
+                         f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}. Fix the preset (or drop it: the "
+                         "checkpoint's own architecture is used), or point pretrained at the checkpoint you meant.")
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,

@@ -23,6 +23,7 @@ hashed once per set of files in a background thread while the model is built.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -168,6 +169,21 @@ def empty_weights() -> Iterator[None]:
         yield
 
 
+_ARCHITECTURE_ONLY = contextvars.ContextVar("mmadapt_architecture_only", default=False)
+
+
+@contextmanager
+def architecture_only() -> Iterator[None]:
+    """Inside, `load_pretrained` builds a part from its checkpoint's config and key layout and stops there: the
+    parameters stay on the meta device and no weight is read (`mmadapt plan`)."""
+    token = _ARCHITECTURE_ONLY.set(True)
+    try:
+        with empty_weights():
+            yield
+    finally:
+        _ARCHITECTURE_ONLY.reset(token)
+
+
 def meta_parameters(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters(remove_duplicate=False) if p.is_meta]
 
@@ -306,6 +322,8 @@ def load_pretrained(build: Callable[[], nn.Module], checkpoint: Checkpoint, rule
     """
     with empty_weights():
         module = build()
+    if _ARCHITECTURE_ONLY.get():
+        return module
     tied_keys = tied(module) if tied is not None else {}
     if strict is not None:
         ours, theirs = set(module.state_dict()), set(checkpoint.keys())

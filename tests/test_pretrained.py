@@ -17,7 +17,7 @@ from conftest import tiny_options
 from safetensors.torch import load_file, save_file
 
 import mmadapt
-from mmadapt import ComponentConfig, ImageTokenContractError, VisionLanguageModel
+from mmadapt import ImageTokenContractError, VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
 from mmadapt.testing import synthetic_batch
@@ -402,8 +402,12 @@ def test_a_missing_path_and_a_directory_without_weights_say_so(tmp_path):
 
 
 def test_preset_with_pretrained_and_contradicting_architecture_options_are_errors(clip_dirs, mm_projector_files):
-    with pytest.raises(ValueError, match="give a preset or pretrained, not both"):
-        ComponentConfig(name="clip", preset="tiny", pretrained=str(clip_dirs[0]))
+    declared = mmadapt.build_model({"name": "clip", "preset": "tiny", "pretrained": str(clip_dirs[0])}, "mlp2x_gelu",
+                                   "llama")  # a preset with pretrained declares the checkpoint's architecture
+    assert declared.config.encoder.preset == "tiny" and declared.config.encoder.pretrained == str(clip_dirs[0])
+    with pytest.raises(ValueError, match=r"does not have the architecture of preset 'vit-l-14-336': .*\(preset: "):
+        mmadapt.build_model({"name": "clip", "preset": "vit-l-14-336", "pretrained": str(clip_dirs[0])},
+                            "mlp2x_gelu", "llama")
     with pytest.raises(ValueError, match=r"options hidden_size=128 \(checkpoint: 64\) contradict"):
         ENCODERS.get("clip").from_pretrained(str(clip_dirs[0]), hidden_size=128)
     with pytest.raises(MissingWeightsError, match=r"encoder width 32 -> backbone width 64"):

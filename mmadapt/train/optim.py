@@ -65,13 +65,18 @@ def warmup_steps(train: Any, steps: int) -> int:
     return train.warmup_steps if train.warmup_ratio is None else math.ceil(train.warmup_ratio * steps)
 
 
+def checkpointed_parts(parts: list[str] | str) -> list[str]:
+    """`train.activation_checkpointing` as a list of parts ("all": backbone and encoder)."""
+    return ["backbone", "encoder"] if parts == "all" else [parts] if isinstance(parts, str) else list(parts)
+
+
 def enable_activation_checkpointing(model: nn.Module, parts: list[str] | str) -> list[str]:
     """Checkpoint the activations of `parts` ("all" = backbone and encoder; the projector has no blocks): the
     backbone per decoder layer (transformers' own switch), the encoder per block (`enable_activation_checkpointing`
     of its family), non-reentrant, so it composes with FSDP2 (applied before sharding: the recompute runs inside
     each unit), LoRA on frozen embeddings, the chunked loss, DeepStack's probe (its hooks are gone before the
     backward recomputes), packed rows and MoE. Returns the parts switched on."""
-    chosen = ["backbone", "encoder"] if parts == "all" else [parts] if isinstance(parts, str) else list(parts)
+    chosen = checkpointed_parts(parts)
     for part in chosen:
         if part == "backbone":
             model.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,168 @@
+"""`mmadapt plan`'s prediction against the measured peak of a real training step, at real widths.
+
+    python benchmarks/bench_plan.py [--quick] [--only NAME ...]
+
+For each config (real widths and vocabularies, depth cut as the table says), in its own process: the idle process's
+RSS (after one step of a tiny model of the same families, so that libraries and kernels are loaded), then the model
+built on the CPU with random weights, the run's stages, precision and activation checkpointing, AdamW over the
+parameter groups the trainer makes, and two training steps on the plan's longest micro-batch (one image per sample
+at the size the plan chose), gradients set to None before each as the trainer does. Measured: `VmHWM` (high-water
+mark reset after the model is built, through `/proc/self/clear_refs`) minus the idle RSS. Predicted: `mmadapt plan
+--gpus 1 --device cpu` on the same config (its probe runs in the parent). Target (issue 20): within +-15%.
+`--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+MIB = 1024**2
+QWEN_08B = {"encoder": {"name": "qwen3_5_vit", "preset": "qwen3.5-0.8b", "options": {"depth": 2}},
+            "projector": "qwen_merger",
+            "backbone": {"name": "qwen3_5", "preset": "qwen3.5-0.8b", "options": {"num_hidden_layers": 4}}}
+LLAVA = {"encoder": {"name": "clip", "preset": "vit-l-14-336", "options": {"num_hidden_layers": 2}},
+         "projector": "mlp2x_gelu",
+         "backbone": {"name": "llama", "preset": "vicuna-7b", "options": {"num_hidden_layers": 1}}}
+QWEN3_VL = {"encoder": {"name": "qwen3_vl_vit", "preset": "qwen3-vl-2b",
+                        "options": {"depth": 3, "deepstack_visual_indexes": [0, 1, 2]}},
+            "projector": "qwen_merger",
+            "backbone": {"name": "qwen3_vl", "preset": "qwen3-vl-2b", "options": {"num_hidden_layers": 3}}}
+QWEN3_VL_MOE = {"encoder": {"name": "qwen3_vl_vit", "preset": "qwen3-vl-30b-a3b",
+                            "options": {"depth": 1, "deepstack_visual_indexes": [0]}},
+                "projector": "qwen_merger",
+                "backbone": {"name": "qwen3_vl_moe", "preset": "qwen3-vl-30b-a3b", "options": {"num_hidden_layers": 1}}}
+DATA = {"max_length": 1024, "batch_size": 1}
+CONFIGS = {
+    "Qwen3.5-0.8B full": dict(model=QWEN_08B, data=DATA, depth="ViT 2/12, LLM 4/24"),
+    "Qwen3.5-0.8B LoRA": dict(model=QWEN_08B, data=DATA, stages={"backbone": "lora"}, depth="ViT 2/12, LLM 4/24"),
+    "Qwen3.5-0.8B checkpointing": dict(model={**QWEN_08B, "backbone": {**QWEN_08B["backbone"],
+                                                                        "options": {"num_hidden_layers": 8}}},
+                                       data={"max_length": 2048, "batch_size": 1},
+                                       train={"activation_checkpointing": "all"}, depth="ViT 2/12, LLM 8/24"),
+    "Qwen3.5-0.8B packed": dict(model=QWEN_08B, data={"max_length": 512, "batch_size": 4, "packing": True,
+                                                     "max_tokens": 1024}, depth="ViT 2/12, LLM 4/24"),
+    "LLaVA-1.5-7B stage 1": dict(model=LLAVA, data={"max_length": 1024, "batch_size": 2},
+                                 stages={"backbone": "frozen"}, depth="ViT 2/24, LLM 1/32"),
+    "Qwen3-VL-2B DeepStack": dict(model=QWEN3_VL, data=DATA, depth="ViT 3/24, LLM 3/28"),
+    "Qwen3-VL-30B-A3B MoE, LoRA": dict(model=QWEN3_VL_MOE, data={"max_length": 512, "batch_size": 1},
+                                       stages={"backbone": "lora"}, depth="ViT 1/27, LLM 1/48"),
+}
+QUICK = {"encoder": {"name": "qwen3_5_vit", "preset": "tiny"}, "projector": "qwen_merger",
+         "backbone": {"name": "qwen3_5", "preset": "tiny"}}
+
+
+def run_config(spec: dict, quick: bool):
+    from mmadapt.train.config import RunConfig
+
+    data = {"max_length": 128, "batch_size": 2} if quick else spec["data"]
+    stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **spec.get("stages", {})}
+    return RunConfig.from_dict({"model": QUICK if quick else spec["model"], "data": data, "stages": stages,
+                                "train": spec.get("train", {})})
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
+    """In a fresh process: the peak of two training steps above the idle process (MiB)."""
+    from mmadapt.testing import synthetic_batch
+    from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
+    from mmadapt.train.run import build_model_from
+    from mmadapt.train.stages import apply_stages
+    from mmadapt.train.trainer import upcast_trainable
+
+    config = run_config(spec, quick)
+    warm_up(config)
+    idle = _status_kib("VmRSS")
+    torch.manual_seed(0)
+    model = build_model_from(config)
+    apply_stages(model, config.stages.modes(), r=config.lora.r, alpha=config.lora.alpha, targets=config.lora.targets)
+    upcast_trainable(model)
+    if config.train.activation_checkpointing:
+        enable_activation_checkpointing(model, config.train.activation_checkpointing)
+    model.train()
+    optimizer = torch.optim.AdamW(parameter_groups(model, model, lr=1e-5, weight_decay=0.0, lr_by_part={}), lr=1e-5)
+    d = config.data
+    text = d.max_length - queue_visual(model, side) - 2
+    batch = synthetic_batch(model, [1] * d.batch_size, image_sides=None if side is None else [side] * d.batch_size,
+                            text_lengths=[text] * d.batch_size)
+    if d.packing:
+        from mmadapt.data import Collator
+        from mmadapt.testing import synthetic_samples
+
+        sides = None if side is None else [side] * d.batch_size
+        samples = synthetic_samples(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
+        batch = Collator.for_model(model, 0, max_tokens=d.max_tokens)(samples)
+    Path("/proc/self/clear_refs").write_text("5")
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        optimizer.step()
+    queue.put((_status_kib("VmHWM") - idle) / 1024)
+
+
+def warm_up(config) -> None:
+    """One step of the same families at tiny size: libraries, kernels and thread pools load here, before the idle
+    RSS is read (on a GPU their counterpart, the CUDA context, is in the plan's margin, not its total)."""
+    import gc
+
+    from mmadapt import VisionLanguageModel
+    from mmadapt.config import ComponentConfig
+    from mmadapt.testing import synthetic_batch
+
+    parts = config.model.model_config()
+    tiny = {p: ComponentConfig(name=getattr(parts, p).name, preset=None if p == "projector" else "tiny")
+            for p in ("encoder", "projector", "backbone")}
+    model = VisionLanguageModel.from_names(tiny["encoder"], tiny["projector"], tiny["backbone"])
+    model(**synthetic_batch(model, [1])).loss.backward()
+    del model
+    gc.collect()
+
+
+def queue_visual(model, side: int | None) -> int:
+    from mmadapt.data.processors import processor_for
+
+    processor = processor_for(model)
+    return processor.tokens_for_size(side or 0, side or 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    from mmadapt.train.plan import predict
+
+    names = [n for n in CONFIGS if args.only is None or n in args.only][: 1 if args.quick else None]
+    print(f"# `mmadapt plan` vs a real training step, fp32, CPU ({platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads), torch {torch.__version__}")
+    print("| config | depth (of real) | micro-batch | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---:|---:|---:|")
+    ctx = multiprocessing.get_context("spawn")
+    for name in names:
+        spec = CONFIGS[name]
+        plan = predict(run_config(spec, args.quick), gpus=1, device="cpu")
+        queue = ctx.Queue()
+        process = ctx.Process(target=measure, args=(spec, args.quick, plan.workload.image_side, queue))
+        process.start()
+        measured = queue.get()
+        process.join()
+        predicted = plan.per_gpu["total"] / MIB
+        print(f"| {name} | {'tiny' if args.quick else spec['depth']} | {plan.workload.describe()} | {predicted:,.0f} "
+              f"| {measured:,.0f} | {100 * (predicted / measured - 1):+.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

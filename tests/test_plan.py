@@ -1,0 +1,177 @@
+"""`mmadapt plan`: a run's per-device memory before it starts (mmadapt.train.plan).
+
+The counted parts (parameters, gradients, AdamW state, sharding) equal the model's own; the whole prediction equals
+the measured tensor peak of a real training step (live tensor bytes, `LiveBytes`, deterministic) for tiny models of
+every kind of run; the real-width validation against `VmHWM` is `benchmarks/bench_plan.py` (README table).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmadapt.cli import main
+from mmadapt.testing import synthetic_batch
+from mmadapt.train.config import RunConfig
+from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
+from mmadapt.train.plan import LiveBytes, parse_size, predict
+from mmadapt.train.run import build_model_from
+from mmadapt.train.stages import apply_stages
+from mmadapt.train.trainer import upcast_trainable
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+QWEN = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
+RUNS = {
+    "qwen3_5 full": ({"model": QWEN}),
+    "qwen3_5 LoRA": ({"model": QWEN, "stages": {"backbone": "lora"}}),
+    "llava stage 1": ({"model": {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama"},
+                       "stages": {"preset": "llava-stage1"}, "data": {"batch_size": 3}}),
+    "qwen3_5 checkpointing, encoder trained": ({"model": QWEN, "stages": {"encoder": "full"},
+                                                "train": {"activation_checkpointing": "all"}}),
+    "qwen3_5 packed": ({"model": QWEN, "data": {"packing": True, "batch_size": 4, "max_length": 96,
+                                               "max_tokens": 192}}),
+    "qwen3_vl DeepStack": ({"model": {**QWEN, "encoder": "qwen3_vl_vit", "backbone": "qwen3_vl"}}),
+    "qwen3_5_moe": ({"model": {**QWEN, "backbone": "qwen3_5_moe"}}),
+}
+
+
+@pytest.fixture(autouse=True)
+def probe_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path_factory.getbasetemp() / "mmadapt-cache"))
+
+
+def run_config(spec: dict) -> RunConfig:
+    data = {"max_length": 128, "batch_size": 2, **spec.get("data", {})}
+    stages = spec.get("stages", {})
+    if "preset" not in stages:
+        stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **stages}
+    return RunConfig.from_dict({"model": spec["model"], "data": data, "stages": stages,
+                                "train": spec.get("train", {})})
+
+
+def built(config: RunConfig):
+    torch.manual_seed(0)
+    model = build_model_from(config)
+    apply_stages(model, config.stages.modes())
+    upcast_trainable(model)
+    return model
+
+
+def unique_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+
+
+def measured_peak(config: RunConfig, plan) -> int:
+    """Parameters + AdamW's state + the live-tensor peak of a training step after the first, on the plan's
+    micro-batch: `batch_size` samples, one image each at the plan's size, text filling `max_length`."""
+    from mmadapt.data import Collator
+    from mmadapt.data.processors import processor_for
+    from mmadapt.testing import synthetic_samples
+
+    model = built(config)
+    if config.train.activation_checkpointing:
+        enable_activation_checkpointing(model, config.train.activation_checkpointing)
+    model.train()
+    optimizer = torch.optim.AdamW(parameter_groups(model, model, lr=1e-4, weight_decay=0.0, lr_by_part={}))
+    d, side = config.data, plan.workload.image_side
+    text = d.max_length - processor_for(model).tokens_for_size(side or 0, side or 0) - 2
+    sides = None if side is None else [side] * d.batch_size
+    if d.packing:
+        samples = synthetic_samples(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
+        batch = Collator.for_model(model, 0, max_tokens=d.max_tokens)(samples)
+    else:
+        batch = synthetic_batch(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
+    model(**batch).loss.backward()
+    optimizer.step()  # the first step allocates AdamW's state; the second is every later one
+    optimizer.zero_grad(set_to_none=True)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    with LiveBytes() as live:
+        model(**batch).loss.backward()
+        optimizer.step()
+    return unique_bytes(model.parameters()) + state + live.peak
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_prediction_equals_the_measured_tensor_peak_of_a_training_step(name):
+    config = run_config(RUNS[name])
+    plan = predict(config, gpus=1, device="cpu")
+    model = built(config)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert plan.per_gpu["parameters"] == unique_bytes(model.parameters())
+    assert plan.per_gpu["gradients"] == unique_bytes(trained)  # fp32 master weights: 4 bytes each
+    assert plan.per_gpu["optimizer"] == 2 * unique_bytes(trained) + 2 * max(p.numel() * 4 for p in trained)
+    measured = measured_peak(config, plan)
+    # measured at its own length; the plan extrapolates from its two short probe lengths and sweeps the real depth
+    assert plan.per_gpu["total"] == pytest.approx(measured, rel=0.15), (plan.table(), measured)
+
+
+def test_sharding_divides_what_fsdp2_shards_and_ddp_adds_its_buckets():
+    config = run_config(RUNS["qwen3_5 full"])
+    one, four = predict(config, gpus=1), predict(config, gpus=4)
+    assert four.strategy == "fsdp2" and four.per_gpu["parameters"] == one.per_gpu["parameters"] // 4
+    assert four.per_gpu["gradients"] == one.per_gpu["gradients"] // 4
+    assert four.per_gpu["sharding"] > 0 and four.per_gpu["total"] < one.per_gpu["total"]
+    ddp = predict(RunConfig.from_dict({**config.to_dict(), "distributed": {"strategy": "ddp"}}), gpus=4)
+    assert ddp.per_gpu["parameters"] == one.per_gpu["parameters"]
+    assert ddp.per_gpu["sharding"] == one.per_gpu["gradients"]  # the gradient buckets
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    plan = predict(run_config(RUNS["qwen3_5 checkpointing, encoder trained"]), gpus=1, device="cpu")
+    assert plan.activations_with_checkpointing < plan.activations_without_checkpointing / 2
+    assert plan.checkpointing == ["backbone", "encoder"]
+
+
+def test_the_command_prints_a_table_and_json_and_says_whether_it_fits(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {encoder: qwen3_5_vit, projector: qwen_merger, backbone: qwen3_5}\n"
+                    "data: {max_length: 128, batch_size: 2}\n")
+    assert main(["plan", str(path), "--gpus", "2", "--gpu-memory", "1TiB"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x cuda 1024.00 GiB, fsdp2" in out and "fits: yes" in out and "margin" in out
+    assert main(["plan", str(path), "data.batch_size=4", "--gpu-memory", "1MiB", "--json"]) == 4
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is False and report["workload"]["images"] == 4
+    assert set(report["per_gpu"]) >= {"parameters", "gradients", "optimizer", "activations", "total"}
+    assert report["per_gpu"]["total"] >= sum(report["per_gpu"][k] for k in ("parameters", "gradients"))
+    assert {s["change"] for s in report["suggestions"]} >= {"train.activation_checkpointing: all", "--gpus 2"}
+    assert main(["plan", str(path), "--gpu-memory", "1MiB"]) == 4
+    assert "fits: NO" in capsys.readouterr().out
+
+
+def test_a_missing_checkpoint_is_planned_from_its_declared_preset_or_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {{backbone: {{name: llama, pretrained: {tmp_path}/vicuna}}, encoder: clip, "
+                    "projector: mlp2x_gelu}\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "declares no preset: give the preset of its architecture" in err
+    path.write_text(f"model: {{backbone: {{name: llama, preset: tiny, pretrained: {tmp_path}/vicuna}}, "
+                    "encoder: clip, projector: mlp2x_gelu}\n")
+    assert main(["plan", str(path)]) == 0
+    assert f"model.backbone.pretrained {tmp_path}/vicuna is not here: planned from preset 'tiny'" in \
+        capsys.readouterr().out
+
+
+def test_sizes_parse():
+    assert parse_size("80GiB") == parse_size("80GB") == 80 * 1024**3
+    assert parse_size("24576MiB") == 24 * 1024**3
+    with pytest.raises(ValueError, match="give a size such as 80GiB"):
+        parse_size("lots")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_examples_plan_on_8_gpus_without_their_checkpoints(example, capsys):
+    assert main(["plan", str(example), "--gpus", "8", "--gpu-memory", "80GiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is True and report["strategy"] == "fsdp2"
+    assert all(note.endswith("is not here: planned from preset " + note.rsplit("preset ", 1)[-1])
+               or "planned from its options" in note for note in report["notes"])
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `examples/{example.name}`"))
+    total = float(row.split("|")[-3].replace(",", "").split()[0])  # the README's GiB per GPU
+    assert report["per_gpu"]["total"] / 1024**3 == pytest.approx(total, rel=0.05)
