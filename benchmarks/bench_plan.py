@@ -8,7 +8,9 @@ built on the CPU with random weights, the run's stages, precision and activation
 parameter groups the trainer makes, and two training steps on the plan's longest micro-batch (one image per sample
 at the size the plan chose), gradients set to None before each as the trainer does. Measured: `VmHWM` (high-water
 mark reset after the model is built, through `/proc/self/clear_refs`) minus the idle RSS. Predicted: `mmadapt plan
---gpus 1 --device cpu` on the same config (its probe runs in the parent). Target (issue 20): within +-15%.
+--gpus 1 --device cpu` on the same config (its probe runs in the parent). Target (issue 20): within +-15%. Each
+config is measured twice: with glibc's default malloc settings and with a fixed mmap threshold (`MMAP` below), which
+tells the allocator's retention apart from the plan's error.
 `--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing).
 """
 
@@ -25,6 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 MIB = 1024**2
+# glibc's default raises its mmap threshold up to 32 MiB as large blocks are freed, after which freed activations of
+# a few MiB stay in the heap (RSS) instead of going back to the OS; a fixed threshold returns every freed tensor of
+# 1 MiB or more, so that RSS follows the live tensors (jemalloc / tcmalloc, which PyTorch's CPU guides recommend,
+# behave alike)
+MMAP = "MALLOC_MMAP_THRESHOLD_=1048576"
 QWEN_08B = {"encoder": {"name": "qwen3_5_vit", "preset": "qwen3.5-0.8b", "options": {"depth": 2}},
             "projector": "qwen_merger",
             "backbone": {"name": "qwen3_5", "preset": "qwen3.5-0.8b", "options": {"num_hidden_layers": 4}}}
@@ -142,27 +149,66 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--examples", action="store_true", help="print the plan of every examples/*.yaml on 8 x 80 GiB "
+                        "(the README's table) instead")
     args = parser.parse_args()
     from mmadapt.train.plan import predict
+
+    if args.examples:
+        return examples_table()
 
     names = [n for n in CONFIGS if args.only is None or n in args.only][: 1 if args.quick else None]
     print(f"# `mmadapt plan` vs a real training step, fp32, CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads), torch {torch.__version__}")
-    print("| config | depth (of real) | micro-batch | predicted MiB | measured MiB | error |")
-    print("|---|---|---|---:|---:|---:|")
-    ctx = multiprocessing.get_context("spawn")
+    print("| config | depth (of real) | micro-batch | predicted MiB | VmHWM MiB, glibc defaults | error | "
+          f"VmHWM MiB, {MMAP} | error |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for name in names:
         spec = CONFIGS[name]
         plan = predict(run_config(spec, args.quick), gpus=1, device="cpu")
-        queue = ctx.Queue()
-        process = ctx.Process(target=measure, args=(spec, args.quick, plan.workload.image_side, queue))
-        process.start()
-        measured = queue.get()
-        process.join()
         predicted = plan.per_gpu["total"] / MIB
-        print(f"| {name} | {'tiny' if args.quick else spec['depth']} | {plan.workload.describe()} | {predicted:,.0f} "
-              f"| {measured:,.0f} | {100 * (predicted / measured - 1):+.1f}% |", flush=True)
+        row = f"| {name} | {'tiny' if args.quick else spec['depth']} | {plan.workload.describe()} | {predicted:,.0f} "
+        for env in ({}, dict([MMAP.split("=")])):
+            measured = in_child(spec, args.quick, plan.workload.image_side, env)
+            row += f"| {measured:,.0f} | {100 * (predicted / measured - 1):+.1f}% "
+        print(row + "|", flush=True)
 
+
+def examples_table() -> None:
+    from mmadapt.train.config import RunConfig
+    from mmadapt.train.plan import GIB, parse_size, predict
+
+    print("| example | stages | micro-batch per GPU | parameters | gradients + AdamW | activations "
+          "(checkpointing) | total GiB per GPU | fits 80 GiB |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for path in sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")):
+        config = RunConfig.load(str(path))
+        plan = predict(config, gpus=8, gpu_memory=parse_size("80GiB"))
+        g = plan.per_gpu
+        stages = ", ".join(f"{part} {mode}" for part, mode in config.stages.modes().items())
+        print(f"| `examples/{path.name}` | {stages} | {plan.workload.describe()} | {g['parameters'] / GIB:.1f} | "
+              f"{(g['gradients'] + g['optimizer']) / GIB:.1f} | {g['activations'] / GIB:.1f} "
+              f"({'+'.join(plan.checkpointing) or 'off'}) | {g['total'] / GIB:.1f} | "
+              f"{'yes' if plan.fits else 'no'} ({(g['total'] + plan.margin) / GIB:.1f} with the margin) |", flush=True)
+
+
+def in_child(spec: dict, quick: bool, side: int | None, env: dict[str, str]) -> float:
+    """`measure` in a fresh process started with `env` added (glibc reads its malloc settings at start)."""
+    import os
+
+    ctx = multiprocessing.get_context("spawn")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        queue = ctx.Queue()
+        process = ctx.Process(target=measure, args=(spec, quick, side, queue))
+        process.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    measured = queue.get()
+    process.join()
+    return measured
 
 if __name__ == "__main__":
     main()

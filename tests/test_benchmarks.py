@@ -59,3 +59,11 @@ def test_bench_checkpointing_quick_run_prints_its_table():
     out = run("bench_checkpointing.py", "--quick")
     assert "#### Activation checkpointing: fwd + bwd of 64 tokens" in out
     assert "| Qwen3.5 tiny | 2 |" in out and "| llama tiny | 4 |" in out
+
+
+@pytest.mark.slow
+def test_bench_plan_quick_run_prints_its_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
+    out = run("bench_plan.py", "--quick")
+    assert "| config | depth (of real) | micro-batch | predicted MiB | VmHWM MiB, glibc defaults |" in out
+    assert "| Qwen3.5-0.8B full | tiny | 2 x 128 tokens" in out

@@ -35,6 +35,8 @@ RUNS = {
                                                "max_tokens": 192}}),
     "qwen3_vl DeepStack": ({"model": {**QWEN, "encoder": "qwen3_vl_vit", "backbone": "qwen3_vl"}}),
     "qwen3_5_moe": ({"model": {**QWEN, "backbone": "qwen3_5_moe"}}),
+    "llava bf16-autocast": ({"model": {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama"},
+                             "precision": {"policy": "bf16-autocast"}}),
 }
 
 
@@ -49,7 +51,7 @@ def run_config(spec: dict) -> RunConfig:
     if "preset" not in stages:
         stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **stages}
     return RunConfig.from_dict({"model": spec["model"], "data": data, "stages": stages,
-                                "train": spec.get("train", {})})
+                                "train": spec.get("train", {}), "precision": spec.get("precision", {})})
 
 
 def built(config: RunConfig):
@@ -84,12 +86,17 @@ def measured_peak(config: RunConfig, plan) -> int:
         batch = Collator.for_model(model, 0, max_tokens=d.max_tokens)(samples)
     else:
         batch = synthetic_batch(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
-    model(**batch).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision.policy == "bf16-autocast"):
+        loss = model(**batch).loss
+    loss.backward()
     optimizer.step()  # the first step allocates AdamW's state; the second is every later one
     optimizer.zero_grad(set_to_none=True)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision.policy == "bf16-autocast")
     with LiveBytes() as live:
-        model(**batch).loss.backward()
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
         optimizer.step()
     return unique_bytes(model.parameters()) + state + live.peak
 
@@ -175,3 +182,27 @@ def test_the_examples_plan_on_8_gpus_without_their_checkpoints(example, capsys):
     row = next(line for line in readme.splitlines() if line.startswith(f"| `examples/{example.name}`"))
     total = float(row.split("|")[-3].replace(",", "").split()[0])  # the README's GiB per GPU
     assert report["per_gpu"]["total"] / 1024**3 == pytest.approx(total, rel=0.05)
+
+
+def test_pretrained_parts_and_saved_models_are_planned_without_reading_a_weight(tmp_path, monkeypatch):
+    import mmadapt.weights
+
+    config = run_config(RUNS["qwen3_5 full"])
+    model = built(config)
+    model.save_pretrained(tmp_path / "model")
+    expected = predict(config, gpus=1, device="cpu").per_gpu
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("plan read a weight")
+
+    monkeypatch.setattr(mmadapt.weights, "load_part", no_weights)
+    whole = run_config({"model": {"pretrained": str(tmp_path / "model")}})
+    assert predict(whole, gpus=1, device="cpu").per_gpu["parameters"] == expected["parameters"]
+    parts = run_config({"model": {p: {"name": QWEN[p], "pretrained": str(tmp_path / "model")} for p in QWEN}})
+    assert predict(parts, gpus=1, device="cpu").per_gpu == expected
+    # a pretrained part loads in its `dtype`, here or not here yet (planned from its preset)
+    tower = sum(p.numel() * 2 for p in model.encoder.parameters())
+    for where in (str(tmp_path / "model"), str(tmp_path / "not-here")):
+        bf16 = run_config({"model": {**QWEN, "encoder": {"name": "qwen3_5_vit", "preset": "tiny", "pretrained": where,
+                                                         "dtype": "bfloat16"}}})
+        assert predict(bf16, gpus=1, device="cpu").parameters_by_dtype["bfloat16"] == tower

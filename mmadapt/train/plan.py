@@ -285,7 +285,8 @@ def planning_model_for_probe(config: RunConfig) -> tuple[Any, list[str]]:
 
 
 def _meta_model(config: RunConfig, model_config: Any) -> Any:
-    """Built on the meta device; a part declaring a `dtype` takes it (as its loaded weights would)."""
+    """Built on the meta device; a part loaded from a checkpoint takes its `dtype` (as its loaded weights would;
+    without one, the checkpoint's `torch_dtype` when its config names it, else fp32)."""
     from mmadapt import VisionLanguageModel
     from mmadapt.weights import architecture_only, parse_dtype
 
@@ -294,8 +295,14 @@ def _meta_model(config: RunConfig, model_config: Any) -> Any:
             return VisionLanguageModel.from_pretrained(config.model.pretrained)
         model = VisionLanguageModel(model_config)
     model.tie_weights()
+    declared = config.model.model_config()
     for part in ("encoder", "projector", "backbone"):
-        dtype = parse_dtype(getattr(model_config, part).dtype)
+        c = getattr(declared, part)
+        dtype = parse_dtype(c.dtype) if c.pretrained else None
+        if c.pretrained and dtype is None and Path(c.pretrained, "config.json").is_file():
+            saved = json.loads(Path(c.pretrained, "config.json").read_text())
+            named = saved.get("torch_dtype") or saved.get("dtype") or (saved.get("text_config") or {}).get("dtype")
+            dtype = parse_dtype(named) if isinstance(named, str) and named != "auto" else None
         if dtype is not None:
             getattr(model, part).to(dtype)
     return model
@@ -365,10 +372,17 @@ def _tracked(model: Any) -> dict[nn.Module, str]:
     return tracked
 
 
-def _probe_batch(model: Any, text: int, side: int) -> dict[str, torch.Tensor]:
-    from mmadapt.testing import synthetic_batch
+def _probe_batch(model: Any, text: int, side: int | None, packed: bool) -> dict[str, torch.Tensor]:
+    """One sample with one image; packed runs: two half-length samples packed into one row (the run's kernels)."""
+    from mmadapt.data import Collator
+    from mmadapt.testing import synthetic_batch, synthetic_samples
 
-    batch = synthetic_batch(model, [1], image_sides=None if side is None else [side], text_lengths=[text])
+    if packed:
+        samples = synthetic_samples(model, [1, 1], image_sides=None if side is None else [side, side],
+                                    text_lengths=[text // 2] * 2)
+        batch = Collator.for_model(model, 0, max_tokens=sum(len(s.input_ids) for s in samples))(samples)
+    else:
+        batch = synthetic_batch(model, [1], image_sides=None if side is None else [side], text_lengths=[text])
     labels = batch["labels"]
     batch["labels"] = torch.where(labels >= 0, labels % PROBE_VOCAB, labels)
     return batch
@@ -393,7 +407,7 @@ def run_probe(config: RunConfig) -> dict[str, Any]:
                 else nullcontext())
     points = []
     for text, side in zip(PROBE_TEXT, sides, strict=True):
-        batch = _probe_batch(model, text, side)
+        batch = _probe_batch(model, text, side, config.data.packing)
         model.zero_grad(set_to_none=True)
         saved = _Saved(model, _tracked(model))
         with LiveBytes() as live:
@@ -404,7 +418,8 @@ def run_probe(config: RunConfig) -> dict[str, Any]:
             del loss
         model.zero_grad(set_to_none=True)
         grids = batch.get("image_grid_thw")
-        patches = int(grids.prod(-1).sum()) if grids is not None else int(torch.tensor(model.encoder.grid).prod())
+        patches = (int(grids.prod(-1).sum()) if grids is not None
+                   else int(torch.tensor(model.encoder.grid).prod()) * len(batch["pixel_values"]))
         points.append({"tokens": int(batch["input_ids"].numel()), "patches": patches,
                        "supervised": int((batch["labels"] >= 0).sum()), "saved": dict(saved.bytes),
                        "inputs": dict(saved.inputs), "dynamic": live.peak})
@@ -478,7 +493,8 @@ def probe_key(config: RunConfig) -> str:
     model_config, _ = _available_parts(config)
     shape = {"model": model_config.to_dict() if model_config is not None else config.model.pretrained,
              "stages": config.stages.modes(), "router": config.stages.router, "lora": asdict(config.lora),
-             "precision": config.precision.policy, "torch": torch.__version__, "version": PROBE_VERSION,
+             "precision": config.precision.policy, "packed": config.data.packing, "torch": torch.__version__,
+             "version": PROBE_VERSION,
              "text": PROBE_TEXT}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
