@@ -206,3 +206,16 @@ def test_pretrained_parts_and_saved_models_are_planned_without_reading_a_weight(
         bf16 = run_config({"model": {**QWEN, "encoder": {"name": "qwen3_5_vit", "preset": "tiny", "pretrained": where,
                                                          "dtype": "bfloat16"}}})
         assert predict(bf16, gpus=1, device="cpu").parameters_by_dtype["bfloat16"] == tower
+
+
+def test_a_probe_keeps_fewer_experts_when_they_are_large_with_the_same_plan(monkeypatch):
+    import mmadapt.train.plan as plan_module
+
+    config = run_config(RUNS["qwen3_5_moe"])
+    every = predict(config, gpus=1, device="cpu")
+    monkeypatch.setattr(plan_module, "PROBE_EXPERT_BYTES", 1)  # keep 2 x top-k experts of the tiny model's 8
+    probe = plan_module.run_probe(config)
+    assert plan_module.probe_model(config).backbone.config.num_experts == 4
+    fewer = predict(config, gpus=1, device="cpu", probe=probe)
+    assert fewer.per_gpu["parameters"] == every.per_gpu["parameters"]  # counted on the whole model
+    assert fewer.per_gpu["total"] == pytest.approx(every.per_gpu["total"], rel=0.05)

@@ -5,16 +5,16 @@ from the `preset` it declares when the checkpoint is not here yet): parameters b
 AdamW's two fp32 moments for what the stages train (LoRA: the adapters); sharded by the strategy (FSDP2: / N,
 plus the unsharded units it gathers; DDP: full, plus its gradient buckets).
 
-**Measured**: activations. A probe (the run's model at its real widths, the first block of each kind of every
-block list, a 1,024-row vocabulary) runs a training step on the CPU at two short lengths, with the run's stages
-and precision. Autograd's saved-tensor hooks give each block's saved bytes, fitted linearly in tokens (vision
-blocks: in patches); torch's `MemTracker` gives the step's peak of live tensors. The run's step is then a
-backward sweep over its real depth (saved activations freed block by block while gradients appear), plus the
-probe's measured excess over its own sweep (the backward's temporaries), plus the loss (the supervised rows'
-gradients, the output layer's gradient, two fp32 chunks of logits), for the run's longest micro-batch:
-`batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image at the
-processor's largest size that fits. Activation checkpointing keeps only each block's inputs and recomputes one
-block in the backward. Probe results are cached per shape (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan).
+**Measured**: activations. A probe (the run's model at its real widths, the first block of each kind of every block
+list, a 1,024-row vocabulary, fewer experts where they would pass 4 GiB) runs a training step on the CPU at two
+short lengths, with the run's stages and precision. Autograd's saved-tensor hooks give each block's saved bytes,
+fitted linearly in tokens (vision blocks: in patches); torch's `MemTracker` gives the step's peak of live tensors.
+The run's step is then a backward sweep over its real depth (saved activations freed block by block while gradients
+appear), plus the probe's measured excess over its own sweep (the backward's temporaries), plus the loss (the
+supervised rows' gradients, the output layer's gradient, two fp32 chunks of logits), for the run's longest micro-
+batch: `batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image at the
+processor's largest size that fits. Activation checkpointing keeps only each block's inputs and recomputes one block
+in the backward. Probe results are cached per shape (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan).
 
 `total` is the predicted peak of one training step per device. On CUDA a margin is added before comparing with
 the GPU's memory: the CUDA context and NCCL buffers (1 GiB) and 5% for the caching allocator's fragmentation.
@@ -29,7 +29,7 @@ import os
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ PROBE_VOCAB = 1024
 PROBE_TEXT = (48, 160)  # text tokens of the two probe samples
 CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
 FRAGMENTATION = 0.05
+PROBE_EXPERT_BYTES = 4 * GIB
 PROBE_VERSION = 3
 
 
@@ -73,7 +74,6 @@ class Segment:
 
     name: str
     part: str
-    count: int = 1
     acts: tuple[float, float] = (0.0, 0.0)
     inputs: tuple[float, float] = (0.0, 0.0)
     param_bytes: int = 0
@@ -269,12 +269,32 @@ def probe_model(config: RunConfig) -> Any:
     if levels:
         model.encoder.deepstack_levels = tuple(range(len(levels)))
         model.encoder.tower.deepstack_visual_indexes = list(range(len(levels)))
+    _fewer_experts(model.backbone)
     width = model.backbone.config.hidden_size
     embedding = model.backbone.get_input_embeddings()
     model.backbone.set_input_embeddings(_ModuloEmbedding(width, embedding.weight.dtype))
     model.backbone.set_output_embeddings(nn.Linear(width, PROBE_VOCAB, bias=False, dtype=embedding.weight.dtype))
     materialise(model)
     return model
+
+
+def _fewer_experts(backbone: nn.Module) -> None:
+    """MoE layers whose experts would take more than `PROBE_EXPERT_BYTES` keep the first experts that fit (at least
+    2 x top-k): a token's activations depend on the experts it is routed to, not on how many there are (the router's
+    (tokens, experts) logits aside)."""
+    moe = [m for m in backbone.modules() if isinstance(getattr(m, "num_experts", None), int)]
+    total = sum(p.numel() * p.element_size() for m in moe for p in m.parameters(recurse=False))
+    experts = max((m.num_experts for m in moe), default=0)
+    if total <= PROBE_EXPERT_BYTES or not experts:
+        return
+    top_k = max((getattr(m, "top_k", 1) for m in moe), default=1)
+    keep = max(2 * top_k, int(experts * PROBE_EXPERT_BYTES / total))
+    for module in moe:
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.shape[0] == module.num_experts:
+                setattr(module, name, nn.Parameter(p[:keep], requires_grad=p.requires_grad))
+        module.num_experts = keep
+    backbone.config.num_experts = keep
 
 
 def planning_model_for_probe(config: RunConfig) -> tuple[Any, list[str]]:
@@ -699,28 +719,23 @@ def _optimizer_temporaries(trained: list[nn.Parameter], device: str) -> int:
 
 
 def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any]) -> list[tuple[str, int]]:
-    """Totals of the changes that usually make a run fit, each planned alone."""
-    from mmadapt.train.config import RunConfig as Run
-
-    base = config.to_dict() if hasattr(config, "to_dict") else None
-    changes: list[tuple[str, int]] = []
-    candidates = []
+    """The usual changes that make a run fit, each planned alone: (change, its total per GPU)."""
+    base, modes = config.to_dict(), config.stages.modes()
+    candidates = [(f"data.max_length: {config.data.max_length // 2}",
+                   {"data": {"max_length": config.data.max_length // 2}})]
     if config.train.activation_checkpointing != "all":
-        candidates.append(("train.activation_checkpointing: all", {"train": {"activation_checkpointing": "all"}}))
-    if config.stages.modes().get("backbone") == "full":
-        candidates.append(("stages.backbone: lora", {"stages": {"preset": None, "backbone": "lora"}}))
-    candidates.append((f"data.max_length: {config.data.max_length // 2}",
-                       {"data": {"max_length": config.data.max_length // 2}}))
+        candidates.insert(0, ("train.activation_checkpointing: all", {"train": {"activation_checkpointing": "all"}}))
+    if modes.get("backbone") == "full":
+        candidates.append(("stages.backbone: lora", {"stages": {"preset": None, **modes, "backbone": "lora"}}))
+    changes = []
     for change, update in candidates:
-        changed = Run.from_dict(_merge(base, update)) if base is not None else None
-        if changed is None:
-            continue
-        same_probe = "stages" not in update
-        plan = predict(changed, gpus=gpus, device=device, probe=probe if same_probe else None)
+        same_probe = "stages" not in update  # other stages save other activations: a probe of their own
+        plan = predict(RunConfig.from_dict(_merge(base, update)), gpus=gpus, device=device,
+                       probe=probe if same_probe else None)
         changes.append((change, plan.per_gpu["total"]))
-    if gpus > 1 or config.distributed.strategy != "ddp":
-        plan = predict(config, gpus=gpus * 2, device=device, probe=probe)
-        changes.append((f"--gpus {gpus * 2}", plan.per_gpu["total"]))
+    if config.distributed.strategy != "ddp":  # DDP replicates: more GPUs do not lower its memory
+        changes.append((f"--gpus {gpus * 2}", predict(config, gpus=gpus * 2, device=device, probe=probe).per_gpu[
+            "total"]))
     return changes
 
 
@@ -730,14 +745,3 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
     return out
 
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    import logging
-
-    previous = logging.root.manager.disable
-    logging.disable(logging.INFO)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
