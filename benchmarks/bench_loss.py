@@ -5,15 +5,23 @@
 1. One training step (forward + backward + AdamW, fp32, CPU), mmadapt vs transformers' own VLM class on the
    same weights and the same LLaVA-SFT-like batch (each sample: one image, 30-60 prompt tokens, 20-40 answer
    tokens; only the answers are supervised). Each side runs in its own process: load, one warm-up step (it
-   allocates gradients and AdamW state), then the timed steps (time: the whole step, AdamW included). Peak
-   memory, "fwd + bwd peak": `VmHWM` over the forward and backward (the high-water mark reset before it through
-   `/proc/self/clear_refs`) minus the RSS before it (weights, gradients, AdamW state): what the loss and the
-   activations need on top of the model, as issue 12 measured it. The AdamW update's own temporaries (the
-   same on both sides) are not in it.
+   allocates the AdamW state), then the timed steps (time: the whole step, AdamW included). Each step runs as
+   the trainer runs it: `optimizer.zero_grad(set_to_none=True)` first, so the backward allocates the gradients
+   again. Peak memory, "fwd + bwd peak": `VmHWM` over the forward and backward (the high-water mark reset
+   before it through `/proc/self/clear_refs`) minus the RSS before it (weights and AdamW state, no gradients;
+   memory the allocator kept after freeing is handed back first, `malloc_trim`): what the step's forward and
+   backward need on top of the model, the gradients included. Issue 20 item 6 changed this: before, the
+   gradients stayed allocated between steps (`set_to_none=False`) and were counted in the RSS before, which
+   left their allocation out of the peak, and with it the second (V, D) buffer a tied embedding's backward
+   built (0.46x reported for Qwen3.5-0.8B-shaped that way; measured as now, before that item's change: 0.51x,
+   and 0.73x for the 2-layer config below). The AdamW update's own temporaries (the same on both sides) are not
+   in it.
    Configs, at the real vocabulary and width, cut in depth (stated in the table):
    - Qwen3.5-0.8B-shaped: Qwen3.5 ViT (768 wide, 2 of 12 blocks) + merger + Qwen3.5 text model (1024 wide,
      248,320 vocabulary, tied; 4 of 24 layers: 3 Gated DeltaNet + 1 gated attention); images of 256 and 1,024
      visual tokens (512 x 512 and 1024 x 1024 px). Targets (issue 12): step peak <= 0.5x, time <= 0.8x.
+     `--config "Qwen3.5-0.8B-shaped, 2 layers, 512 px"` (1 Gated DeltaNet + 1 gated attention, two 512 x 512
+     images, ~700 tokens; issue 20 item 6): fewer activations, so the gradients' share of the peak shows.
    - LLaVA-1.5-shaped: CLIP ViT-L/14-336 (1024 wide, 2 of 24 layers; 576 visual tokens) + mlp2x_gelu + LLaMA
      (4,096 wide, 32,064 vocabulary, 1 of 32 layers). Targets: step peak <= 0.7x, time <= 0.9x.
 2. Packed rows of many short samples vs the same tokens as a padding-free batch (Qwen3.5-0.8B-shaped layers,
@@ -26,6 +34,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import multiprocessing
 import platform
@@ -58,6 +68,10 @@ CONFIGS = {
 }
 # LLaVA-1.5's own SFT runs 16 samples per device; 8 shows how the ratio moves with the batch (--config)
 CONFIGS["LLaVA-1.5-shaped, batch 8"] = {**CONFIGS["LLaVA-1.5-shaped"], "samples": 8}
+# fewer activations, so the gradients' share of the step shows (issue 20 item 6 measured this one; --config)
+CONFIGS["Qwen3.5-0.8B-shaped, 2 layers, 512 px"] = {
+    **CONFIGS["Qwen3.5-0.8B-shaped"], "image_sides": [(512, 512)] * 2, "depth": "ViT 2/12 blocks, LLM 2/24 layers",
+    "backbone_options": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}}
 DEFAULT_CONFIGS = ("Qwen3.5-0.8B-shaped", "LLaVA-1.5-shaped")
 QUICK = {"encoder_options": {}, "backbone_options": {}, "preset": "tiny"}
 
@@ -104,6 +118,13 @@ def _reset_peak() -> bool:
         return False
 
 
+def _trim_heap() -> None:
+    """Hand the memory glibc kept after frees back to the system, so that the RSS counts only live memory."""
+    name = ctypes.util.find_library("c")
+    if name and platform.system() == "Linux":
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: multiprocessing.Queue) -> None:
     import transformers
 
@@ -122,17 +143,19 @@ def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: mu
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> tuple[float, float]:
-        """(loss, peak KiB of the forward + backward above what was resident before it)."""
+        """(loss, peak KiB of the forward + backward above what was resident before it), as the trainer's step:
+        gradients freed first (mmadapt.train.trainer: `zero_grad(set_to_none=True)`), allocated by the backward."""
+        optimizer.zero_grad(set_to_none=True)
+        _trim_heap()
         before = _status_kib("VmRSS")
         _reset_peak()
         loss = model(**batch).loss
         loss.backward()
         peak = _status_kib("VmHWM") - before
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: part of the model's state
         return float(loss.detach()), peak
 
-    loss, _ = step()  # allocates the gradients and the AdamW state
+    loss, _ = step()  # allocates the AdamW state
     reset = _reset_peak()
     times, peaks = [], []
     for _ in range(steps):
@@ -221,7 +244,8 @@ def main() -> None:
     raw: dict = {}
     if args.only in (None, "vlm"):
         print("### One training step (fwd + bwd + AdamW, fp32), LLaVA-SFT-like batch: mmadapt (loss without "
-              "full logits) vs transformers, each in its own process\n")
+              "full logits) vs transformers, each in its own process; gradients freed before each step, as the "
+              "trainer does (the peak includes allocating them)\n")
         print("| config (depth cut) | tokens / supervised | mmadapt s | transformers s | time ratio [target] | "
               "mmadapt fwd+bwd peak MiB | transformers fwd+bwd peak MiB | peak ratio [target] | "
               "loss mmadapt / transformers |")

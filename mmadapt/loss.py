@@ -22,6 +22,13 @@ hidden states and calls `causal_lm_loss` here:
    numbers as transformers' `ForCausalLMLoss` (logits cast to fp32 before the cross-entropy), including
    its NaN for a batch with no supervised token and no `num_items_in_batch`.
 
+A head tied to the input embedding (one (V, D) weight, e.g. Qwen3.5-0.8B) gets two gradients: the loss's,
+computed in the forward pass, and the embedding's, which its backward (`EmbeddingBackward0`) would scatter into a
+fresh dense (V, D) buffer for autograd to add to the first: two (V, D) buffers at the end of the backward, on top
+of the other parameters' gradients. `causal_lm_loss(..., embeds=)` (the embeddings `hidden` came from) instead
+adds the embedding's rows (B * L of them) into the loss's buffer and skips the dense one (`TiedEmbedding`): one
+(V, D) buffer, which `AccumulateGrad` then takes as `.grad` (or adds into an existing `.grad`); the same sums.
+
 Under autocast the matmuls run in the autocast dtype, as transformers' `lm_head` does, and the softmax in
 fp32. It is torch-native: the same code on CPU and GPU, under DDP and FSDP2 (the head's weight is a plain
 tensor inside the forward; its gradient flows back to the sharded parameter as usual).
@@ -71,17 +78,21 @@ def supervised(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                   num_items_in_batch: torch.Tensor | int | None = None, *, rows: int | None = None) -> torch.Tensor:
+                   num_items_in_batch: torch.Tensor | int | None = None, *, rows: int | None = None,
+                   embeds: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' causal-LM loss of `head(hidden)` for (B, L) `labels`, without the (B, L, V) logits.
 
-    hidden (B, L, D): the base model's last hidden states; `head`: the LM's output layer (`lm_head`).
-    Returns the fp32 scalar loss: sum of the token losses / `num_items_in_batch` (else / N).
+    hidden (B, L, D): the base model's last hidden states; `head`: the LM's output layer (`lm_head`); `embeds`
+    (B, L, D), optional: the input embeddings `hidden` was computed from, so that a head tied to them gets one (V, D)
+    gradient buffer, not two (`TiedEmbedding`). Returns the fp32 scalar loss: sum of the token losses /
+    `num_items_in_batch` (else / N).
     """
     states, targets = supervised(hidden, labels.to(hidden.device))
     weight = getattr(head, "weight", None)
     rows = rows or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
     if type(head) is nn.Linear:
-        total = LinearCrossEntropy.apply(states, head.weight, head.bias, targets, rows)
+        tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
+        total = LinearCrossEntropy.apply(states, head.weight, head.bias, targets, rows, tied)
     else:
         total = checkpointed_cross_entropy(states, head, targets, rows)
     if num_items_in_batch is None:
@@ -119,11 +130,12 @@ def _accumulate(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) ->
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_n CE(states_n @ weight.T + bias, targets_n), fp32, with its gradients computed chunk by chunk in the
     forward pass (no logits kept for the backward, none recomputed). states (N, D), weight (V, D), bias (V,) or
-    None, targets (N,) in [0, V). Gradients are only computed for the inputs that require them."""
+    None, targets (N,) in [0, V). Gradients are only computed for the inputs that require them. `tied`: the
+    input embedding that shares `weight` (`TiedEmbedding.find`), told where the weight's gradient is."""
 
     @staticmethod
     def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, rows: int) -> torch.Tensor:
+                targets: torch.Tensor, rows: int, tied: TiedEmbedding | None = None) -> torch.Tensor:
         want_states, want_weight = states.requires_grad, weight.requires_grad
         want_bias = bias is not None and bias.requires_grad
         grad_states = torch.empty_like(states) if want_states else None
@@ -156,6 +168,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         ctx.present = (want_states, want_weight, want_bias)
         ctx.used = False
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.tied = tied
         return total
 
     @staticmethod
@@ -172,7 +185,85 @@ class LinearCrossEntropy(torch.autograd.Function):
             grads[1] = grads[1].to(ctx.dtypes[0])
         if grads[2] is not None:
             grads[2] = grads[2].to(ctx.dtypes[1])
-        return grads[0], grads[1], grads[2], None, None
+        if ctx.tied is not None and grads[1] is not None and not torch.is_grad_enabled():  # not for create_graph
+            ctx.tied.arm(grads[1])
+        return grads[0], grads[1], grads[2], None, None, None
+
+
+class TiedEmbedding:
+    """The input embedding's gradient added into the loss's (V, D) weight gradient, for a head tied to it.
+
+    In the backward the loss's gradient reaches the weight's `AccumulateGrad` first (autograd holds it until every
+    use of the weight has delivered its part); the embedding's backward node comes last. Its pre-hook here takes
+    the gradient of its output, (B, L, D), and its indices, and returns None in place of that gradient, so the node
+    builds no dense (V, D) gradient; a hook on the weight then adds those rows (`index_put_`, accumulate) to the
+    gradient autograd hands to `AccumulateGrad`. That is the loss's own buffer, owned by autograd alone, whenever its
+    address is the one `arm` noted (nothing else used the weight, or autograd added the other uses into it in
+    place): it is updated in place. Otherwise the rows go into a copy: the same sums, one more buffer.
+
+    Nothing changes for DDP or FSDP2 (the weight's `AccumulateGrad` receives the same dense sum, at the same point
+    of the backward) or for optimizers (`.grad` is dense). The hook on the weight is removed when the backward ends.
+    Skipped (the embedding's backward runs as usual): the weight is not a plain tensor (a DTensor) or not the
+    embedding's leaf, the embedding is sparse or scales by frequency, or the loss gave no weight gradient.
+    """
+
+    SEARCH: Final[int] = 64  # autograd nodes searched from the embeddings for the embedding's backward node
+
+    def __init__(self, node: Any, weight: torch.Tensor) -> None:
+        # the node's saved indices and padding row, not the node: it holds this object (its pre-hook), no cycle
+        self.indices, self.padding, self.weight = node._saved_indices, node._saved_padding_idx, weight
+        self.address: int | None = None  # the loss's gradient buffer, once its backward produced it
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (B * L,) indices, (B * L, D) gradients
+        node.register_prehook(self.take_rows)
+
+    @classmethod
+    def find(cls, embeds: torch.Tensor, weight: torch.Tensor) -> TiedEmbedding | None:
+        """The embedding backward node among the first `SEARCH` autograd nodes behind `embeds` (B, L, D) whose weight
+        is the leaf `weight`, hooked; None where there is none (untied) or it must run as usual."""
+        if embeds.grad_fn is None or not weight.requires_grad or type(weight) not in (torch.Tensor, nn.Parameter):
+            return None
+        queue, seen = [embeds.grad_fn], set()
+        while queue and len(seen) < cls.SEARCH:
+            node = queue.pop(0)
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "EmbeddingBackward0" and getattr(node.next_functions[0][0], "variable",
+                                                                          None) is weight:
+                plain = not (node._saved_sparse or node._saved_scale_grad_by_freq)
+                return cls(node, weight) if plain else None
+            queue.extend(next_node for next_node, _ in node.next_functions)
+        return None
+
+    def arm(self, grad_weight: torch.Tensor) -> None:
+        """The loss's backward produced the weight's gradient `grad_weight` (V, D): note where it is (no reference,
+        which would keep autograd from adding to it in place and from taking it as `.grad`)."""
+        self.address = grad_weight.data_ptr()
+
+    def take_rows(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[None] | None:
+        """Pre-hook of the embedding's backward: keep its rows for `add_rows`, and give it no gradient to expand."""
+        grad = grad_outputs[0]
+        if self.address is None or grad is None:
+            return None
+        indices = self.indices.reshape(-1)
+        values = grad.reshape(indices.shape[0], -1)
+        if self.padding >= 0:  # the padding row gets no gradient (nn.Embedding(padding_idx=...))
+            values = values.masked_fill((indices == self.padding)[:, None], 0)
+        self.rows = (indices, values)
+        handle = self.weight.register_hook(self.add_rows)
+        torch.autograd.Variable._execution_engine.queue_callback(handle.remove)  # when this backward ends
+        return (None,)
+
+    def add_rows(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """Hook on the weight: its gradient, autograd's sum of every other use, plus the embedding's rows."""
+        rows, self.rows = self.rows, None
+        if rows is None:
+            return None
+        indices, values = rows
+        values = values.to(grad.dtype)
+        if grad.data_ptr() == self.address:  # the loss's buffer, owned by autograd alone: in place
+            return grad.index_put_((indices,), values, accumulate=True)
+        return grad.index_put((indices,), values, accumulate=True)
 
 
 def router_balance_loss(spec: Any, router_logits: Any, config: Any, valid: torch.Tensor) -> torch.Tensor:

@@ -345,7 +345,8 @@ class VisionLanguageModel(nn.Module):
                  num_items_in_batch: Any = None, output_router_logits: bool | None = None,
                  **kwargs: Any) -> CausalLMOutputWithPast:
         """The backbone's base model, then the losses computed here: the token loss over the supervised positions
-        only, in chunks (`chunked`: `mmadapt.loss`), or from full logits with the backbone's own loss function;
+        only, in chunks (`chunked`: `mmadapt.loss`; given the input embeddings, so that a head tied to them has one
+        (V, D) gradient buffer), or from full logits with the backbone's own loss function;
         plus, for MoE backbones with `output_router_logits`, the router's load-balancing loss the backbone declares
         (`mmadapt.loss.router_balance_loss`), over the real tokens only."""
         from mmadapt.loss import causal_lm_loss, router_balance_loss
@@ -358,7 +359,7 @@ class VisionLanguageModel(nn.Module):
         hidden, head, logits, loss = out.last_hidden_state, self.backbone.get_output_embeddings(), None, None
         config = self.backbone.config
         if chunked:
-            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch)
+            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch, embeds=inputs.inputs_embeds)
         else:
             logits = head(hidden)
             if labels is not None:

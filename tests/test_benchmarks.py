@@ -50,6 +50,7 @@ def test_bench_load_quick_run_prints_its_table():
 @pytest.mark.slow
 def test_bench_loss_quick_run_prints_its_tables():
     out = run("bench_loss.py", "--quick")
+    assert "gradients freed before each step, as the trainer does" in out  # the step's peak includes them
     assert "| Qwen3.5-0.8B-shaped (tiny;" in out and "| LLaVA-1.5-shaped (tiny;" in out
     assert "| 2 x 4 samples x 32 tokens | (8, 32) |" in out
 

@@ -7,6 +7,10 @@ of it, are covered by the global check: <= 1e-6 relative over all parameters). b
 the same bf16 matmuls, so loss <= 2e-3 and gradients <= 2e-2 relative (bf16 rounding of the logits, which
 the two sides reach through differently ordered sums). The chunk size is forced small (`CHUNK_BYTES`) so that
 every test crosses several chunks.
+
+A head tied to the input embedding (issue 20 item 6): the same gradients (<= 1e-6 relative) as when the embedding's
+backward builds its own dense (V, D) gradient, with one (V, D) buffer alive in the backward instead of two, counted
+from the profiler's allocation events.
 """
 
 from __future__ import annotations
@@ -183,3 +187,124 @@ def test_a_second_backward_through_the_fused_function_is_refused():
     total.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         total.backward()
+
+
+# ---- a head tied to the input embedding: one (V, D) gradient buffer (issue 20 item 6) ---------------------------
+def backward_peak(nbytes, loss_fn):
+    """The most allocations of exactly `nbytes` alive at once during the backward of `loss_fn()`, counting those its
+    forward made and kept (the profiler's allocation events, which hold no tensor: autograd's in-place accumulation
+    and gradient stealing run as without it)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = loss_fn()
+        with record_function("measured backward"):
+            loss.backward()
+    events = list(prof.profiler.kineto_results.events())
+    start = next(e.start_ns() for e in events if e.name() == "measured backward")
+    sizes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and abs(e.nbytes()) == nbytes)
+    live = sum(1 if n > 0 else -1 for t, n in sizes if t < start)
+    peak = live
+    for _, n in ((t, n) for t, n in sizes if t >= start):
+        live += 1 if n > 0 else -1
+        peak = max(peak, live)
+    return peak
+
+
+def without_the_tie(monkeypatch):
+    """The behaviour before: the embedding's backward builds its own dense (V, D) gradient."""
+    monkeypatch.setattr(loss_module.TiedEmbedding, "find", classmethod(lambda cls, embeds, weight: None))
+
+
+def steps(model, batches, **kwargs):
+    """Gradients after forward + backward of each batch in turn (accumulated, from None) and the most (V, D)
+    fp32 buffers alive at once in each backward."""
+    model.zero_grad(set_to_none=True)
+    nbytes = model.backbone.get_input_embeddings().weight.numel() * 4
+    peaks = [backward_peak(nbytes, lambda b=batch: model(**b, **kwargs).loss) for batch in batches]
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, peaks
+
+
+def assert_equal_grads(grads, reference, tol=1e-6):
+    assert grads.keys() == reference.keys()
+    for name, g in reference.items():
+        assert (grads[name] - g).norm() <= tol * g.norm().clamp_min(1e-30), name
+
+
+@pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
+@pytest.mark.parametrize("case", ["one step", "two micro-steps", "nothing supervised", "bf16 autocast"])
+def test_a_tied_head_and_its_embedding_share_one_gradient_buffer(names, case, monkeypatch):
+    """The trainer's step (gradients None before it): the loss's (V, D) weight gradient takes the embedding's rows and
+    becomes `.grad`, the only (V, D) buffer of the step (two before: the embedding's dense gradient too); with a
+    `.grad` from an earlier micro-step, the step adds one buffer to it (two before). The same gradients <= 1e-6."""
+    model = tiny(names, tie_word_embeddings=True, vocab_size=4096).train()  # V x D fp32: 1 MiB, no other tensor's size
+    weight = model.backbone.get_input_embeddings().weight
+    assert model.backbone.get_output_embeddings().weight is weight
+    batches = [synthetic_batch(model, (1, 2, 0), seed=11)]
+    kwargs = {}
+    if case == "two micro-steps":
+        batches.append(synthetic_batch(model, (2, 1), seed=12))
+    if case == "nothing supervised":
+        batches = [{**batches[0], "labels": torch.full_like(batches[0]["labels"], -100)}]
+        kwargs["num_items_in_batch"] = 7
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16 autocast")
+    with autocast:
+        grads, peaks = steps(model, batches, **kwargs)
+    assert weight.grad.layout == torch.strided and weight.grad.is_contiguous()
+    assert not weight._backward_hooks  # the hook on the weight is gone with the backward
+    with monkeypatch.context() as patch:
+        without_the_tie(patch)
+        with autocast:
+            reference, before = steps(model, batches, **kwargs)
+    assert peaks == [1] * len(batches) and before == [2] * len(batches)
+    assert_equal_grads(grads, reference)
+
+
+@pytest.mark.parametrize("names", [QWEN, LLAVA], ids=["qwen", "llava"])
+def test_an_untied_head_is_unchanged(names, monkeypatch):
+    model = tiny(names, tie_word_embeddings=False, vocab_size=4096).train()
+    embeds = model.backbone.get_input_embeddings()(torch.tensor([[1, 2]]))
+    assert loss_module.TiedEmbedding.find(embeds, model.backbone.get_output_embeddings().weight) is None
+    batches = [synthetic_batch(model, (1, 2), seed=13), synthetic_batch(model, (0, 1), seed=14)]
+    grads, peaks = steps(model, batches)
+    without_the_tie(monkeypatch)
+    reference, before = steps(model, batches)
+    # the head's gradient and the embedding's, two parameters; once they have a `.grad`, each is added to it and
+    # freed before the other exists
+    assert peaks == before == [2, 1]
+    assert all(torch.equal(grads[n], g) for n, g in reference.items())
+
+
+def test_the_tied_embedding_rows_against_full_logits():
+    """causal_lm_loss(embeds=) alone, against F.cross_entropy of full logits: the padding row gets no gradient,
+    `torch.autograd.grad` (the gradient captured, not accumulated) and `.backward()` both see the embedding's rows,
+    and a weight also used elsewhere (its gradient no longer the loss's buffer) gets them too."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 8, padding_idx=3)
+    head = torch.nn.Linear(8, 50, bias=False)
+    head.weight = embedding.weight
+    ids = torch.randint(0, 50, (2, 9))
+    ids[0, :3] = 3
+    labels = ids.clone()
+    labels[0, :4] = -100
+
+    def loss(chunked, extra=False):
+        embeds = embedding(ids)
+        hidden = torch.tanh(embeds)
+        if chunked:
+            total = loss_module.causal_lm_loss(hidden, head, labels, rows=4, embeds=embeds)
+        else:
+            logits = head(hidden)[:, :-1].reshape(-1, 50)
+            total = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        return total + (embedding.weight**2).sum() * 1e-2 if extra else total
+
+    for extra in (False, True):
+        (expected,) = torch.autograd.grad(loss(False, extra), embedding.weight)
+        (got,) = torch.autograd.grad(loss(True, extra), embedding.weight)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7)
+        embedding.weight.grad = None
+        loss(True, extra).backward()
+        assert torch.allclose(embedding.weight.grad, expected, rtol=1e-5, atol=1e-7)
+    assert not embedding.weight._backward_hooks
+    embedding.weight.requires_grad_(False)  # a frozen embedding (LoRA): nothing to share
+    assert loss_module.TiedEmbedding.find(embedding(ids), embedding.weight) is None

@@ -7,14 +7,15 @@ plus the unsharded units it gathers; DDP: full, plus its gradient buckets).
 
 **Measured**: activations. A probe (the run's model at its real widths, the first block of each kind of every block
 list, a 1,024-row vocabulary, fewer experts where they would pass 4 GiB) runs a training step on the CPU at two
-short lengths, with the run's stages and precision. Autograd's saved-tensor hooks give each block's saved bytes,
-fitted linearly in tokens (vision blocks: in patches); torch's `MemTracker` gives the step's peak of live tensors.
-The run's step is then a backward sweep over its real depth (saved activations freed block by block while gradients
-appear), plus the probe's measured excess over its own sweep (the backward's temporaries), plus the loss (the
-supervised rows' gradients, the output layer's gradient, two fp32 chunks of logits), for the run's longest micro-
-batch: `batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image at the
-processor's largest size that fits. Activation checkpointing keeps only each block's inputs and recomputes one block
-in the backward. Probe results are cached per shape (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan).
+short lengths, with the run's stages, precision and packing. Autograd's saved-tensor hooks give each block's saved
+bytes, fitted linearly in tokens (vision blocks: in patches); `LiveBytes` (a dispatch mode counting live tensor
+storages) gives the step's peak. The run's step is then a backward sweep over its real depth (saved activations
+freed block by block while gradients appear), plus the probe's measured excess over its own sweep (the backward's
+temporaries), plus the loss (the supervised rows' gradients and one chunk of logits), for the run's longest
+micro-batch: `batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image
+at the processor's largest size that fits; or the optimizer step, whichever is higher. Activation checkpointing
+keeps only each block's inputs and recomputes one block in the backward. Probe results are cached per shape
+(`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan).
 
 `total` is the predicted peak of one training step per device. On CUDA a margin is added before comparing with
 the GPU's memory: the CUDA context and NCCL buffers (1 GiB) and 5% for the caching allocator's fragmentation.
