@@ -23,7 +23,12 @@
      `--config "Qwen3.5-0.8B-shaped, 2 layers, 512 px"` (1 Gated DeltaNet + 1 gated attention, two 512 x 512
      images, ~700 tokens; issue 20 item 6): fewer activations, so the gradients' share of the peak shows.
    - LLaVA-1.5-shaped: CLIP ViT-L/14-336 (1024 wide, 2 of 24 layers; 576 visual tokens) + mlp2x_gelu + LLaMA
-     (4,096 wide, 32,064 vocabulary, 1 of 32 layers). Targets: step peak <= 0.7x, time <= 0.9x.
+     (4,096 wide, 32,064 vocabulary, 1 of 32 layers). Targets: peak above allocated gradients <= 0.7x, time
+     <= 0.9x. Per step, both sides peak at the end of the backward, where the gradients of its 512 M parameters
+     (1,953 MiB) dominate and the logits (1,346 x 32,064) are long gone: ~1x, no target.
+   Both peaks are reported: per step (the trainer's way; issue 20 item 6's target, <= 0.5x for Qwen3.5-0.8B) and
+   above allocated gradients (one more step with the gradients kept allocated and zeroed, counted in the RSS
+   before it: the loss path's own memory, issue 12's targets).
 2. Packed rows of many short samples vs the same tokens as a padding-free batch (Qwen3.5-0.8B-shaped layers,
    3 Gated DeltaNet + 1 gated attention, 1024 wide, fp32; vocabulary cut to 2,048 so that the layers, not the
    output layer, are measured): 2 rows x 16 samples x 128 tokens vs (32, 128), 2 x 4 x 512 vs (8, 512).
@@ -59,7 +64,8 @@ CONFIGS = {
         names=("qwen3_5_vit", "qwen_merger", "qwen3_5"), preset="qwen3.5-0.8b",
         hf_class="Qwen3_5ForConditionalGeneration",
         encoder_options={"depth": 2}, backbone_options={"num_hidden_layers": 4},
-        image_sides=[(512, 512), (1024, 1024)], depth="ViT 2/12 blocks, LLM 4/24 layers", targets=(0.5, 0.8)),
+        image_sides=[(512, 512), (1024, 1024)], depth="ViT 2/12 blocks, LLM 4/24 layers", targets=(0.5, 0.8),
+        step_target=0.5),
     "LLaVA-1.5-shaped": dict(
         names=("clip", "mlp2x_gelu", "llama"), preset={"encoder": "vit-l-14-336", "backbone": "vicuna-7b"},
         hf_class="LlavaForConditionalGeneration", encoder_options={"num_hidden_layers": 2},
@@ -142,10 +148,11 @@ def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: mu
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def step() -> tuple[float, float]:
+    def step(free: bool = True) -> tuple[float, float]:
         """(loss, peak KiB of the forward + backward above what was resident before it), as the trainer's step:
-        gradients freed first (mmadapt.train.trainer: `zero_grad(set_to_none=True)`), allocated by the backward."""
-        optimizer.zero_grad(set_to_none=True)
+        gradients freed first (mmadapt.train.trainer: `zero_grad(set_to_none=True)`), allocated by the backward;
+        `free=False`: gradients kept allocated (zeroed) and counted in what was resident (issue 12's measure)."""
+        optimizer.zero_grad(set_to_none=free)
         _trim_heap()
         before = _status_kib("VmRSS")
         _reset_peak()
@@ -162,8 +169,10 @@ def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: mu
         started = time.perf_counter()
         peaks.append(step()[1])
         times.append(time.perf_counter() - started)
+    kept = step(free=False)[1]
     queue.put({"loss": loss, "seconds": statistics.median(times),
                "step_peak_mib": max(peaks) / 1024 if reset else float("nan"),
+               "kept_peak_mib": kept / 1024 if reset else float("nan"),
                "tokens": int(batch["input_ids"].numel()), "supervised": int((batch["labels"][:, 1:] != -100).sum())})
 
 
@@ -185,7 +194,7 @@ def bench_vlm_step(name: str, quick: bool, steps: int) -> dict:
             results[which] = queue.get(timeout=3000)
             child.join()
     return {"name": name, "depth": "tiny" if quick else config["depth"], "params": params,
-            "targets": config["targets"], **results}
+            "targets": config["targets"], "step_target": config.get("step_target"), **results}
 
 
 # ---- packed rows of many short samples ----------------------------------------------------------------------
@@ -247,19 +256,21 @@ def main() -> None:
               "full logits) vs transformers, each in its own process; gradients freed before each step, as the "
               "trainer does (the peak includes allocating them)\n")
         print("| config (depth cut) | tokens / supervised | mmadapt s | transformers s | time ratio [target] | "
-              "mmadapt fwd+bwd peak MiB | transformers fwd+bwd peak MiB | peak ratio [target] | "
-              "loss mmadapt / transformers |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "mmadapt fwd+bwd peak MiB | transformers fwd+bwd peak MiB | peak ratio, per step [target] | "
+              "peak ratio above allocated gradients [target] | loss mmadapt / transformers |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         raw["vlm"] = []
         for name in args.config or DEFAULT_CONFIGS:
             r = bench_vlm_step(name, args.quick, args.steps)
             raw["vlm"].append(r)
             ours, theirs = r["mmadapt"], r["transformers"]
             memory_target, time_target = r["targets"]
+            step_target = f"<= {r['step_target']}x" if r["step_target"] else "none"
             print(f"| {name} ({r['depth']}; {r['params'] / 1e6:.0f} M parameters) | {ours['tokens']} / "
                   f"{ours['supervised']} | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
                   f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | {ours['step_peak_mib']:.0f} | "
                   f"{theirs['step_peak_mib']:.0f} | {ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x "
+                  f"[{step_target}] | {ours['kept_peak_mib'] / max(theirs['kept_peak_mib'], 1e-9):.2f}x "
                   f"[<= {memory_target}x] | {ours['loss']:.6f} / {theirs['loss']:.6f} |", flush=True)
     if args.only in (None, "packed"):
         model = packed_model(args.quick)

@@ -100,6 +100,10 @@ MIXED = {  # (overrides, strategies run with 2 processes)
                         ("fsdp",)),
     # activation checkpointing inside FSDP2's units (each decoder layer / vision block recomputed in the backward)
     "checkpointing": (["train.activation_checkpointing=all"], ("fsdp",)),
+    # the output layer tied to the input embedding: one (V, D) gradient buffer (mmadapt.loss.TiedEmbedding) under
+    # DDP; FSDP2's sharded weight takes the embedding's usual backward
+    "tied embeddings": (["model.backbone={name: qwen3_5, preset: tiny, options: {tie_word_embeddings: true}}"],
+                        ("fsdp", "ddp")),
 }
 
 
