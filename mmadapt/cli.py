@@ -216,6 +216,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             "bad_samples"] else ""
         print(f"trained {summary['steps']} steps ({summary['skipped']} skipped{bad}) in {summary['seconds']:.0f} s; "
               f"outputs in {config.train.out}")
+        if summary.get("speed"):
+            from mmadapt.train.tracking import speed_table
+
+            print(speed_table(summary["speed"]))
     return 0
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 COMPONENT_MODES = ("frozen", "full", "lora")
+REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
 STAGE_PRESETS: dict[str, dict[str, str]] = {
     # LLaVA-1.5: stage 1 aligns the projector alone, stage 2 tunes projector + LLM; the tower stays frozen.
     "llava-stage1": {"encoder": "frozen", "projector": "full", "backbone": "frozen"},
@@ -115,8 +116,18 @@ class TrainSection:
     full_logits: bool = False
     out: str = "runs/train"
     progress: bool = True
+    # where the per-step records go: jsonl (OUT/log.jsonl, always), tensorboard (OUT/tensorboard), wandb (OUT/wandb;
+    # WANDB_MODE=offline works without a network)
+    report_to: list[str] | str = field(default_factory=lambda: ["jsonl"])
+    # a one-time warning when waiting for data takes more than this share of a step
+    slow_data_share: float = 0.2
 
     def __post_init__(self) -> None:
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        unknown = sorted(set(names) - set(REPORTERS))
+        if unknown:
+            raise ValueError(f"train.report_to: unknown {unknown}; known: {list(REPORTERS)}")
+        self.report_to = ["jsonl", *[n for n in REPORTERS[1:] if n in names]]
         if self.steps < 1 or self.grad_accum < 1:
             raise ValueError(f"train.steps ({self.steps}) and train.grad_accum ({self.grad_accum}) must be >= 1")
         if self.epochs is not None and self.epochs <= 0:

@@ -44,6 +44,7 @@ from mmadapt.train.optim import enable_activation_checkpointing, parameter_group
 from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState
+from mmadapt.train.tracking import PartClock, Tracker, batch_counts, peak_memory_mib, speed_summary
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ class Trainer:
         self.scheduler = get_scheduler(t.schedule, self.optimizer, num_warmup_steps=self.warmup_steps,
                                        num_training_steps=self.total_steps)
         self.state = TrainerState()
+        self.tracker: Tracker | None = None
+        self.warned_slow_data = False
         if config.checkpoint.resume:
             self.resume()
 
@@ -207,13 +210,18 @@ class Trainer:
             log.info(self.describe_precision())
         batches = self.loader(self.step)
         progress = self.progress_bar()
+        self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict()) if self.is_main else None
+        clock = PartClock(self.model, self.device) if hasattr(self.model, "encoder") else None
         last_eval = None
         started = time.perf_counter()
         while self.step < self.total_steps:
+            step_started = time.perf_counter()
             micro = [next(batches) for _ in range(t.grad_accum)]
-            record = self.train_step(micro)
+            waited = time.perf_counter() - step_started
+            record = self.train_step(micro, clock)
             self.step += 1
             record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
+            self.add_speed(record, micro, waited, time.perf_counter() - step_started)
             last_eval = None
             if t.eval_every and self.step % t.eval_every == 0:
                 last_eval = self.run_eval()
@@ -224,6 +232,10 @@ class Trainer:
                 self.save()
         if progress is not None:
             progress.close()
+        if clock is not None:
+            clock.close()
+        if self.tracker is not None:
+            self.tracker.close()
         if last_eval is not None:  # the last step was just evaluated
             final_eval = last_eval
         elif self.eval_data is not None or self.evaluate is not None:
@@ -237,7 +249,7 @@ class Trainer:
         dist_utils.barrier()
         return {"steps": self.step, "skipped": self.skipped, "bad_samples": self.bad_samples,
                 "samples_seen": self.samples_seen, "seconds": time.perf_counter() - started,
-                "history": self.history, **final_eval}
+                "history": self.history, "speed": speed_summary(self.history), **final_eval}
 
     def check_fresh_out(self) -> None:
         """A fresh run never mixes with an earlier run's checkpoints (resume or pruning would pick theirs)."""
@@ -247,9 +259,13 @@ class Trainer:
                              "it with --resume (checkpoint.resume=true), or choose another train.out.")
         (self.out / "log.jsonl").unlink(missing_ok=True)
 
-    def train_step(self, micro: list[dict[str, Any]]) -> dict[str, Any]:
-        """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record."""
-        loss_value, total_tokens = self.backward(micro)
+    def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> dict[str, Any]:
+        """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
+        seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time"."""
+        started = time.perf_counter()
+        loss_value, total_tokens = self.backward(micro, clock)
+        forward_backward = time.perf_counter() - started
+        vision = clock.take() if clock is not None else 0.0
         clip = self.cfg.train.clip_grad_norm
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
         record = {"loss": loss_value, "grad_norm": grad_norm, **self.learning_rates(),
@@ -269,7 +285,28 @@ class Trainer:
                 self.stop_non_finite(micro[0])
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        record["time"] = {"vision": vision, "llm": forward_backward - vision,
+                          "optimizer": time.perf_counter() - started - forward_backward}
         return record
+
+    def add_speed(self, record: dict[str, Any], micro: list[dict[str, Any]], waited: float, seconds: float) -> None:
+        """The step's time split (data / vision / llm / optimizer, and the whole step), throughput over every rank
+        (tokens, supervised tokens, samples and images per second), peak memory; a one-time warning when the step
+        waits for data more than `train.slow_data_share` of its time."""
+        record["time"] = {"data": waited, **record["time"], "step": seconds}
+        counts = torch.tensor([sum(batch_counts(b)[k] for b in micro) for k in range(3)], dtype=torch.float64)
+        tokens, samples, images = dist_utils.all_reduce_sum(counts.to(self.device)).tolist()
+        record.update(tokens_per_s=tokens / seconds, supervised_per_s=record["tokens"] / seconds,
+                      samples_per_s=samples / seconds, images_per_s=images / seconds,
+                      peak_memory_mib=peak_memory_mib(self.device), skipped_steps=self.skipped,
+                      bad_samples=self.bad_samples)
+        share = self.cfg.train.slow_data_share
+        if self.step > 2 and not self.warned_slow_data and waited > share * seconds:
+            self.warned_slow_data = True
+            log.warning("step %d waited %.0f%% of its %.2f s for data (train.slow_data_share %.0f%%): the model is "
+                        "starved. Fix: more loader processes (data.num_workers, now %d), packing (data.packing), or "
+                        "smaller images (the processor's max pixels)", self.step, 100 * waited / seconds, seconds,
+                        100 * share, self.cfg.data.num_workers)
 
     def learning_rates(self) -> dict[str, Any]:
         """{"lr": this step's rate at train.lr} and, with train.lr_by_part, {"lr_by_part": {part: rate}}."""
@@ -299,7 +336,7 @@ class Trainer:
         """The budget of `data.max_bad_fraction`, counting into `self.state` (so its counts are checkpointed)."""
         return BadSampleBudget(self.state, self.cfg.data.max_bad_fraction, logger=log)
 
-    def backward(self, micro: list[dict[str, Any]]) -> tuple[float, int]:
+    def backward(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> tuple[float, int]:
         """Accumulate the gradients of one global batch; returns (its mean token loss, its supervised tokens)."""
         tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(self.device))
         total_tokens = max(int(tokens.item()), 1)
@@ -312,6 +349,8 @@ class Trainer:
             with sync, self.precision_context():
                 loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=total_tokens).loss
             (loss * self.dist.world).backward()  # ranks' gradients are averaged; the loss is already global
+            if clock is not None:
+                clock.backward_done()
             loss_sum += loss.detach().float()
         return float(dist_utils.all_reduce_sum(loss_sum)), total_tokens
 
@@ -368,11 +407,11 @@ class Trainer:
         self.history.append(record)
         if not self.is_main:
             return
-        with open(self.out / "log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.tracker.log(record)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", grad=f"{record['grad_norm']:.3g}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}", grad=f"{record['grad_norm']:.3g}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
         if self.step % max(self.cfg.train.log_every, 1) == 0 or record.get("skipped"):
             log.info("step %d  loss %.4f  grad_norm %.4g  lr %.3g%s", record["step"], record["loss"],
                      record["grad_norm"], record["lr"], "  SKIPPED" if record.get("skipped") else "")

@@ -1,0 +1,114 @@
+"""Following a run: `train.report_to` (jsonl, TensorBoard, W&B offline), the step's time split, throughput, peak
+memory, the end-of-run summary and the slow-data warning (mmadapt.train.tracking)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from test_train import QWEN, tiny
+
+from mmadapt.data import Collator
+from mmadapt.testing import synthetic_samples
+from mmadapt.train import RunConfig, Trainer
+from mmadapt.train.tracking import speed_table
+
+SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "supervised_per_s", "samples_per_s", "images_per_s",
+           "peak_memory_mib", "skipped_steps", "bad_samples", "time/data", "time/vision", "time/llm",
+           "time/optimizer", "time/step")
+
+
+def fit(tmp_path, *overrides, data=None):
+    model = tiny(QWEN)
+    samples = data if data is not None else synthetic_samples(model, [1, 0, 2, 1] * 3,
+                                                              text_lengths=[6 + k % 5 for k in range(12)])
+    config = RunConfig.load(None, [f"train.out={tmp_path}", "train.progress=false", "train.steps=3",
+                                   "data.batch_size=2", "stages.encoder=full", *overrides])
+    return Trainer(model, config, samples, Collator.for_model(model, 0)).fit()
+
+
+def wandb_history(directory) -> list[dict]:
+    """The `history` records of an offline W&B run, read back from its .wandb file: a LevelDB-style log (a 7-byte
+    file header, 32 KiB blocks of records with a 7-byte header each: crc, length, type FULL / FIRST / MIDDLE /
+    LAST) of `wandb_internal_pb2.Record` messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = directory.glob("wandb/offline-run-*/run-*.wandb")
+    data, block, position, records, pending = path.read_bytes(), 32768, 7, [], b""
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        left = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (kind == 0 and length == 0):  # the block's padding
+            position += left
+            continue
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def test_tensorboard_and_wandb_offline_get_every_scalar(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = fit(tmp_path, "train.report_to=[tensorboard, wandb]")
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert set(SCALARS) <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in summary["history"]])
+    assert [e.step for e in events.Scalars("time/step")] == [1, 2, 3]
+    assert "config" in " ".join(events.Tags()["tensors"])  # the run config, once
+    rows = wandb_history(tmp_path)
+    assert len(rows) == 3 and set(SCALARS) <= set(rows[0])
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in summary["history"]])
+    logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged] == [r["loss"] for r in summary["history"]]
+
+
+def test_the_time_split_sums_to_the_step_and_throughput_counts_every_sample(tmp_path):
+    history = fit(tmp_path, "train.grad_accum=2")["history"]
+    for record in history:
+        t = record["time"]
+        parts = t["data"] + t["vision"] + t["llm"] + t["optimizer"]
+        assert abs(parts - t["step"]) <= 0.05 * t["step"], t
+        assert t["vision"] > 0 and t["llm"] > 0  # the encoder trains: its forward and backward are timed
+        assert record["samples_per_s"] * t["step"] == pytest.approx(4)  # 2 micro-batches of 2 samples
+        assert record["supervised_per_s"] * t["step"] == pytest.approx(record["tokens"])
+        assert record["tokens_per_s"] > record["supervised_per_s"] and record["peak_memory_mib"] > 0
+    # 3 steps of 4 samples: each of the 12 samples (1, 0, 2, 1 images, three times) once
+    assert sum(r["images_per_s"] * r["time"]["step"] for r in history) == pytest.approx(12)
+
+
+def test_the_summary_table_and_an_unknown_reporter(tmp_path):
+    table = speed_table(fit(tmp_path)["speed"])
+    assert table.startswith("| step s | data | vision | LLM | optimizer | tokens/s |") and table.count("\n") == 2
+    with pytest.raises(ValueError, match=r"train.report_to: unknown \['mlflow'\]; known: \['jsonl', 'tensorboard'"):
+        RunConfig.load(None, ["train.report_to=[mlflow]"])
+
+
+class SlowSamples(list):
+    def __getitem__(self, index):
+        time.sleep(0.05)
+        return super().__getitem__(index)
+
+
+def test_a_step_that_waits_for_data_says_so_once(tmp_path, caplog):
+    model = tiny(QWEN)
+    data = SlowSamples(synthetic_samples(model, [1, 0] * 6, text_lengths=[4] * 12))
+    with caplog.at_level(logging.WARNING, logger="mmadapt.train.trainer"):
+        fit(tmp_path, "train.steps=5", data=data)
+    warnings = [r.getMessage() for r in caplog.records if "for data" in r.getMessage()]
+    assert len(warnings) == 1 and "data.num_workers, now 0" in warnings[0] and "packing" in warnings[0]
