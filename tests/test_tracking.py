@@ -112,3 +112,27 @@ def test_a_step_that_waits_for_data_says_so_once(tmp_path, caplog):
         fit(tmp_path, "train.steps=5", data=data)
     warnings = [r.getMessage() for r in caplog.records if "for data" in r.getMessage()]
     assert len(warnings) == 1 and "data.num_workers, now 0" in warnings[0] and "packing" in warnings[0]
+
+
+def test_each_step_logs_its_flops_per_part_and_mfu_against_the_peak(tmp_path):
+    from mmadapt.flops import step_flops
+
+    model = tiny(QWEN)
+    samples = synthetic_samples(model, [1, 0, 2, 1], text_lengths=[6, 7, 8, 9])
+    config = RunConfig.load(None, [f"train.out={tmp_path}", "train.progress=false", "train.steps=2",
+                                   "data.batch_size=4", "stages.encoder=full", "train.peak_tflops=0.5"])
+    collate = Collator.for_model(model, 0)
+    expected = step_flops(model, collate(samples)).step  # one micro-batch of the 4 samples: each step's
+    summary = Trainer(model, config, samples, collate).fit()
+    for record in summary["history"]:
+        assert record["flops"]["total"] == pytest.approx(sum(expected.values()))
+        assert record["flops"]["vision"] == pytest.approx(expected["vision"]) and expected["vision"] > 0
+        assert record["tflops_per_s"] == pytest.approx(record["flops"]["total"] / record["time"]["step"] / 1e12)
+        assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.5)
+        assert 0 < record["vision_flops_share"] < 1
+    assert "mfu" in summary["speed"] and speed_table(summary["speed"]).splitlines()[2].endswith("% |")
+
+
+def test_no_mfu_on_a_cpu_without_a_peak(tmp_path):
+    history = fit(tmp_path)["history"]
+    assert all("mfu" not in r and r["tflops_per_s"] > 0 for r in history)

@@ -121,6 +121,9 @@ class TrainSection:
     report_to: list[str] | str = field(default_factory=lambda: ["jsonl"])
     # a one-time warning when waiting for data takes more than this share of a step
     slow_data_share: float = 0.2
+    # the accelerator's peak (bf16 dense TFLOP/s) for MFU; None: from mmadapt.train.tracking.PEAK_TFLOPS by the CUDA
+    # device's name (no MFU on a CPU or an unknown device)
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)

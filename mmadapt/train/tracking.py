@@ -121,6 +121,25 @@ class PartClock:
             handle.remove()
 
 
+# bf16 dense tensor-core peaks (TFLOP/s, without sparsity), from NVIDIA's data sheets; matched as substrings of
+# torch.cuda.get_device_name(), longest first
+PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0,
+               "L40S": 362.05, "L40": 181.05, "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.2,
+               "RTX 3090": 71.0}
+
+
+def peak_tflops(device: Any, configured: float | None) -> float | None:
+    """`train.peak_tflops`, else the known peak of this CUDA device, else None (a CPU: no MFU)."""
+    if configured is not None:
+        return configured
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((PEAK_TFLOPS[k] for k in sorted(PEAK_TFLOPS, key=len, reverse=True) if k in name), None)
+
+
 def batch_counts(batch: dict[str, Any]) -> tuple[int, int, int]:
     """(tokens, samples, images) of a collated batch: real positions, samples (several per packed row), images."""
     mask = batch.get("attention_mask")
@@ -159,7 +178,8 @@ def speed_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     if not steps:
         return {}
     keys = [f"time/{k}" for k in ("data", "vision", "llm", "optimizer", "step")]
-    keys += ["tokens_per_s", "supervised_per_s", "samples_per_s", "images_per_s"]
+    keys += ["tokens_per_s", "supervised_per_s", "samples_per_s", "images_per_s", "tflops_per_s"]
+    keys += ["mfu"] if all("mfu" in r for r in steps) else []
     return {key: statistics.median(scalars(r)[key] for r in steps) for key in keys}
 
 
@@ -167,7 +187,8 @@ def speed_table(speed: dict[str, float]) -> str:
     """The end-of-run summary: the median step's time split and throughput, as a small table."""
     step = speed["time/step"]
     shares = " | ".join(f"{100 * speed[f'time/{k}'] / step:.0f}%" for k in ("data", "vision", "llm", "optimizer"))
-    return ("| step s | data | vision | LLM | optimizer | tokens/s | supervised/s | samples/s | images/s |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    mfu = f"{100 * speed['mfu']:.1f}%" if "mfu" in speed else "-"
+    return ("| step s | data | vision | LLM | optimizer | tokens/s | supervised/s | samples/s | images/s | TFLOP/s | "
+            "MFU |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
             f"| {step:.3f} | {shares} | {speed['tokens_per_s']:,.0f} | {speed['supervised_per_s']:,.0f} | "
-            f"{speed['samples_per_s']:.2f} | {speed['images_per_s']:.2f} |")
+            f"{speed['samples_per_s']:.2f} | {speed['images_per_s']:.2f} | {speed['tflops_per_s']:.3g} | {mfu} |")

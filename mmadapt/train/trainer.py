@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import save_tokenizer, write_config
+from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
@@ -44,7 +45,7 @@ from mmadapt.train.optim import enable_activation_checkpointing, parameter_group
 from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState
-from mmadapt.train.tracking import PartClock, Tracker, batch_counts, peak_memory_mib, speed_summary
+from mmadapt.train.tracking import PartClock, Tracker, batch_counts, peak_memory_mib, peak_tflops, speed_summary
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class Trainer:
         self.state = TrainerState()
         self.tracker: Tracker | None = None
         self.warned_slow_data = False
+        self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
             self.resume()
 
@@ -300,6 +302,17 @@ class Trainer:
                       samples_per_s=samples / seconds, images_per_s=images / seconds,
                       peak_memory_mib=peak_memory_mib(self.device), skipped_steps=self.skipped,
                       bad_samples=self.bad_samples)
+        if hasattr(self.model, "encoder"):  # FLOPs and MFU per device (this rank's micro-batches)
+            flops = dict.fromkeys(PARTS, 0.0)
+            for batch in micro:
+                if batch["input_ids"].shape[0]:
+                    for part, value in step_flops(self.model, batch).step.items():
+                        flops[part] += value
+            total = sum(flops.values())
+            record.update(flops={**flops, "total": total}, vision_flops_share=(flops["vision"] + flops[
+                "projector"]) / max(total, 1.0), tflops_per_s=total / seconds / 1e12)
+            if self.peak_tflops is not None:
+                record["mfu"] = record["tflops_per_s"] / self.peak_tflops
         share = self.cfg.train.slow_data_share
         if self.step > 2 and not self.warned_slow_data and waited > share * seconds:
             self.warned_slow_data = True
