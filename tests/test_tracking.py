@@ -136,3 +136,25 @@ def test_each_step_logs_its_flops_per_part_and_mfu_against_the_peak(tmp_path):
 def test_no_mfu_on_a_cpu_without_a_peak(tmp_path):
     history = fit(tmp_path)["history"]
     assert all("mfu" not in r and r["tflops_per_s"] > 0 for r in history)
+
+
+def test_mmadapt_train_logs_the_plan_once_mmadapt_plan_has_measured_it(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mmadapt.cli import main
+
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
+    records = [{"id": f"s{i}", "conversations": [{"from": "human", "value": "Say a word."},
+                                                  {"from": "gpt", "value": "word"}]} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    run = tmp_path / "run.yaml"
+    run.write_text(f"data: {{train: {tmp_path / 'train.jsonl'}, batch_size: 2, max_length: 64}}\n"
+                   "train: {steps: 1, progress: false, report_to: [tensorboard]}\n")
+    assert main(["train", str(run), f"train.out={tmp_path / 'first'}"]) == 0
+    assert not (tmp_path / "first" / "plan.json").exists()  # no probe cached: a run does not pay for one
+    assert main(["plan", str(run), "--device", "cpu"]) == 0
+    assert main(["train", str(run), f"train.out={tmp_path / 'second'}"]) == 0
+    plan = json.loads((tmp_path / "second" / "plan.json").read_text())
+    assert plan["per_gpu"]["total"] > 0 and plan["device"] == "cpu"
+    text = EventAccumulator(str(tmp_path / "second" / "tensorboard")).Reload()
+    assert "config" in " ".join(text.Tags()["tensors"])

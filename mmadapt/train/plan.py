@@ -498,14 +498,25 @@ def _own_parameters(model: Any, module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if id(p) not in inside]
 
 
-def cached_probe(config: RunConfig) -> dict[str, Any]:
-    key = probe_key(config)
+def _probe_path(config: RunConfig) -> Path:
     root = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt")) / "plan"
-    path = root / f"{key}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
+    return root / f"{probe_key(config)}.json"
+
+
+def cached_probe_or_none(config: RunConfig) -> dict[str, Any] | None:
+    """The config's probe when it is cached, else None (nothing measured)."""
+    path = _probe_path(config)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def cached_probe(config: RunConfig) -> dict[str, Any]:
+    """The config's probe: from the cache, else measured and cached."""
+    cached = cached_probe_or_none(config)
+    if cached is not None:
+        return cached
     result = run_probe(config)
-    root.mkdir(parents=True, exist_ok=True)
+    path = _probe_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result
 

@@ -91,4 +91,21 @@ def run(config: RunConfig) -> dict[str, Any]:
     parts = build_run(config)
     trainer = Trainer(parts.model, config, parts.train_data, parts.collate, eval_data=parts.eval_data,
                       tokenizer=parts.tokenizer)
+    trainer.plan = planned(config, trainer.dist.world, trainer.device)
     return trainer.fit()
+
+
+def planned(config: RunConfig, world: int, device: Any) -> dict[str, Any] | None:
+    """The run's `mmadapt plan` (`--json`), logged with the config, when its probe is cached (`mmadapt plan` was run
+    for this config: a run does not pay for a probe at start); None otherwise."""
+    from mmadapt.train.plan import cached_probe_or_none, predict
+
+    try:
+        probe = cached_probe_or_none(config)
+        if probe is None:
+            log.info("no memory plan logged: run `mmadapt plan` on this config first to log it with the run")
+            return None
+        return predict(config, gpus=world, device=getattr(device, "type", "cpu"), probe=probe).to_json()
+    except (OSError, ValueError) as e:  # a plan is a report: it never stops a run
+        log.warning("the memory plan could not be made (%s); training goes on", e)
+        return None

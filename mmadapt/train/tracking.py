@@ -3,7 +3,8 @@
 `train.report_to: [jsonl, tensorboard, wandb]`. TensorBoard writes event files to `OUT/tensorboard` through
 torch's `SummaryWriter`; W&B runs in `OUT/wandb` (offline with `WANDB_MODE=offline`, synced later with
 `wandb sync`). Each record's numbers are logged as scalars, nested ones under their path (`lr_by_part/encoder`,
-`time/data`); the run config (and its memory plan, when given) is logged once. Only the main process reports.
+`time/data`); the run config (and its memory plan, when given: also `OUT/plan.json`) is logged once. Only the main
+process reports.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Tracker:
         self.out, self.names = Path(out), report_to
         self.writer = self.wandb = None
         extra = {"plan": plan} if plan is not None else {}
+        if plan is not None:
+            (self.out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
         for name in self.names[1:]:
             try:
                 __import__(name)

@@ -173,6 +173,7 @@ class Trainer:
                                        num_training_steps=self.total_steps)
         self.state = TrainerState()
         self.tracker: Tracker | None = None
+        self.plan: dict[str, Any] | None = None  # the run's memory plan, logged with the config (train.run sets it)
         self.warned_slow_data = False
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
@@ -212,7 +213,7 @@ class Trainer:
             log.info(self.describe_precision())
         batches = self.loader(self.step)
         progress = self.progress_bar()
-        self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict()) if self.is_main else None
+        self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict(), plan=self.plan) if self.is_main else None
         clock = PartClock(self.model, self.device) if hasattr(self.model, "encoder") else None
         last_eval = None
         started = time.perf_counter()
