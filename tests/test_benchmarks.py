@@ -68,3 +68,14 @@ def test_bench_plan_quick_run_prints_its_table(tmp_path, monkeypatch):
     out = run("bench_plan.py", "--quick")
     assert "| config | depth (of real) | micro-batch | predicted MiB | VmHWM MiB, glibc defaults |" in out
     assert "| Qwen3.5-0.8B full | tiny | 2 x 128 tokens" in out
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_every_check_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
+    out = run("gpu_check.py", "--device", "cpu", "--quick", timeout=900)  # check=True: it exits 0 (every check passed)
+    assert "| check | configuration | result | tolerance / target | pass |" in out
+    for check in ("step: loss / gradients", "packing: packed == padded", "packing: isolation", "fsdp: 2 processes",
+                  "speed"):
+        assert check in out, check
+    assert "FAIL" not in out
