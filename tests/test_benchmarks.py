@@ -75,7 +75,9 @@ def test_gpu_check_runs_every_check_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
     out = run("gpu_check.py", "--device", "cpu", "--quick", timeout=900)  # check=True: it exits 0 (every check passed)
     assert "| check | configuration | result | tolerance / target | pass |" in out
-    for check in ("step: loss / gradients", "packing: packed == padded", "packing: isolation", "fsdp: 2 processes",
-                  "speed"):
+    for check in ("| step: loss |", "| step: gradients |", "| packing: packed == padded |", "| packing: isolation |",
+                  "| fsdp: 2 processes == 1 |", "| speed |"):
         assert check in out, check
+    for backbone in ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"):
+        assert f"+{backbone} tiny" in out, backbone
     assert "FAIL" not in out
