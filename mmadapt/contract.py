@@ -205,4 +205,4 @@ def check_batch(model: Any, batch: dict) -> BatchReport:
 
 # The batch keys `check_batch` hands to `model.prepare` (the collator's `labels` and `meta` play no part).
 PREPARED_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids",
-                 "position_ids", "images_per_sample", "cu_seqlens")
+                 "position_ids", "images_per_sample", "cu_seqlens", "pixel_values_videos", "video_grid_thw")

@@ -151,7 +151,8 @@ class VisionLanguageModel(nn.Module):
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, *,
                 visual: VisualTokens | None = None, mm_token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, images_per_sample: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, check: bool | None = None,
+                cu_seqlens: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None, check: bool | None = None,
                 trace: dict[str, Any] | None = None) -> ModelInputs:
         """A batch's keyword inputs -> the backbone's (`ModelInputs`): locate the image spans, encode the images
         (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
@@ -162,6 +163,7 @@ class VisionLanguageModel(nn.Module):
         """
         check = self.config.check_contract if check is None else check
         trace = {} if trace is None else trace
+        self.refuse_video(input_ids, pixel_values_videos, video_grid_thw)
         trace["spans"] = spans = contract.locate(input_ids, self.tokens.image_token_id)
         trace["valid"] = valid = as_bool_mask(attention_mask, input_ids)
         segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
@@ -183,6 +185,22 @@ class VisionLanguageModel(nn.Module):
             mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
             packed = PackedRows(segments, cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
+
+    def refuse_video(self, input_ids: torch.Tensor, pixel_values_videos: torch.Tensor | None,
+                     video_grid_thw: torch.Tensor | None) -> None:
+        """Video is not modelled: a batch carrying video pixels or video placeholder tokens is a contract error, never
+        a silent run in which the frames are dropped and the placeholders reach the LLM as plain tokens."""
+        video_id = self.tokens.video_token_id
+        found = (input_ids == video_id).nonzero() if video_id is not None else input_ids.new_zeros(0, 2)
+        if pixel_values_videos is None and video_grid_thw is None and not found.numel():
+            return
+        where = f"sample {int(found[0, 0])}: " if found.numel() else ""
+        what = (f"{int((input_ids == video_id).sum())} video placeholder token(s) (id {video_id})" if found.numel()
+                else "pixel_values_videos / video_grid_thw")
+        raise ImageTokenContractError(
+            f"{where}the batch carries {what}, but this model does not encode video: the frames would be dropped and "
+            "the placeholders would reach the LLM as plain token embeddings. Fix: pass the frames as images, or "
+            "leave videos out of the batch.")
 
     def runs_vision_every_step(self) -> bool:
         """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
@@ -301,6 +319,8 @@ class VisionLanguageModel(nn.Module):
         labels: torch.Tensor | None = None,
         images_per_sample: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
         return_logits: bool = False,
         **kwargs: Any,
@@ -313,7 +333,8 @@ class VisionLanguageModel(nn.Module):
         `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
         inputs = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw,
                               mm_token_type_ids=mm_token_type_ids, position_ids=position_ids,
-                              images_per_sample=images_per_sample, cu_seqlens=cu_seqlens)
+                              images_per_sample=images_per_sample, cu_seqlens=cu_seqlens,
+                              pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
             raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "

@@ -29,7 +29,7 @@ VLM_TEXT_RULES: Rules = (("model.language_model.", "model."), ("language_model.m
                          ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 LM_RULES: Rules = (("model.language_model.", "model."), ("", ""))
 
-TOKEN_FIELDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+TOKEN_FIELDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SpanTokens:
     image_token_id: int | None  # None: not known yet (a text LLM's checkpoint); images then fail loudly
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    video_token_id: int | None = None  # the video placeholder (Qwen's <|video_pad|>); None: the backbone has none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,7 @@ class BackboneSpec:
     hf_model_type: str
     positions: Literal["1d", "mrope"] = "1d"
     image_token: str = "<image>"
+    video_token: str | None = None
     vision_start_token: str | None = None
     vision_end_token: str | None = None
     chat_template: str = "vicuna_v1"

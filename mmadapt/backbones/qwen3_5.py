@@ -37,7 +37,8 @@ TOKENS_AND_ROPE = dict(
     linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
     rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                          mrope_section=[11, 11, 10], mrope_interleaved=True),
-    image_token_id=248056, vision_start_token_id=248053, vision_end_token_id=248054, eos_token_id=248044,
+    image_token_id=248056, vision_start_token_id=248053, vision_end_token_id=248054, video_token_id=248057,
+    eos_token_id=248044,
 )
 
 
@@ -59,6 +60,7 @@ BACKBONES.register("qwen3_5", BackboneSpec(
     hf_model_type="qwen3_5_text",
     positions="mrope",
     image_token="<|image_pad|>",
+    video_token="<|video_pad|>",
     vision_start_token="<|vision_start|>",
     vision_end_token="<|vision_end|>",
     chat_template="chatml",
@@ -71,7 +73,7 @@ BACKBONES.register("qwen3_5", BackboneSpec(
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                  mrope_section=[2, 1, 1], mrope_interleaved=True),
-            image_token_id=250, vision_start_token_id=248, vision_end_token_id=249,
+            image_token_id=250, vision_start_token_id=248, vision_end_token_id=249, video_token_id=251,
         ),
         "qwen3.5-0.8b": _qwen(1024, 3584, 24, 8, 2, 16, tie=True),
         "qwen3.5-2b": _qwen(2048, 6144, 24, 8, 2, 16, tie=True),

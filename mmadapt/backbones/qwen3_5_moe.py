@@ -25,7 +25,7 @@ TINY = dict(
     linear_conv_kernel_dim=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
     num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                                  mrope_section=[2, 1, 1], mrope_interleaved=True),
-    image_token_id=250, vision_start_token_id=248, vision_end_token_id=249,
+    image_token_id=250, vision_start_token_id=248, vision_end_token_id=249, video_token_id=251,
 )
 
 

@@ -46,14 +46,14 @@ SHARED = dict(
     vocab_size=151936, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=262144, hidden_act="silu",
     rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20],
                          mrope_interleaved=True),
-    image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653, bos_token_id=151643,
-    eos_token_id=151645,
+    image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653, video_token_id=151656,
+    bos_token_id=151643, eos_token_id=151645,
 )
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
-    image_token_id=250, vision_start_token_id=248, vision_end_token_id=249,
+    image_token_id=250, vision_start_token_id=248, vision_end_token_id=249, video_token_id=251,
 )
 
 
@@ -96,6 +96,7 @@ BACKBONES.register("qwen3_vl", BackboneSpec(
     hf_model_type="qwen3_vl_text",
     positions="mrope",
     image_token="<|image_pad|>",
+    video_token="<|video_pad|>",
     vision_start_token="<|vision_start|>",
     vision_end_token="<|vision_end|>",
     chat_template="chatml",

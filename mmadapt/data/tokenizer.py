@@ -52,7 +52,7 @@ def char_tokenizer() -> Any:
 
 def required_tokens(model: Any, tokenizer: Any, template: Any = None) -> list[str]:
     spec = model.backbone_spec
-    span = [spec.image_token, spec.vision_start_token, spec.vision_end_token]
+    span = [spec.image_token, spec.vision_start_token, spec.vision_end_token, spec.video_token]
     template = template or TEMPLATES.get(spec.chat_template)
     return [t for t in [*span, *template.specials(tokenizer)] if t]
 
@@ -75,6 +75,8 @@ def prepare_tokenizer(model: Any, tokenizer: Any, template: Any = None) -> Any:
     if spec.vision_start_token is not None:
         ids["vision_start_token_id"] = tokenizer.convert_tokens_to_ids(spec.vision_start_token)
         ids["vision_end_token_id"] = tokenizer.convert_tokens_to_ids(spec.vision_end_token)
+    if spec.video_token is not None:
+        ids["video_token_id"] = tokenizer.convert_tokens_to_ids(spec.video_token)
     changed = {k: v for k, v in ids.items() if getattr(model.tokens, k) != v}
     if changed:
         log.info("model span token ids now follow the tokenizer: %s", changed)
