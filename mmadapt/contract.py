@@ -52,6 +52,18 @@ def locate(input_ids: torch.Tensor, image_token_id: int | None) -> ImageSpans:
     return ImageSpans(mask, sample, start, length, num_tokens=int(length.sum()))
 
 
+def merge(first: ImageSpans, second: ImageSpans) -> tuple[ImageSpans, torch.Tensor, torch.Tensor]:
+    """The spans of two placeholders (images, video frames) as one set in batch and text order; (N,) bool: which of
+    the merged positions are `second`'s (in `mask` order); and (S,) the merged spans' indices into first + second."""
+    length = first.mask.shape[1]
+    sample, start = torch.cat([first.sample, second.sample]), torch.cat([first.start, second.start])
+    order = torch.argsort(sample * length + start)
+    mask = first.mask | second.mask
+    spans = ImageSpans(mask, sample[order], start[order], torch.cat([first.length, second.length])[order],
+                       num_tokens=first.num_tokens + second.num_tokens)
+    return spans, second.mask[mask], order
+
+
 def scatter(inputs_embeds: torch.Tensor, spans: ImageSpans, features: torch.Tensor) -> torch.Tensor:
     """Write `features` (N, D) into the image positions of `inputs_embeds` (B, L, D), out of place."""
     if features.shape[0] != spans.num_tokens or features.shape[-1] != inputs_embeds.shape[-1]:
@@ -73,37 +85,45 @@ def check_spans(
     *,
     batch_size: int,
     images_per_sample: torch.Tensor | None = None,
+    kind: str = "image",
 ) -> None:
-    """Spans per sample == images per sample, and each span's length == its image's token count."""
+    """Spans per sample == images per sample, and each span's length == its image's token count.
+
+    `kind` "video frame": the spans of video frames (one per temporal patch of a video, as Qwen renders them, each
+    between its timestamp text and bracketed like an image), `tokens_per_image` per frame and `images_per_sample` the
+    frames each sample's videos yield."""
     found = spans.per_sample(batch_size)
+    video = kind.startswith("video")
+    pixels, grid = ("pixel_values_videos", "video_grid_thw") if video else ("pixel_values", "image_grid_thw")
     num_images = int(tokens_per_image.numel())
     if num_images == 0 and spans.num_spans:
         s = int(spans.sample[0])
-        raise violation(s, f"{int(found[s])} image span(s) but no images were given",
-                    "pixel_values missing from the batch", "pass the pixel_values (and image_grid_thw) "
-                    "the processor returned, or remove the image placeholders from text-only samples")
+        raise violation(s, f"{int(found[s])} {kind} span(s) but no {kind}s were given",
+                    f"{pixels} missing from the batch", f"pass the {pixels} (and {grid}) "
+                    f"the processor returned, or remove the {kind} placeholders from text-only samples")
     if num_images and not spans.num_spans:
         s = 0 if images_per_sample is None else int(images_per_sample.nonzero()[0])
-        raise violation(s, f"{num_images} image(s) given but no image placeholder tokens in any sample",
-                    "the chat template or truncation dropped the image spans",
-                    "render images with the backbone's image span and never truncate inside one")
+        raise violation(s, f"{num_images} {kind}(s) given but no {kind} placeholder tokens in any sample",
+                    f"the chat template or truncation dropped the {kind} spans",
+                    f"render {kind}s with the backbone's span and never truncate inside one")
     if images_per_sample is not None:
         bad = (found != images_per_sample.to(found.device)).nonzero()
         if bad.numel():
             s = int(bad[0])
-            raise violation(s, f"expected {int(images_per_sample[s])} image span(s), found {int(found[s])}",
-                        "an <image> placeholder was lost (truncation) or duplicated in the text",
-                        "give every image exactly one placeholder and keep spans whole when truncating")
+            raise violation(s, f"expected {int(images_per_sample[s])} {kind} span(s), found {int(found[s])}",
+                        f"{'a video' if video else 'an <image>'} placeholder was lost (truncation) or duplicated "
+                        "in the text",
+                        f"give every {kind} exactly one placeholder and keep spans whole when truncating")
     if spans.num_spans != num_images:
         s = int(spans.sample[min(spans.num_spans, num_images) - 1])
-        raise violation(s, f"the batch has {spans.num_spans} image span(s) (per sample {found.tolist()}) but "
-                    f"{num_images} image(s)", "placeholders and images are out of step",
-                    "give every image exactly one placeholder span, in the same order as the images")
+        raise violation(s, f"the batch has {spans.num_spans} {kind} span(s) (per sample {found.tolist()}) but "
+                    f"{num_images} {kind}(s)", "placeholders and images are out of step",
+                    f"give every {kind} exactly one placeholder span, in the same order as the {kind}s")
     bad = (spans.length != tokens_per_image.to(spans.length.device)).nonzero()
     if bad.numel():
         k = int(bad[0])
-        raise violation(int(spans.sample[k]), f"image span at position {int(spans.start[k])} has "
-                    f"{int(spans.length[k])} tokens, but image {k} yields {int(tokens_per_image[k])} visual tokens",
+        raise violation(int(spans.sample[k]), f"{kind} span at position {int(spans.start[k])} has "
+                    f"{int(spans.length[k])} tokens, but {kind} {k} yields {int(tokens_per_image[k])} visual tokens",
                     "preprocessing does not match the encoder (e.g. CLIP-style resizing before a "
                     "dynamic-resolution ViT) or the span was expanded from a different image size",
                     "expand each placeholder to the token count the encoder's processor reports for that image")
@@ -138,14 +158,16 @@ def check_attention(spans: ImageSpans, attention_mask: torch.Tensor | None) -> N
                     "build attention_mask from each sample's true length (bool, True = attend)")
 
 
-def check_token_types(spans: ImageSpans, mm_token_type_ids: torch.Tensor) -> None:
-    """Given `mm_token_type_ids` (B, L) must mark exactly the image positions with 1."""
-    bad = ((mm_token_type_ids == 1) != spans.mask).nonzero()
+def check_token_types(spans: ImageSpans, mm_token_type_ids: torch.Tensor, frames: ImageSpans | None = None) -> None:
+    """Given `mm_token_type_ids` (B, L) must mark exactly the image positions with 1 and the video positions with 2
+    (transformers' text 0, image 1, video 2)."""
+    video = frames.mask if frames is not None else torch.zeros_like(spans.mask)
+    bad = (((mm_token_type_ids == 1) != spans.mask) | ((mm_token_type_ids == 2) != video)).nonzero()
     if bad.numel():
         s, pos = (int(v) for v in bad[0])
         raise violation(s, f"mm_token_type_ids[{s}, {pos}] = {int(mm_token_type_ids[s, pos])} disagrees with the "
-                    "image placeholder positions", "mm_token_type_ids came from a different tokenisation",
-                    "omit mm_token_type_ids (mmadapt derives it) or pass the processor's own")
+                    "image (1) and video (2) placeholder positions", "mm_token_type_ids came from a different "
+                    "tokenisation", "omit mm_token_type_ids (mmadapt derives it) or pass the processor's own")
 
 
 def check_injected(inputs_embeds: torch.Tensor, spans: ImageSpans, features: torch.Tensor) -> None:
@@ -205,4 +227,5 @@ def check_batch(model: Any, batch: dict) -> BatchReport:
 
 # The batch keys `check_batch` hands to `model.prepare` (the collator's `labels` and `meta` play no part).
 PREPARED_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids",
-                 "position_ids", "images_per_sample", "cu_seqlens", "pixel_values_videos", "video_grid_thw")
+                 "position_ids", "images_per_sample", "cu_seqlens", "pixel_values_videos", "video_grid_thw",
+                 "videos_per_sample")

@@ -152,26 +152,45 @@ class VisionLanguageModel(nn.Module):
                 visual: VisualTokens | None = None, mm_token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, images_per_sample: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-                video_grid_thw: torch.Tensor | None = None, check: bool | None = None,
-                trace: dict[str, Any] | None = None) -> ModelInputs:
+                video_grid_thw: torch.Tensor | None = None, videos_per_sample: torch.Tensor | None = None,
+                check: bool | None = None, trace: dict[str, Any] | None = None) -> ModelInputs:
         """A batch's keyword inputs -> the backbone's (`ModelInputs`): locate the image spans, encode the images
         (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
         embeddings, derive positions (unless given) and the attention mask (packed rows: `cu_seqlens`).
+
+        Videos (`pixel_values_videos`, `video_grid_thw` (V, 3), `videos_per_sample`; dynamic encoders and backbones
+        with a video token): encoded as transformers' Qwen models do, then split into their temporal patches, one
+        span of `<|video_pad|>` per frame (t = 1 each, as the Qwen processors render them between timestamps), and
+        merged with the image spans in text order: from there on, checks, injection, M-RoPE positions and DeepStack
+        treat a frame as an image.
 
         `check`: run the image-token checks (default: the model config's `check_contract`). `trace`: a dict that
         receives `valid`, `spans` and `visual` as soon as they exist, for a report on a batch that fails a check.
         """
         check = self.config.check_contract if check is None else check
         trace = {} if trace is None else trace
-        self.refuse_video(input_ids, pixel_values_videos, video_grid_thw)
         trace["spans"] = spans = contract.locate(input_ids, self.tokens.image_token_id)
+        frames = contract.locate(input_ids, self.tokens.video_token_id)
         trace["valid"] = valid = as_bool_mask(attention_mask, input_ids)
         segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
         if visual is None:
             visual = self.encode_checked(pixel_values, image_grid_thw, spans)
+        video = self.encode_videos(pixel_values_videos, video_grid_thw, frames)
         trace["visual"] = visual
         if check:
-            self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample)
+            self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample,
+                              frames=frames)
+            if video is not None or frames.num_spans:
+                self.check_video(frames, video, video_grid_thw, videos_per_sample, input_ids.shape[0])
+        elif frames.num_spans and video is None:
+            raise contract.violation(int(frames.sample[0]), f"{frames.num_tokens} video placeholder token(s) but no "
+                                     "video was given", "pixel_values_videos missing from the batch",
+                                     "pass the processor's pixel_values_videos and video_grid_thw")
+        if video is not None:
+            spans, visual = merge_video(spans, visual, frames, video)
+            trace["spans"], trace["visual"] = spans, visual
+            if check:
+                self.check_merged(input_ids, spans, visual, valid)
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
@@ -186,21 +205,53 @@ class VisionLanguageModel(nn.Module):
             packed = PackedRows(segments, cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
 
-    def refuse_video(self, input_ids: torch.Tensor, pixel_values_videos: torch.Tensor | None,
-                     video_grid_thw: torch.Tensor | None) -> None:
-        """Video is not modelled: a batch carrying video pixels or video placeholder tokens is a contract error, never
-        a silent run in which the frames are dropped and the placeholders reach the LLM as plain tokens."""
-        video_id = self.tokens.video_token_id
-        found = (input_ids == video_id).nonzero() if video_id is not None else input_ids.new_zeros(0, 2)
-        if pixel_values_videos is None and video_grid_thw is None and not found.numel():
-            return
-        where = f"sample {int(found[0, 0])}: " if found.numel() else ""
-        what = (f"{int((input_ids == video_id).sum())} video placeholder token(s) (id {video_id})" if found.numel()
-                else "pixel_values_videos / video_grid_thw")
-        raise ImageTokenContractError(
-            f"{where}the batch carries {what}, but this model does not encode video: the frames would be dropped and "
-            "the placeholders would reach the LLM as plain token embeddings. Fix: pass the frames as images, or "
-            "leave videos out of the batch.")
+    def encode_videos(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
+                      frames: ImageSpans) -> VisualTokens | None:
+        """The videos' visual tokens at LLM width, one grid per frame (temporal patch): (t, h, w) -> t x (1, h, w)."""
+        if pixel_values_videos is None and video_grid_thw is None:
+            return None
+        first = int(frames.sample[0]) if frames.num_spans else 0
+        if self.tokens.video_token_id is None:
+            raise ImageTokenContractError(
+                f"sample {first}: the batch carries pixel_values_videos, but backbone {self.backbone_spec.name!r} has "
+                "no video placeholder token, so no position can receive the frames. Fix: give the frames as images, "
+                "or use a backbone that renders video (qwen3_5, qwen3_vl).")
+        if not self.encoder.dynamic:
+            raise ImageTokenContractError(
+                f"sample {first}: encoder {self.config.encoder.name!r} encodes fixed-size images and takes no video. "
+                "Fix: give the frames as images (the data pipeline does this for `videos` only with a dynamic "
+                "encoder), or use a dynamic encoder (qwen3_5_vit, qwen3_vl_vit).")
+        if pixel_values_videos is None or video_grid_thw is None:
+            raise ImageTokenContractError(
+                f"sample {first}: pixel_values_videos and video_grid_thw come together; only one was given. Fix: pass "
+                "both, from the same processor call.")
+        try:
+            visual = self.encode_images(pixel_values_videos, video_grid_thw)
+        except ImageTokenContractError as e:
+            raise ImageTokenContractError(f"sample {first}: videos: {e}") from None
+        grids = torch.repeat_interleave(visual.grids, visual.grids[:, 0], dim=0)
+        return dataclasses.replace(visual, grids=torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1))
+
+    def check_video(self, frames: ImageSpans, video: VisualTokens | None, video_grid_thw: torch.Tensor | None,
+                    videos_per_sample: torch.Tensor | None, batch_size: int) -> None:
+        """The video side of the contract: frame spans per sample == the frames its videos yield, each frame span's
+        length == its frame's tokens."""
+        tokens = video.tokens_per_image if video is not None else frames.length.new_zeros(0)
+        frames_per_sample = None
+        if videos_per_sample is not None and video_grid_thw is not None:
+            owner = torch.repeat_interleave(torch.arange(batch_size, device=video_grid_thw.device),
+                                            videos_per_sample.to(video_grid_thw.device))
+            frames_per_sample = torch.zeros(batch_size, dtype=torch.long, device=video_grid_thw.device).index_add_(
+                0, owner, video_grid_thw[:, 0].long())
+        contract.check_spans(frames, tokens, batch_size=batch_size, images_per_sample=frames_per_sample,
+                             kind="video frame")
+
+    def check_merged(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens,
+                     valid: torch.Tensor) -> None:
+        """The checks on images and video frames together (after `merge_video`): DeepStack levels, brackets, mask."""
+        deepstack.check_levels(spans, visual, self.levels)
+        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
+        contract.check_attention(spans, valid)
 
     def runs_vision_every_step(self) -> bool:
         """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
@@ -288,8 +339,9 @@ class VisionLanguageModel(nn.Module):
     def check_inputs(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
                      valid: torch.Tensor, mm_token_type_ids: torch.Tensor | None = None,
                      position_ids: torch.Tensor | None = None,
-                     images_per_sample: torch.Tensor | None = None) -> None:
-        """The image-token contract for one batch; raises `ImageTokenContractError`."""
+                     images_per_sample: torch.Tensor | None = None, frames: ImageSpans | None = None) -> None:
+        """The image-token contract for one batch; raises `ImageTokenContractError` (`frames`: the video frames'
+        spans, for `mm_token_type_ids`; the video checks are `check_video` and `check_merged`)."""
         tokens_per_image = visual.tokens_per_image if visual is not None else input_ids.new_zeros(0)
         contract.check_spans(spans, tokens_per_image, batch_size=input_ids.shape[0],
                              images_per_sample=images_per_sample)
@@ -298,7 +350,7 @@ class VisionLanguageModel(nn.Module):
         contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
         contract.check_attention(spans, valid)
         if mm_token_type_ids is not None:
-            contract.check_token_types(spans, mm_token_type_ids)
+            contract.check_token_types(spans, mm_token_type_ids, frames)
         if position_ids is not None and self.uses_mrope and spans.num_spans and position_ids.ndim == 2:
             s = int(spans.sample[0])
             raise ImageTokenContractError(
@@ -321,6 +373,7 @@ class VisionLanguageModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        videos_per_sample: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
         return_logits: bool = False,
         **kwargs: Any,
@@ -334,7 +387,8 @@ class VisionLanguageModel(nn.Module):
         inputs = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw,
                               mm_token_type_ids=mm_token_type_ids, position_ids=position_ids,
                               images_per_sample=images_per_sample, cu_seqlens=cu_seqlens,
-                              pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+                              pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+                              videos_per_sample=videos_per_sample)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
             raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
@@ -406,7 +460,9 @@ class VisionLanguageModel(nn.Module):
                  pad_token_id: int = 0, *, temperature: float = 0.0, top_p: float = 1.0,
                  generator: torch.Generator | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
                  images_per_sample: torch.Tensor | None = None,
-                 mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                 video_grid_thw: torch.Tensor | None = None,
+                 videos_per_sample: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
@@ -418,7 +474,8 @@ class VisionLanguageModel(nn.Module):
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
         types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
         inputs = self.prepare(input_ids, valid, pixel_values, image_grid_thw, mm_token_type_ids=types,
-                              images_per_sample=images_per_sample)
+                              images_per_sample=images_per_sample, pixel_values_videos=pixel_values_videos,
+                              video_grid_thw=video_grid_thw, videos_per_sample=videos_per_sample)
         next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -498,6 +555,27 @@ class VisionLanguageModel(nn.Module):
     def tie_weights(self) -> None:
         """Re-tie the backbone's tied embeddings (after loading weights into them)."""
         self.backbone.tie_weights()
+
+
+def merge_video(spans: ImageSpans, visual: VisualTokens | None, frames: ImageSpans,
+                video: VisualTokens) -> tuple[ImageSpans, VisualTokens]:
+    """Image spans and video-frame spans as one set in text order, with their visual tokens (features, grids and
+    DeepStack levels) in the same order: what the injection, the positions and DeepStack read."""
+    if visual is None:
+        width = video.features.shape[-1]
+        empty = video.features.new_zeros(0, width)
+        visual = VisualTokens(empty, video.grids.new_zeros(0, 3), video.window, tuple(empty for _ in video.levels))
+    merged, is_video, order = contract.merge(spans, frames)
+    positions = torch.arange(is_video.numel(), device=is_video.device)
+    image_rows, video_rows = positions[~is_video], positions[is_video]
+
+    def mix(image: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
+        out = frame.new_zeros(is_video.numel(), frame.shape[-1])
+        return out.index_put((image_rows,), image.to(frame.dtype)).index_put((video_rows,), frame)
+
+    grids = torch.cat([visual.grids.to(video.grids.device), video.grids])[order.to(video.grids.device)]
+    levels = tuple(mix(a, b) for a, b in zip(visual.levels, video.levels, strict=True))
+    return merged, VisualTokens(mix(visual.features, video.features), grids, video.window, levels)
 
 
 def expect_architecture(module: nn.Module, build_preset: Any, what: str, preset: str, path: str) -> None:

@@ -6,7 +6,8 @@ keyword inputs of `VisionLanguageModel.forward`:
 
     input_ids (B, L) long, attention_mask (B, L) bool, labels (B, L) long (-100 = no loss),
     images_per_sample (B,), pixel_values / image_grid_thw (images in row order),
-    mm_token_type_ids (B, L) (M-RoPE backbones: 1 at image tokens, as transformers' Qwen needs),
+    videos_per_sample (B,), pixel_values_videos / video_grid_thw (when any sample has a video),
+    mm_token_type_ids (B, L) (M-RoPE backbones: 1 at image tokens, 2 at video tokens, as transformers' Qwen needs),
     cu_seqlens (S+1,) int32 (packing only; see `mmadapt.packing`), meta {sample_ids, problems}.
 
 Position ids are computed by the model from the mask, the image spans and `cu_seqlens`, so
@@ -34,13 +35,15 @@ class Collator:
     pad_token_id: int
     image_token_id: int
     token_types: bool = False
+    video_token_id: int | None = None
     max_tokens: int | None = None
     pad_to_multiple_of: int = 1
 
     @classmethod
     def for_model(cls, model: Any, pad_token_id: int, *, max_tokens: int | None = None, **kw: Any) -> Collator:
         return cls(pad_token_id=pad_token_id, image_token_id=model.tokens.image_token_id,
-                   token_types=model.uses_mrope, max_tokens=max_tokens, **kw)
+                   token_types=model.uses_mrope, video_token_id=model.tokens.video_token_id,
+                   max_tokens=max_tokens, **kw)
 
     @property
     def packing(self) -> bool:
@@ -90,9 +93,15 @@ class Collator:
             mask[r, :at] = True
         batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
                                  "images_per_sample": torch.tensor([sum(s.num_images for s in row) for row in rows])}
-        batch.update(images_of([s for row in rows for s in row]))
+        samples = [s for row in rows for s in row]
+        batch.update(images_of(samples))
+        if any(s.num_videos for s in samples):
+            batch["videos_per_sample"] = torch.tensor([sum(s.num_videos for s in row) for row in rows])
+            batch.update(videos_of(samples))
         if self.token_types:
             batch["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+            if self.video_token_id is not None:
+                batch["mm_token_type_ids"] += 2 * (input_ids == self.video_token_id).long()
         if self.packing:
             batch["cu_seqlens"] = cu_seqlens_from_lengths(lengths, width)
         return batch
@@ -108,3 +117,12 @@ def images_of(samples: list[EncodedSample]) -> dict[str, torch.Tensor]:
     if all(g is not None for g in grids):
         out["image_grid_thw"] = torch.cat(grids)
     return out
+
+
+def videos_of(samples: list[EncodedSample]) -> dict[str, torch.Tensor]:
+    """pixel_values_videos and video_grid_thw of all videos, in sample order; {} when there are none."""
+    with_videos = [s for s in samples if s.num_videos]
+    if not with_videos:
+        return {}
+    return {"pixel_values_videos": torch.cat([s.pixel_values_videos for s in with_videos]),
+            "video_grid_thw": torch.cat([s.video_grid_thw for s in with_videos])}

@@ -18,6 +18,11 @@ REASONS: dict[str, str] = {
     "empty_answer": "an assistant turn is empty",
     "no_supervised_tokens": "nothing to learn: the sample has no assistant tokens",
     "too_long": "the sample does not fit max_length without cutting an image span",
+    "missing_video": "a video file does not exist",
+    "unreadable_video": "a video file is not a container, has no video stream, or is truncated",
+    "video_too_large": "a video has more frames, pixels per frame or seconds than the limits (header checked)",
+    "empty_video": "a video (file or frame list) has no frames",
+    "variable_frame_size": "the frames of a video do not all have the same size",
 }
 
 

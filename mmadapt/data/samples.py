@@ -56,6 +56,8 @@ class EncodedSample:
     """A sample ready to collate. `tokens_per_image[i]` is the span length of image i in `input_ids`.
 
     pixel_values: fixed-size encoders (I, C, S, S); dynamic ones (patches, F) with `image_grid_thw` (I, 3).
+    Videos (dynamic encoders): `pixel_values_videos` (patches, F) with `video_grid_thw` (V, 3);
+    `tokens_per_video[v]`: video v's visual tokens in all (its t frame spans of h*w / merge^2 each).
     """
 
     id: str
@@ -64,6 +66,9 @@ class EncodedSample:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     tokens_per_image: list[int] = field(default_factory=list)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    tokens_per_video: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -71,6 +76,10 @@ class EncodedSample:
     @property
     def num_images(self) -> int:
         return len(self.tokens_per_image)
+
+    @property
+    def num_videos(self) -> int:
+        return len(self.tokens_per_video)
 
 
 def read_records(path: str | os.PathLike, errors: str = "raise") -> list[Any]:
