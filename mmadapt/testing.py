@@ -213,3 +213,31 @@ def synthetic_video_samples(model: Any, layout: Sequence[Sequence[str]] = (("vid
             tokens_per_video=video_tokens[video : video + v]))
         image, video = image + n, video + v
     return samples
+
+
+def moving_square(frames: int, height: int = 32, width: int = 32, *, direction: tuple[int, int] = (0, 1),
+                  side: int = 8, start: tuple[int, int] = (0, 0), step: int = 4) -> torch.Tensor:
+    """uint8 (F, H, W, 3) frames of a white square on black moving `step` pixels per frame along (dy, dx)."""
+    out = torch.zeros(frames, height, width, 3, dtype=torch.uint8)
+    for f in range(frames):
+        top = (start[0] + direction[0] * step * f) % (height - side + 1)
+        left = (start[1] + direction[1] * step * f) % (width - side + 1)
+        out[f, top : top + side, left : left + side] = 255
+    return out
+
+
+def write_video(path: Any, frames: Any, fps: float = 10) -> Any:
+    """Encode uint8 (F, H, W, 3) frames (even H and W) to a video file with PyAV (H.264 when the wheel has it, else
+    MPEG-4 Part 2) at `fps`; returns `path`. For tests and examples: real containers, made offline."""
+    import av
+    import numpy as np
+
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    frames = np.asarray(frames, dtype=np.uint8)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.height, stream.width, stream.pix_fmt = int(frames.shape[1]), int(frames.shape[2]), "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path

@@ -9,8 +9,19 @@ an `EncodedSample` or raises `DataProblem` with a reason from `REASONS`:
   placeholders != images -> `placeholder_mismatch`;
 - an empty assistant turn -> `empty_answer`; no supervised token at all -> `no_supervised_tokens`;
 - longer than `max_length` -> by `truncation`: "drop" (default: a counted `too_long` problem),
-  "raise" (a fatal `too_long` that stops a run), or "text" (cut text after the last image span,
-  keeping >= 1 supervised token; otherwise `too_long`). An image span is never cut.
+  "raise" (a fatal `too_long` that stops a run), or "text" (cut text after the last image or video span,
+  keeping >= 1 supervised token; otherwise `too_long`). An image or video span is never cut.
+
+Videos (models with a dynamic encoder and a backbone with a video token: Qwen3.5, Qwen3-VL): each is decoded
+and sampled (`data.video`, `mmadapt.data.video.VideoConfig`), preprocessed as transformers' Qwen3-VL video
+processor does, and its `<video>` placeholder becomes, per temporal patch (two frames), the timestamp text
+`<{t:.1f} seconds>` (t: the mean time of the patch's two sampled frames, from their real frame indices and the
+video's fps) + `<|vision_start|>` + `<|video_pad|>` x its tokens + `<|vision_end|>`: Qwen's own rendering (the
+reference processor replaces the template's `<|vision_start|><|video_pad|><|vision_end|>` whole; transformers 5's
+generic path leaves those brackets around the frames, a token stream the models were not trained on). Videos
+with other models are a fatal `video_unsupported` (give the frames as images instead). Bad videos are counted
+problems like bad images (`missing_video`, `unreadable_video`, `video_too_large`, `empty_video`,
+`variable_frame_size`, `video_without_placeholder`, `placeholder_mismatch`).
 
 `VLMDataset` is the map-style dataset (safe with `DataLoader` workers): a bad sample comes back
 as its `DataProblem`, which the collator drops and reports in the batch, so a run never crashes
@@ -29,7 +40,7 @@ import torch
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
 from mmadapt.data.problems import DataProblem
-from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
+from mmadapt.data.samples import IMAGE, VIDEO, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import (
     IGNORE,
     MISMATCH_POLICIES,
@@ -38,10 +49,12 @@ from mmadapt.data.templates import (
     ChatTemplate,
     ChatTemplateError,
     JinjaTemplate,
+    expand_images,
     resolve_template,
     with_kwargs,
 )
 from mmadapt.data.tokenizer import prepare_tokenizer
+from mmadapt.data.video import load_video, probe_video
 
 Truncation = Literal["drop", "raise", "text"]
 log = logging.getLogger(__name__)
@@ -58,8 +71,12 @@ class DataConfig:
     chat_template: str = "auto"
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     chat_template_mismatch: str = "error"
+    video: Any = None  # `VideoConfig` or its fields as a dict (frame sampling, limits, pixel bounds)
 
     def __post_init__(self) -> None:
+        from mmadapt.data.video import VideoConfig
+
+        object.__setattr__(self, "video", VideoConfig.parse(self.video))
         if self.chat_template not in MODES and self.chat_template not in TEMPLATES:
             raise ValueError(f"chat_template must be one of {[*MODES, *TEMPLATES.names()]}, got {self.chat_template!r}")
         if self.chat_template_mismatch not in MISMATCH_POLICIES:
@@ -78,9 +95,14 @@ class SampleEncoder:
 
     def __init__(self, *, tokenizer: Any, template: ChatTemplate, processor: Any, image_token_id: int,
                  vision_start_token_id: int | None = None, vision_end_token_id: int | None = None,
-                 config: DataConfig | None = None) -> None:
+                 config: DataConfig | None = None, video_token_id: int | None = None,
+                 video_processor: Any = None, video_refusal: str | None = None) -> None:
+        """`video_processor` (a `VideoProcessor`) with `video_token_id` take videos; without them a sample with a
+        video is a fatal `video_unsupported` problem whose detail is `video_refusal`."""
         self.tokenizer, self.template, self.processor = tokenizer, template, processor
         self.image_token_id = image_token_id
+        self.video_token_id, self.video_processor = video_token_id, video_processor
+        self.video_refusal = video_refusal or "this model takes no video"
         self.brackets = (vision_start_token_id, vision_end_token_id) if vision_start_token_id is not None else None
         self.config = config or DataConfig()
         vocab = tokenizer.get_vocab()
@@ -102,10 +124,23 @@ class SampleEncoder:
         own = tokenizer_template(tokenizer)
         template = resolve_template(data.chat_template, tokenizer, model.backbone_spec.chat_template)
         prepare_tokenizer(model, tokenizer, template)  # idempotent: adds what is missing, aligns ids and embeddings
-        encoder = cls(tokenizer=tokenizer, template=template, processor=processor or processor_for(model),
+        processor = processor or processor_for(model)
+        video, refusal = None, None
+        if not model.encoder.dynamic:
+            refusal = (f"encoder {model.config.encoder.name!r} encodes fixed-size images and takes no video. Fix: give "
+                       "the frames as images (`images` with one <image> per frame), or use a dynamic encoder "
+                       "(qwen3_5_vit, qwen3_vl_vit) with a Qwen backbone")
+        elif model.tokens.video_token_id is None:
+            refusal = (f"backbone {model.config.backbone.name!r} has no video placeholder token. Fix: give the frames "
+                       "as images, or use a backbone that renders video (qwen3_5, qwen3_vl)")
+        else:
+            video = data.video.processor(processor)
+        encoder = cls(tokenizer=tokenizer, template=template, processor=processor,
                       image_token_id=model.tokens.image_token_id,
                       vision_start_token_id=model.tokens.vision_start_token_id,
-                      vision_end_token_id=model.tokens.vision_end_token_id, config=data)
+                      vision_end_token_id=model.tokens.vision_end_token_id, config=data,
+                      video_token_id=model.tokens.video_token_id if video is not None else None,
+                      video_processor=video, video_refusal=refusal)
         encoder.check_template(own)
         builtin = not isinstance(template, JinjaTemplate) or template.source or template.file
         if own is None or builtin or data.template_kwargs:  # what is trained is what a saved tokenizer serves
@@ -114,7 +149,7 @@ class SampleEncoder:
 
     @property
     def span_ids(self) -> set[int]:
-        return {self.image_token_id, *(self.brackets or ())}
+        return {t for t in (self.image_token_id, self.video_token_id, *(self.brackets or ())) if t is not None}
 
     @property
     def pad_token_id(self) -> int:
@@ -135,13 +170,44 @@ class SampleEncoder:
         except DataProblem as problem:
             raise problem.for_sample(sample.id) from None
         processed = self.processor(images)
-        ids, labels = self.render(sample, processed.tokens_per_image)
-        self.check_span_tokens(sample, ids, processed.tokens_per_image)
+        videos = self.process_videos(sample)
+        ids, labels = self.render(sample, processed.tokens_per_image, videos=videos)
+        self.check_span_tokens(sample, ids, processed.tokens_per_image, videos)
         ids, labels = self.fit(sample.id, ids, labels)
-        return EncodedSample(id=sample.id, input_ids=torch.tensor(ids), labels=torch.tensor(labels),
-                             pixel_values=processed.pixel_values if images else None,
-                             image_grid_thw=processed.image_grid_thw if images else None,
-                             tokens_per_image=list(processed.tokens_per_image))
+        return self.encoded(sample.id, ids, labels, processed, videos)
+
+    def encoded(self, sample_id: str, ids: list[int], labels: list[int], processed: Any,
+                videos: Any) -> EncodedSample:
+        with_images, with_videos = len(processed) > 0, videos is not None and len(videos) > 0
+        return EncodedSample(id=sample_id, input_ids=torch.tensor(ids), labels=torch.tensor(labels),
+                             pixel_values=processed.pixel_values if with_images else None,
+                             image_grid_thw=processed.image_grid_thw if with_images else None,
+                             tokens_per_image=list(processed.tokens_per_image),
+                             pixel_values_videos=videos.pixel_values_videos if with_videos else None,
+                             video_grid_thw=videos.video_grid_thw if with_videos else None,
+                             tokens_per_video=videos.tokens_per_video if with_videos else [])
+
+    def process_videos(self, sample: Sample) -> Any:
+        """The sample's videos decoded, sampled and preprocessed (`ProcessedVideos`), or None when it has none."""
+        if not sample.videos:
+            return None
+        if self.video_processor is None:
+            raise DataProblem("video_unsupported", self.video_refusal, sample_id=sample.id, fatal=True)
+        settings = self.config.video
+        loaded = []
+        for video in sample.videos:
+            frames = isinstance(video, tuple | list)
+            loaded.append(load_video(list(video) if frames else video, sampling=self.video_processor.sampling,
+                                     limits=settings.limits, fps=settings.frames_fps if frames else None,
+                                     sample_id=sample.id))
+        return self.video_processor(loaded)
+
+    def video_text(self, processed: Any) -> list[str]:
+        """Per video, what its `<video>` placeholder becomes before tokenisation: per temporal patch, the timestamp
+        text and the bracketed span with ONE video token (expanded to the frame's tokens after tokenisation)."""
+        start, end = (self.tokenizer.convert_ids_to_tokens(t) for t in self.brackets) if self.brackets else ("", "")
+        pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
+        return [self.video_processor.frame_text(times, 1, start, pad, end) for times in processed.timestamps]
 
     def encode_prompt(self, record: Any, index: int) -> EncodedSample:
         """The prompt for generation: `encode` without the last assistant turn, plus the template's generation
@@ -151,41 +217,52 @@ class SampleEncoder:
             images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
         except DataProblem as problem:
             raise problem.for_sample(sample.id) from None
-        return self.prompt_for(sample.id, sample.turns, images)
+        return self.prompt_for(sample.id, sample.turns, images, sample.videos)
 
-    def prompt_for(self, sample_id: str, turns: Sequence[Turn], images: Sequence[Any]) -> EncodedSample:
-        """A generation prompt from turns and decoded RGB images (the `Processor`'s entry, shared with datasets)."""
+    def prompt_for(self, sample_id: str, turns: Sequence[Turn], images: Sequence[Any],
+                   videos: Sequence[Any] = ()) -> EncodedSample:
+        """A generation prompt from turns, decoded RGB images and videos (files or frame lists, loaded here): the
+        `Processor`'s entry, shared with datasets."""
         turns = tuple(turns)
         if turns and turns[-1].role == "assistant":
-            if IMAGE in turns[-1].text:
-                raise DataProblem("placeholder_mismatch", f"the last assistant turn holds {IMAGE}, so it cannot be "
-                                  "dropped for a generation prompt. Fix: put images in user turns",
-                                  sample_id=sample_id)
+            if IMAGE in turns[-1].text or VIDEO in turns[-1].text:
+                raise DataProblem("placeholder_mismatch", f"the last assistant turn holds {IMAGE} or {VIDEO}, so it "
+                                  "cannot be dropped for a generation prompt. Fix: put images and videos in user "
+                                  "turns", sample_id=sample_id)
             turns = turns[:-1]
-        sample = self.check_placeholders(Sample(sample_id, tuple(images), turns))
+        sample = self.check_placeholders(Sample(sample_id, tuple(images), turns, tuple(videos)))
         processed = self.processor(list(images))
-        ids, _ = self.render(sample, processed.tokens_per_image, add_generation_prompt=True)
-        self.check_span_tokens(sample, ids, processed.tokens_per_image)
+        processed_videos = self.process_videos(sample)
+        ids, _ = self.render(sample, processed.tokens_per_image, add_generation_prompt=True,
+                                  videos=processed_videos)
+        self.check_span_tokens(sample, ids, processed.tokens_per_image, processed_videos)
         if len(ids) > self.config.max_length:
             raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
                               sample_id=sample_id, fatal=self.config.truncation == "raise")
-        return EncodedSample(id=sample_id, input_ids=torch.tensor(ids), labels=torch.full((len(ids),), IGNORE),
-                             pixel_values=processed.pixel_values if images else None,
-                             image_grid_thw=processed.image_grid_thw if images else None,
-                             tokens_per_image=list(processed.tokens_per_image))
+        return self.encoded(sample_id, ids, [IGNORE] * len(ids), processed, processed_videos)
 
-    def render(self, sample: Sample, tokens_per_image: Sequence[int], *,
-               add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """Token ids and labels of `sample` under the chat template, image spans expanded (see `templates`)."""
+    def render(self, sample: Sample, tokens_per_image: Sequence[int], *, add_generation_prompt: bool = False,
+               videos: Any = None) -> tuple[list[int], list[int]]:
+        """Token ids and labels of `sample` under the chat template, image and video spans expanded (`videos`: the
+        sample's `ProcessedVideos`; see the module docstring for their text)."""
+        turns = sample.turns
+        if videos is not None:
+            texts = iter(self.video_text(videos))
+            turns = tuple(Turn(t.role, _replace_each(t.text, VIDEO, texts)) for t in turns)
         try:
-            return self.template.encode(sample.turns, self.tokenizer, image_token_id=self.image_token_id,
-                                        image_span=self.image_span, image_text=self.image_text,
-                                        tokens_per_image=tokens_per_image, add_generation_prompt=add_generation_prompt,
-                                        **self.config.template_kwargs)
+            ids, labels = self.template.encode(turns, self.tokenizer, image_token_id=self.image_token_id,
+                                               image_span=self.image_span, image_text=self.image_text,
+                                               tokens_per_image=tokens_per_image,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **self.config.template_kwargs)
+            if videos is None:
+                return ids, labels
+            per_frame = [n for n, t in zip(videos.tokens_per_frame, videos.frames, strict=True) for _ in range(t)]
+            return expand_images(ids, labels, self.video_token_id, per_frame, self.template.name, kind="video frame")
         except ChatTemplateError as e:
-            raise DataProblem("placeholder_mismatch", f"{e}: the text holds an image token (or a bracket token) "
-                              f"literally, or the template dropped a placeholder. Fix: write images as {IMAGE} only, "
-                              "in user turns", sample_id=sample.id) from None
+            raise DataProblem("placeholder_mismatch", f"{e}: the text holds an image or video token (or a bracket "
+                              f"token) literally, or the template dropped a placeholder. Fix: write images as {IMAGE} "
+                              f"and videos as {VIDEO} only, in user turns", sample_id=sample.id) from None
 
     def check_template(self, own: str | None) -> None:
         """At start: the template places images (when the model takes them), and a built-in in use where the
@@ -223,17 +300,35 @@ class SampleEncoder:
         if placeholders != images:
             raise DataProblem("placeholder_mismatch", f"{placeholders} {IMAGE} placeholder(s) for {images} image(s). "
                               f"Fix: one {IMAGE} per image, in image order", sample_id=sample.id)
+        videos, placeholders = len(sample.videos), sample.num_video_placeholders
+        if videos and not placeholders:
+            raise DataProblem("video_without_placeholder", f"{videos} video(s) but no {VIDEO} in the text. Fix: put "
+                              f"{VIDEO} where each video belongs (or a {{'type': 'video'}} part)", sample_id=sample.id)
+        if placeholders != videos:
+            raise DataProblem("placeholder_mismatch", f"{placeholders} {VIDEO} placeholder(s) for {videos} video(s). "
+                              f"Fix: one {VIDEO} per video, in video order", sample_id=sample.id)
         return sample
 
-    def check_span_tokens(self, sample: Sample, ids: list[int], tokens_per_image: Sequence[int]) -> None:
-        """The rendered ids hold exactly the image tokens the images need (text may spell the tokens literally)."""
+    def check_span_tokens(self, sample: Sample, ids: list[int], tokens_per_image: Sequence[int],
+                          videos: Any = None) -> None:
+        """The rendered ids hold exactly the image (and video) tokens the images (videos) need (text may spell the
+        tokens literally), and one bracket pair per image and per video frame."""
+        frames = sum(videos.frames) if videos is not None else 0
+        if self.video_token_id is not None:
+            found = sum(1 for t in ids if t == self.video_token_id)
+            needed = sum(videos.tokens_per_video) if videos is not None else 0
+            if found != needed:
+                token = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
+                raise DataProblem("placeholder_mismatch", f"the rendered text holds {found} video tokens but the "
+                                  f"videos need {needed}: the text contains {token!r} literally. Fix: write videos "
+                                  f"as {VIDEO} only", sample_id=sample.id)
         found = sum(1 for t in ids if t == self.image_token_id)
         if found != sum(tokens_per_image):
             token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
             raise DataProblem("placeholder_mismatch", f"the rendered text holds {found} image tokens but the images "
                               f"need {sum(tokens_per_image)}: the text contains {token!r} (or a bracket token) "
                               f"literally. Fix: write images as {IMAGE} only", sample_id=sample.id)
-        if self.brackets and sum(1 for t in ids if t in self.brackets) != 2 * len(tokens_per_image):
+        if self.brackets and sum(1 for t in ids if t in self.brackets) != 2 * (len(tokens_per_image) + frames):
             raise DataProblem("placeholder_mismatch", "the text contains vision start/end tokens literally. Fix: "
                               f"write images as {IMAGE} only", sample_id=sample.id)
 
@@ -247,10 +342,10 @@ class SampleEncoder:
             return ids, labels
         detail = f"{len(ids)} tokens > max_length {limit}"
         if policy == "text":
-            image_ids = {self.image_token_id, *(self.brackets or ())}
+            image_ids = self.span_ids
             last_image_end = max((k + 1 for k, t in enumerate(ids) if t in image_ids), default=0)
             if last_image_end > limit:
-                detail += f"; an image span ends at token {last_image_end}, so cutting would split it"
+                detail += f"; an image or video span ends at token {last_image_end}, so cutting would split it"
             elif not any(label != IGNORE for label in labels[1:limit]):
                 detail += "; cutting the text would leave no supervised token"
             else:
@@ -263,11 +358,28 @@ class SampleEncoder:
         try:
             sample = self.check_placeholders(self.parse(record, index))
             tokens = [self.processor.tokens_for_size(*image_size(p)) for p in sample.images]
-            return min(len(self.render(sample, tokens)[0]), self.config.max_length)
+            length = len(self.render(sample, tokens)[0]) + self.estimated_video_tokens(sample)
+            return min(length, self.config.max_length)
         except DataProblem:
             return 1
 
 
+    def estimated_video_tokens(self, sample: Sample) -> int:
+        """The tokens the sample's videos add (visual tokens, timestamps and brackets), from their headers only."""
+        if not sample.videos or self.video_processor is None:
+            return 0
+        total = 0
+        for video in sample.videos:
+            frames = isinstance(video, tuple | list)
+            header = probe_video(list(video) if frames else video, limits=self.config.video.limits,
+                                 sample_id=sample.id)
+            tokens, patches = self.video_processor.tokens_for_header(header, frame_list=frames)
+            total += tokens + patches * (TIMESTAMP_TOKENS + 2)
+        return total
+
+
+# "<12.5 seconds>" is about 6 tokens for Qwen's tokenizer; only lengths for batching are estimated with it.
+TIMESTAMP_TOKENS = 6
 PROBE_TURNS = (Turn("user", f"{IMAGE}\nWhat is in the picture?"), Turn("assistant", "A red square."),
                Turn("user", "And its colour?"), Turn("assistant", "Red."))
 
@@ -309,6 +421,12 @@ def check_against_own(encoder: SampleEncoder, own: str) -> None:
         log.warning("%s (accepted: chat_template_mismatch: warn)", message)
         return
     raise ChatTemplateMismatch(message)
+
+
+def _replace_each(text: str, marker: str, replacements: Any) -> str:
+    """`text` with each occurrence of `marker` replaced by the next item of `replacements`, in order."""
+    pieces = text.split(marker)
+    return pieces[0] + "".join(next(replacements) + piece for piece in pieces[1:])
 
 
 def check_answers(sample: Sample) -> None:

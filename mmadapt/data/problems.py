@@ -13,7 +13,7 @@ REASONS: dict[str, str] = {
     "path_outside_root": "an image path is absolute or escapes the image root",
     "unreadable_image": "an image file is corrupt, truncated or not an image",
     "image_too_large": "an image has more pixels than the decompression-bomb cap",
-    "placeholder_mismatch": "the number of <image> placeholders differs from the number of images",
+    "placeholder_mismatch": "the number of <image> (<video>) placeholders differs from the number of images (videos)",
     "image_without_placeholder": "the sample has images but its text has no <image> placeholder",
     "empty_answer": "an assistant turn is empty",
     "no_supervised_tokens": "nothing to learn: the sample has no assistant tokens",
@@ -23,6 +23,9 @@ REASONS: dict[str, str] = {
     "video_too_large": "a video has more frames, pixels per frame or seconds than the limits (header checked)",
     "empty_video": "a video (file or frame list) has no frames",
     "variable_frame_size": "the frames of a video do not all have the same size",
+    "video_without_placeholder": "the sample has videos but its text has no <video> placeholder",
+    "video_unsupported": "the sample has a video but the model takes none (a fixed-size encoder, or a backbone "
+                         "without a video token); fatal: every video sample would be skipped",
 }
 
 

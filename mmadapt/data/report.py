@@ -36,6 +36,7 @@ class DataReport:
     problems: list[dict[str, Any]] = field(default_factory=list)
     token_lengths: list[int] = field(default_factory=list)
     visual_tokens: list[int] = field(default_factory=list)
+    video_tokens: list[int] = field(default_factory=list)  # per video, all its frames
 
     @property
     def ok(self) -> int:
@@ -52,7 +53,8 @@ class DataReport:
         return {"total": self.total, "ok": self.ok, "bad_fraction": self.bad_fraction,
                 "problems_by_reason": dict(self.by_reason()), "problems": self.problems,
                 "token_length": summary(self.token_lengths), "visual_tokens_per_image": summary(self.visual_tokens),
-                "images": len(self.visual_tokens)}
+                "images": len(self.visual_tokens), "visual_tokens_per_video": summary(self.video_tokens),
+                "videos": len(self.video_tokens)}
 
     def format(self) -> str:
         lines = [f"samples: {self.total}   usable: {self.ok}   problems: {len(self.problems)} "
@@ -62,7 +64,8 @@ class DataReport:
             shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
             lines.append(f"  {reason:<26} {count:>6}   e.g. {shown}")
         for title, values in (("tokens per sample", self.token_lengths),
-                              ("visual tokens per image", self.visual_tokens)):
+                              ("visual tokens per image", self.visual_tokens),
+                              ("visual tokens per video", self.video_tokens)):
             s = summary(values)
             if s:
                 lines.append(f"{title:<24} min {s['min']}  median {s['median']:.0f}  mean {s['mean']:.1f}  "
@@ -82,7 +85,8 @@ def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: b
     """Every record through `encoder` and a collator; a `DataReport` of what is usable and what is not."""
     from tqdm.auto import tqdm
 
-    collate = Collator(pad_token_id=encoder.pad_token_id, image_token_id=encoder.image_token_id)
+    collate = Collator(pad_token_id=encoder.pad_token_id, image_token_id=encoder.image_token_id,
+                       video_token_id=encoder.video_token_id)
     report = DataReport(total=len(records))
     for index, record in enumerate(tqdm(records, desc="checking", unit="sample", disable=not progress)):
         try:
@@ -98,6 +102,7 @@ def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: b
             continue
         report.token_lengths.append(len(sample))
         report.visual_tokens.extend(sample.tokens_per_image)
+        report.video_tokens.extend(sample.tokens_per_video)
     return report
 
 

@@ -9,9 +9,14 @@ Two input formats are read:
   {"type": "image"}]}]}`; `<image>` in a string content and `{"type": "image"}` parts both mark
   an image, in order.
 
-Both become `Sample(id, images, turns)`, where turns are `Turn(role, text)` with role in
-{system, user, assistant} and each image marked by `IMAGE` in the text, in image order.
-Image paths resolve against an image root; absolute paths and `..` escaping the root are a
+Videos come as LLaMA-Factory and ms-swift write them: `"videos": [video, ...]` (LLaVA records also `"video"`),
+marked by `<video>` in the text or by `{"type": "video"}` parts (a part may carry its video inline:
+`{"type": "video", "video": ...}`, Qwen's style, instead of the record-level list), in order. A video is a file
+path, or a list of frame image paths (frames already sampled, in order).
+
+Both become `Sample(id, images, turns, videos)`, where turns are `Turn(role, text)` with role in
+{system, user, assistant}, each image marked by `IMAGE` and each video by `VIDEO` in the text, in order.
+Image and video paths resolve against the image root; absolute paths and `..` escaping the root are a
 `DataProblem("path_outside_root")` unless `allow_outside_root=True`.
 """
 
@@ -29,6 +34,8 @@ import torch
 from mmadapt.data.problems import DataProblem
 
 IMAGE = "<image>"
+VIDEO = "<video>"
+VideoSource = str | tuple[str, ...]  # a video file, or its frames' image files in order
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -40,15 +47,21 @@ class Turn:
 
 @dataclass(frozen=True)
 class Sample:
-    """One conversation; `images` are resolved paths, marked by `IMAGE` in the turns' text, in order."""
+    """One conversation; `images` (resolved paths) and `videos` (a file or a tuple of frame files, resolved) are
+    marked by `IMAGE` and `VIDEO` in the turns' text, in order."""
 
     id: str
-    images: tuple[str, ...]
+    images: tuple[Any, ...]
     turns: tuple[Turn, ...]
+    videos: tuple[Any, ...] = ()
 
     @property
     def num_placeholders(self) -> int:
         return sum(turn.text.count(IMAGE) for turn in self.turns)
+
+    @property
+    def num_video_placeholders(self) -> int:
+        return sum(turn.text.count(VIDEO) for turn in self.turns)
 
 
 @dataclass
@@ -121,12 +134,20 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
     sample_id = record_id(record, index)
     if not isinstance(record, dict):
         raise DataProblem("bad_format", f"expected a JSON object, got {type(record).__name__}", sample_id=sample_id)
+    inline: list[Any] = []
     if "conversations" in record:
         images, turns = record.get("image", []), _llava_turns(record["conversations"], sample_id)
+        videos = record.get("videos", record.get("video", []))
     elif "messages" in record:
-        images, turns = record.get("images", []), _message_turns(record["messages"], sample_id)
+        images, turns = record.get("images", []), _message_turns(record["messages"], sample_id, inline)
+        videos = record.get("videos", [])
     else:
         raise DataProblem("bad_format", "no 'conversations' (LLaVA) or 'messages' field", sample_id=sample_id)
+    if inline:
+        if videos:
+            raise DataProblem("bad_format", "videos are given both in 'videos' and inside {'type': 'video'} parts; "
+                              "give each video once (either place)", sample_id=sample_id)
+        videos = inline
     images = [images] if isinstance(images, str) else images
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise DataProblem("bad_format", f"images must be a path or a list of paths, got {images!r}",
@@ -134,7 +155,26 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
     if any(turn.role == "system" for turn in turns[1:]):
         raise DataProblem("bad_format", "a system turn may only come first", sample_id=sample_id)
     paths = tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in images)
-    return Sample(sample_id, paths, turns)
+    return Sample(sample_id, paths, turns, _videos(videos, image_root, allow_outside_root, sample_id))
+
+
+def _videos(videos: Any, image_root: str | os.PathLike | None, allow_outside_root: bool,
+            sample_id: str) -> tuple[VideoSource, ...]:
+    """Resolved video sources: a path, or a list of frame paths (one video) - a list of these."""
+    videos = [videos] if isinstance(videos, str) else videos
+    if not isinstance(videos, list):
+        raise DataProblem("bad_format", f"videos must be a list of videos (a path, or a list of frame paths), got "
+                          f"{videos!r}", sample_id=sample_id)
+    out: list[VideoSource] = []
+    for k, video in enumerate(videos):
+        if isinstance(video, str):
+            out.append(resolve_image_path(video, image_root, allow_outside_root, sample_id))
+        elif isinstance(video, list) and video and all(isinstance(p, str) for p in video):
+            out.append(tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in video))
+        else:
+            raise DataProblem("bad_format", f"videos[{k}] must be a file path or a non-empty list of frame image "
+                              f"paths, got {video!r}", sample_id=sample_id)
+    return tuple(out)
 
 
 def _llava_turns(conversations: Any, sample_id: str) -> tuple[Turn, ...]:
@@ -152,18 +192,18 @@ def _llava_turns(conversations: Any, sample_id: str) -> tuple[Turn, ...]:
     return tuple(turns)
 
 
-def _message_turns(messages: Any, sample_id: str) -> tuple[Turn, ...]:
+def _message_turns(messages: Any, sample_id: str, inline: list[Any]) -> tuple[Turn, ...]:
     if not isinstance(messages, list) or not messages:
         raise DataProblem("bad_format", "'messages' must be a non-empty list", sample_id=sample_id)
     turns = []
     for k, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise DataProblem("bad_format", f"messages[{k}] needs 'role' in {sorted(ROLES)}", sample_id=sample_id)
-        turns.append(Turn(ROLES[message["role"]], _content_text(message.get("content"), k, sample_id)))
+        turns.append(Turn(ROLES[message["role"]], _content_text(message.get("content"), k, sample_id, inline)))
     return tuple(turns)
 
 
-def _content_text(content: Any, k: int, sample_id: str) -> str:
+def _content_text(content: Any, k: int, sample_id: str, inline: list[Any]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -176,9 +216,14 @@ def _content_text(content: Any, k: int, sample_id: str) -> str:
             pieces.append(part["text"])
         elif kind in ("image", "image_url"):
             pieces.append(IMAGE)
+        elif kind == "video":
+            pieces.append(VIDEO)
+            if part.get("video") is not None:
+                inline.append(part["video"])
         else:
             raise DataProblem("bad_format", f"messages[{k}].content has an unsupported part {part!r}; expected "
-                              "{'type': 'text', 'text': ...} or {'type': 'image'}", sample_id=sample_id)
+                              "{'type': 'text', 'text': ...}, {'type': 'image'} or {'type': 'video'}",
+                              sample_id=sample_id)
     return "".join(pieces)
 
 

@@ -109,12 +109,13 @@ def supervised_labels(ids: Sequence[int], offsets: Sequence[Span], supervised: S
 
 
 def expand_images(ids: list[int], labels: list[int], image_token_id: int | None, tokens_per_image: Sequence[int],
-                  template: str) -> tuple[list[int], list[int]]:
-    """Every image placeholder token -> its image's N visual tokens (labels -100)."""
+                  template: str, kind: str = "image") -> tuple[list[int], list[int]]:
+    """Every image placeholder token -> its image's N visual tokens (labels -100); `kind`: "video frame" for the
+    video token, one per frame."""
     found = [k for k, t in enumerate(ids) if t == image_token_id] if image_token_id is not None else []
     if len(found) != len(tokens_per_image):
-        raise ChatTemplateError(f"template {template!r} wrote {len(found)} image placeholder(s) for "
-                                f"{len(tokens_per_image)} image(s)")
+        raise ChatTemplateError(f"template {template!r} wrote {len(found)} {kind} placeholder(s) for "
+                                f"{len(tokens_per_image)} {kind}(s)")
     out_ids, out_labels, previous = [], [], 0
     for k, n in zip(found, tokens_per_image, strict=True):
         out_ids += ids[previous:k] + [image_token_id] * n

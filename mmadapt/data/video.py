@@ -272,6 +272,108 @@ def _decode(container: Any, stream: Any, indices: np.ndarray, total: int, name: 
     return frames.tensor()
 
 
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a video's header says, nothing decoded: frame count, fps (None: unknown), frame height and width."""
+
+    total_frames: int
+    source_fps: float | None
+    height: int
+    width: int
+
+
+def probe_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, limits: VideoLimits | None = None,
+                fps: float | None = None, sample_id: str | None = None) -> VideoHeader:
+    """A video file's (or frame list's) `VideoHeader` with the limits checked, decoding no frame (a frame list's
+    size comes from its first frame's image header): for token counts before loading (lengths, `mmadapt plan`)."""
+    from mmadapt.data.images import image_size
+
+    limits = VideoLimits() if limits is None else limits
+    try:
+        if not isinstance(source, str | os.PathLike):
+            if len(source) == 0:
+                raise DataProblem("empty_video", "the frame list is empty. Fix: give at least one frame.")
+            _check_frames("frame list", len(source), limits, "in the list")
+            first = source[0]
+            width, height = first.size if isinstance(first, Image.Image) else image_size(first)
+            return VideoHeader(len(source), fps, height, width)
+        name = os.fspath(source)
+        if not os.path.isfile(name):
+            raise DataProblem("missing_video", "no such file. Fix: correct the path or the video root, or drop the "
+                              "sample.", path=name)
+        try:
+            with av.open(name) as container:
+                if not container.streams.video:
+                    raise _unreadable(name, "the container has no video stream")
+                stream = container.streams.video[0]
+                total, source_fps = _header(container, stream, name, limits)
+                return VideoHeader(total, source_fps, int(stream.height or 0), int(stream.width or 0))
+        except DataProblem:
+            raise
+        except AV_ERRORS as e:
+            raise _unreadable(name, f"not a readable video container: {type(e).__name__}: {e}") from e
+    except DataProblem as problem:
+        raise problem if sample_id is None else problem.for_sample(sample_id) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoConfig:
+    """A run's video settings (`data.video` in a run's YAML): frame sampling, limits and pixel bounds.
+
+    Sampling as transformers' Qwen3-VL video processor: `fps` frames per second (default 2) or a fixed
+    `num_frames`, clamped to [`min_frames`, `max_frames`]. Pixel bounds over all frames of a video (smart-resize's
+    t * h * w): `min_pixels` / `max_pixels`, default 128 and 768 merge windows (P*m)^2 - transformers' defaults
+    (131072 / 786432) at Qwen's 32-pixel windows. Limits checked from the header before decoding: `max_frames_decoded`
+    (the stream's frames), `max_pixels_per_frame`, `max_seconds`. `frames_fps`: the fps of videos given as frame
+    lists (None: 24, transformers' fallback, in their timestamps).
+    """
+
+    fps: float | None = 2.0
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_frames_decoded: int | None = 100_000
+    max_pixels_per_frame: int | None = 4096 * 4096
+    max_seconds: float | None = None
+    frames_fps: float | None = None
+
+    def __post_init__(self) -> None:
+        _ = self.sampling, self.limits  # validated now: their errors name the field
+
+    @classmethod
+    def parse(cls, value: VideoConfig | dict[str, Any] | None) -> VideoConfig:
+        if isinstance(value, VideoConfig):
+            return value
+        value = dict(value or {})
+        if "num_frames" in value and "fps" not in value:
+            value["fps"] = None  # giving num_frames means uniform sampling
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"data.video: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    @property
+    def sampling(self) -> VideoSampling:
+        return VideoSampling(fps=self.fps, num_frames=self.num_frames, min_frames=self.min_frames,
+                             max_frames=self.max_frames)
+
+    @property
+    def limits(self) -> VideoLimits:
+        return VideoLimits(max_frames_decoded=self.max_frames_decoded, max_pixels_per_frame=self.max_pixels_per_frame,
+                           max_seconds=self.max_seconds)
+
+    def processor(self, image_processor: Any) -> VideoProcessor:
+        """The `VideoProcessor` sharing an image processor's patch geometry and normalisation (a `QwenProcessor`)."""
+        factor = image_processor.patch_size * image_processor.merge_size
+        low = self.min_pixels if self.min_pixels is not None else 128 * factor**2
+        high = self.max_pixels if self.max_pixels is not None else max(768 * factor**2, low)
+        return VideoProcessor.from_image_processor(image_processor, min_pixels=low, max_pixels=high,
+                                                   sampling=self.sampling)
+
+
 def _load_frames(frames: Sequence[FrameSource], fps: float | None, limits: VideoLimits) -> Video:
     if isinstance(frames, Image.Image):
         raise TypeError("load_video takes a file path or a list of frames; wrap a single image in a list")
@@ -456,6 +558,17 @@ class VideoProcessor:
         """LLM tokens of a video of `num_frames` (sampled) frames of H x W, without decoding it."""
         t, h, w = self.grid(num_frames, height, width)
         return t * (h * w // self.projector_merge**2)
+
+    def sampled_frames(self, header: VideoHeader, *, frame_list: bool = False) -> int:
+        """How many frames `load` keeps of a video with this header (a frame list: all of them)."""
+        return header.total_frames if frame_list else len(self.sampling.sample_indices(header.total_frames,
+                                                                                        header.source_fps))
+
+    def tokens_for_header(self, header: VideoHeader, *, frame_list: bool = False) -> tuple[int, int]:
+        """(LLM tokens in all, temporal patches) of a video with this header, nothing decoded."""
+        frames = self.sampled_frames(header, frame_list=frame_list)
+        t, h, w = self.grid(frames, header.height, header.width)
+        return t * (h * w // self.projector_merge**2), t
 
     def timestamps(self, video: Video) -> list[float]:
         """Seconds per temporal patch; an unknown fps counts as 24 (warned once), like transformers."""
