@@ -294,15 +294,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     processor = Processor.for_model(model, tokenizer)
     generator = torch.Generator().manual_seed(args.seed)
     messages: list[dict] = []
-    pending = list(args.image)
+    pending, pending_videos = list(args.image), list(args.video)
 
     def answer(text: str) -> str:
-        nonlocal pending
-        placeholders = "" if "<image>" in text else "<image>\n" * len(pending)
+        nonlocal pending, pending_videos
+        placeholders = ("" if "<video>" in text else "<video>\n" * len(pending_videos)) + (
+            "" if "<image>" in text else "<image>\n" * len(pending))
         messages.append({"role": "user", "content": placeholders + text})
         images = [img for m in messages for img in m.get("images", [])] + pending
-        messages[-1]["images"], pending = pending, []
-        inputs = processor([{"role": m["role"], "content": m["content"]} for m in messages], images=images)
+        videos = [video for m in messages for video in m.get("videos", [])] + pending_videos
+        messages[-1]["images"], messages[-1]["videos"], pending, pending_videos = pending, pending_videos, [], []
+        inputs = processor([{"role": m["role"], "content": m["content"]} for m in messages], images=images,
+                           videos=videos)
         printed, ids = "", []
 
         def stream(token: torch.Tensor) -> None:
@@ -327,17 +330,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         line = line.strip()
         if line.startswith("/image "):
             pending.append(line[len("/image "):].strip())
+        elif line.startswith("/video "):
+            pending_videos.append(line[len("/video "):].strip())
         elif line:
             answer(line)
     return 0
 
 
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
-    chat = sub.add_parser("chat", help="ask a trained model about images (one prompt, or a conversation on stdin)")
+    chat = sub.add_parser("chat", help="ask a trained model about images and videos (one prompt, or a conversation "
+                          "on stdin)")
     add_model_arguments(chat)
-    chat.add_argument("prompt", nargs="*", help="the question; none: read turns from stdin (`/image PATH` attaches "
-                      "an image to the next turn)")
+    chat.add_argument("prompt", nargs="*", help="the question; none: read turns from stdin (`/image PATH` and "
+                      "`/video PATH` attach an image or a video to the next turn)")
     chat.add_argument("--image", action="append", default=[], help="an image for the first turn (repeatable)")
+    chat.add_argument("--video", action="append", default=[], help="a video file for the first turn (repeatable; "
+                      "Qwen3.5 / Qwen3-VL models; sampled at 2 fps as their processor does)")
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)

@@ -1,12 +1,14 @@
-"""`Processor`: text or chat messages + images -> the model's keyword inputs, as transformers users expect.
+"""`Processor`: text or chat messages + images and videos -> the model's keyword inputs, as transformers users expect.
 
     processor = Processor.from_pretrained("OUT/model")          # or Processor.for_model(model, tokenizer)
     inputs = processor("<image>\nWhat digit is this?", images=[Image.open("7.png")], return_tensors="pt")
     answer = processor.decode(model.generate(**inputs)[0])
+    inputs = processor("<video>\nWhich way does it move?", videos=["clip.mp4"])   # Qwen3.5 / Qwen3-VL models
 
-A prompt is a string (one user turn; `<image>` marks each image), a list of messages
-(`{"role", "content"}`, content a string or OpenAI-style parts with `{"type": "image"}`), or a list
-of prompts for a batch (then `images` is one list per prompt). Images are PIL images or paths. The
+A prompt is a string (one user turn; `<image>` marks each image, `<video>` each video), a list of messages
+(`{"role", "content"}`, content a string or OpenAI-style parts with `{"type": "image"}` / `{"type": "video"}`), or
+a list of prompts for a batch (then `images` and `videos` are one list per prompt). Images are PIL images or
+paths; videos are files or lists of frames (PIL images or paths), sampled by the `video` settings. The
 code is the dataset path's (`SampleEncoder.prompt_for` and `Collator`), so inference inputs are
 built exactly as training inputs were: same template, same image preprocessing and token counts,
 bool masks, right padding.
@@ -48,25 +50,43 @@ class Processor:
         return cls.for_model(model_directory.structure(VisionLanguageModel, directory), tokenizer, **data_config)
 
     def __call__(self, prompts: str | Sequence[Any], images: Sequence[Any] | None = None,
-                 return_tensors: str = "pt") -> dict[str, Any]:
+                 return_tensors: str = "pt", videos: Sequence[Any] | None = None) -> dict[str, Any]:
         if return_tensors != "pt":
             raise ValueError(f"return_tensors={return_tensors!r}: mmadapt returns torch tensors ('pt') only")
         batch = isinstance(prompts, (list, tuple)) and prompts and not _is_message(prompts[0])
         prompts_list = list(prompts) if batch else [prompts]
         images_list = (list(images) if images is not None else [[] for _ in prompts_list]) if batch else [images or []]
-        if len(images_list) != len(prompts_list):
-            raise ValueError(f"{len(prompts_list)} prompts but {len(images_list)} image lists: one list per prompt")
-        samples = [self.encoder.prompt_for(f"prompt {k}", self.turns(prompt, k), [self.image(i) for i in imgs])
-                   for k, (prompt, imgs) in enumerate(zip(prompts_list, images_list, strict=True))]
+        videos_list = (list(videos) if videos is not None else [[] for _ in prompts_list]) if batch else [videos or []]
+        for name, given in (("image", images_list), ("video", videos_list)):
+            if len(given) != len(prompts_list):
+                raise ValueError(f"{len(prompts_list)} prompts but {len(given)} {name} lists: one list per prompt")
+        samples = []
+        for k, (prompt, imgs, vids) in enumerate(zip(prompts_list, images_list, videos_list, strict=True)):
+            turns, inline = self.turns(prompt, k)
+            if inline and vids:
+                raise ValueError(f"prompt {k}: videos given both inline ({{'type': 'video', 'video': ...}}) and in "
+                                 "videos=; give each once")
+            samples.append(self.encoder.prompt_for(f"prompt {k}", turns, [self.image(i) for i in imgs],
+                                                   [self.video(v) for v in (inline or vids)]))
         batch = self.collator(samples)
         return {k: v for k, v in batch.items() if k not in ("labels", "meta")}  # generate()'s inputs
 
-    def turns(self, prompt: Any, k: int) -> list[Turn]:
+    def turns(self, prompt: Any, k: int) -> tuple[list[Turn], list[Any]]:
+        """The prompt's turns and the videos given inline in its message parts."""
         if isinstance(prompt, str):
-            return [Turn("user", prompt)]
+            return [Turn("user", prompt)], []
         if isinstance(prompt, (list, tuple)):
-            return list(_message_turns(list(prompt), f"prompt {k}"))
+            inline: list[Any] = []
+            return list(_message_turns(list(prompt), f"prompt {k}", inline)), inline
         raise TypeError(f"prompt {k}: give a string or a list of messages, got {type(prompt).__name__}")
+
+    def video(self, video: Any) -> Any:
+        """A video file path, or a list of frames (PIL images or paths), as the data pipeline takes it."""
+        if isinstance(video, (str, os.PathLike)):
+            return os.fspath(video)
+        if isinstance(video, (list, tuple)) and video:
+            return tuple(os.fspath(f) if isinstance(f, (str, os.PathLike)) else to_rgb(f) for f in video)
+        raise TypeError(f"videos must be file paths or non-empty lists of frames, got {type(video).__name__}")
 
     def image(self, image: Any) -> Any:
         if isinstance(image, (str, os.PathLike)):

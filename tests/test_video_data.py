@@ -20,7 +20,7 @@ from real_tokenizers import real_tokenizer
 
 import mmadapt
 from mmadapt.contract import check_batch
-from mmadapt.data import Collator, DataProblem, SampleEncoder, char_tokenizer, check_dataset, parse_record
+from mmadapt.data import Collator, DataProblem, SampleEncoder, Turn, char_tokenizer, check_dataset, parse_record
 from mmadapt.testing import moving_square, write_video
 
 VIDEO_SETTINGS = {"fps": 4, "min_pixels": 16 * 16, "max_pixels": 8 * 64 * 64}
@@ -215,3 +215,62 @@ def test_video_settings_are_checked_when_the_config_is_read():
         DataConfig(video={"fps": 2, "num_frames": 8})
     assert DataConfig(video={"num_frames": 8}).video.sampling.fps is None
     assert json.dumps(DataConfig().video.fps) == "2.0"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from mmadapt import Processor
+
+    torch.manual_seed(0)
+    model, tokenizer = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5").eval(), char_tokenizer()
+    Processor.for_model(model, tokenizer)  # adds the span tokens, as training does
+    path = tmp_path_factory.mktemp("model")
+    model.save_pretrained(path, tokenizer=tokenizer)
+    return path
+
+
+def greedy(model_dir, conversation, images=(), videos=(), max_new_tokens=6):
+    from mmadapt import Processor, VisionLanguageModel
+
+    model = VisionLanguageModel.from_pretrained(model_dir).eval()
+    processor = Processor.from_pretrained(model_dir)
+    inputs = processor(conversation, images=list(images), videos=list(videos))
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=processor.eos_token_ids,
+                         pad_token_id=processor.encoder.pad_token_id)
+    return processor.decode(out[0])
+
+
+def test_the_processor_takes_videos_as_the_dataset_path_does(model_dir, media):
+    from mmadapt import Processor, VisionLanguageModel
+
+    processor = Processor.from_pretrained(model_dir)
+    inputs = processor("<video>\nWhich way?", videos=[media / "left.mp4"])
+    encoder = processor.encoder
+    expected = encoder.prompt_for("p", [Turn("user", "<video>\nWhich way?")], [], [str(media / "left.mp4")])
+    assert inputs["input_ids"][0].tolist() == expected.input_ids.tolist()
+    assert torch.equal(inputs["pixel_values_videos"], expected.pixel_values_videos)
+    assert inputs["videos_per_sample"].tolist() == [1] and inputs["mm_token_type_ids"].max() == 2
+    frames = [Image.open(media / f"frame{k}.png") for k in range(4)]  # a frame list of PIL images, inline
+    inline = [{"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": "?"}]}]
+    batch = processor([inline, "<video><image>\nBoth?"], images=[[], [media / "grey.png"]],
+                      videos=[[], [media / "down.mp4"]])
+    assert batch["videos_per_sample"].tolist() == [1, 1] and batch["images_per_sample"].tolist() == [0, 1]
+    model = VisionLanguageModel.from_pretrained(model_dir).eval()
+    assert check_batch(model, batch).ok
+    with pytest.raises(ValueError, match=r"1 <video> placeholder\(s\) for 0 video\(s\)"):
+        processor("<video>\nWhich way?")
+
+
+def test_chat_takes_a_video_from_the_command_line_and_from_stdin(model_dir, media, capsys, monkeypatch):
+    import io
+
+    from mmadapt.cli import main
+
+    assert main(["chat", str(model_dir), "--video", str(media / "left.mp4"), "--max-new-tokens", "6", "Which",
+                 "way?"]) == 0
+    expected = greedy(model_dir, "<video>\nWhich way?", videos=[media / "left.mp4"])
+    assert capsys.readouterr().out.replace("\n", "") == expected.replace("\n", "")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/video {media / 'down.mp4'}\nWhich way?\n"))
+    assert main(["chat", str(model_dir), "--max-new-tokens", "6"]) == 0
+    expected = greedy(model_dir, "<video>\nWhich way?", videos=[media / "down.mp4"])
+    assert capsys.readouterr().out.replace("\n", "") == expected.replace("\n", "")
