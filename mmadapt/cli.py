@@ -99,11 +99,14 @@ def data_encoder(args: argparse.Namespace) -> object:
     kwargs = yaml.safe_load(args.template_kwargs) if args.template_kwargs else {}
     if not isinstance(kwargs, dict):
         raise ValueError(f"--template-kwargs must be a mapping such as '{{enable_thinking: false}}', got {kwargs!r}")
+    video = yaml.safe_load(args.video) if args.video else {}
+    if not isinstance(video, dict):
+        raise ValueError(f"--video must be a mapping such as '{{fps: 1, max_frames: 64}}', got {video!r}")
     return SampleEncoder.for_model(
         model, tokenizer, image_root=args.image_root, allow_outside_root=args.allow_outside_root,
         max_length=args.max_length, truncation=args.truncation,
         insert_missing_placeholder=args.insert_missing_placeholder, chat_template=args.chat_template,
-        template_kwargs=kwargs, chat_template_mismatch=args.chat_template_mismatch)
+        template_kwargs=kwargs, chat_template_mismatch=args.chat_template_mismatch, video=video)
 
 
 def describe_encoder(args: argparse.Namespace, encoder: object) -> str:
@@ -179,6 +182,8 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
                              help="passed to the template, YAML: e.g. '{enable_thinking: false}'")
         command.add_argument("--chat-template-mismatch", choices=("error", "warn"), default="error",
                              help="warn: accept a built-in that renders differently from the tokenizer's own")
+        command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
+                             "'{fps: 1, max_frames: 64, max_pixels: 1605632}'")
         command.add_argument("--max-length", type=int, default=2048)
         command.add_argument("--truncation", choices=("drop", "raise", "text"), default="drop")
         command.add_argument("--allow-outside-root", action="store_true",

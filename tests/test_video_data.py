@@ -274,3 +274,40 @@ def test_chat_takes_a_video_from_the_command_line_and_from_stdin(model_dir, medi
     assert main(["chat", str(model_dir), "--max-new-tokens", "6"]) == 0
     expected = greedy(model_dir, "<video>\nWhich way?", videos=[media / "down.mp4"])
     assert capsys.readouterr().out.replace("\n", "") == expected.replace("\n", "")
+
+
+def test_data_check_reports_bad_videos_by_id_from_the_command_line(media, tmp_path, capsys):
+    from mmadapt.cli import main
+
+    path = tmp_path / "data.jsonl"
+    records = [RECORDS[0], {**RECORDS[0], "id": "gone", "video": "gone.mp4"}, {**RECORDS[0], "id": "cut",
+                                                                               "video": "cut.mp4"}]
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    args = ["data", "check", str(path), "--image-root", str(media), "--encoder", "qwen3_5_vit", "--projector",
+            "qwen_merger", "--backbone", "qwen3_5", "--video", "{fps: 4, min_pixels: 256, max_pixels: 32768}"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "missing_video" in out and "gone" in out and "unreadable_video" in out and "cut" in out
+    assert "visual tokens per video" in out
+    assert main([*args[:-1], "{fsp: 4}"]) == 2
+    assert "unknown setting(s) ['fsp']" in capsys.readouterr().err
+
+
+def test_plan_counts_the_largest_video_the_sampling_settings_let_through():
+    from mmadapt.data.video import VideoConfig
+    from mmadapt.train.config import RunConfig
+    from mmadapt.train.plan import workload
+    from mmadapt.weights import empty_weights
+
+    with empty_weights():
+        model = mmadapt.build_model({"name": "qwen3_5_vit", "preset": "qwen3.5-2b"}, "qwen_merger",
+                                    {"name": "qwen3_5", "preset": "qwen3.5-2b"})
+        llava = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    default = workload(RunConfig.from_dict({"data": {"max_length": 8192}}), model)
+    assert default.video_frames == 0  # transformers' video budget (<= 384 tokens) is below the largest image
+    settings = {"num_frames": 32, "max_pixels": 16 * 1024 * 1024}
+    work = workload(RunConfig.from_dict({"data": {"max_length": 8192, "video": settings}}), model)
+    videos = VideoConfig.parse(settings).processor(mmadapt.data.processor_for(model))
+    assert work.video_frames == 32 and work.visual_per_image == videos.tokens_for(32, 4096, 4096)
+    assert work.visual_per_image > default.visual_per_image and "video(s) of 32 frames" in work.describe()
+    assert workload(RunConfig.from_dict({"data": {"video": settings}}), llava).video_frames == 0

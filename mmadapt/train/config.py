@@ -85,6 +85,11 @@ class DataSection:
     packing: bool = False
     max_tokens: int = 4096
     num_workers: int = 0
+    # videos (Qwen3.5 / Qwen3-VL models): frame sampling {fps: 2 | num_frames: N, min_frames: 4, max_frames: 768},
+    # pixel bounds over a video's frames {min_pixels, max_pixels} (default 128 / 768 merge windows, transformers'
+    # Qwen3-VL values), header-checked limits {max_frames_decoded, max_pixels_per_frame, max_seconds}, and
+    # frames_fps (the fps of videos given as frame lists); see mmadapt.data.video.VideoConfig
+    video: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,9 @@ storages) gives the step's peak. The run's step is then a backward sweep over it
 freed block by block while gradients appear), plus the probe's measured excess over its own sweep (the backward's
 temporaries), plus the loss (the supervised rows' gradients and one chunk of logits), for the run's longest
 micro-batch: `batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image
-at the processor's largest size that fits; or the optimizer step, whichever is higher. Activation checkpointing
+at the processor's largest size that fits - or, for models that take video, one video at `data.video`'s largest
+(its `max_frames`, or `num_frames`, at the `max_pixels` budget) when that has more visual tokens (the encoder's
+cost extrapolated in patches); or the optimizer step, whichever is higher. Activation checkpointing
 keeps only each block's inputs and recomputes one block in the backward. Probe results are cached per shape
 (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan).
 
@@ -63,9 +65,11 @@ class Workload:
     visual_per_image: int
     supervised: int
     image_side: int | None = None  # dynamic encoders: the square image's side in pixels
+    video_frames: int = 0  # > 0: each sample's visual content is a video of these sampled frames (not an image)
 
     def describe(self) -> str:
-        return (f"{self.rows} x {self.tokens // self.rows} tokens, {self.images} image(s) of {self.visual_per_image} "
+        what = f"video(s) of {self.video_frames} frames" if self.video_frames else "image(s)"
+        return (f"{self.rows} x {self.tokens // self.rows} tokens, {self.images} {what} of {self.visual_per_image} "
                 f"visual tokens ({self.patches_per_image} patches)")
 
 
@@ -205,6 +209,11 @@ def workload(config: RunConfig, model: Any) -> Workload:
         side = None
         visual = processor.tokens_for_size(0, 0)
         patches = int(torch.tensor(model.encoder.grid).prod())
+    frames = 0
+    video = video_workload(config, model, processor)
+    if video is not None and video[0] > visual:
+        visual, frames = video
+        patches = visual * processor.projector_merge**2
     tokens = d.batch_size * d.max_length
     rows = d.batch_size
     if d.packing:
@@ -212,7 +221,25 @@ def workload(config: RunConfig, model: Any) -> Workload:
         tokens = rows * d.max_tokens
     supervised = d.batch_size * max(d.max_length - visual, 1)
     return Workload(rows=rows, tokens=tokens, images=d.batch_size, patches_per_image=patches, visual_per_image=visual,
-                    supervised=supervised, image_side=side)
+                    supervised=supervised, image_side=side, video_frames=frames)
+
+
+def video_workload(config: RunConfig, model: Any, processor: Any) -> tuple[int, int] | None:
+    """(visual tokens, sampled frames) of the largest video `data.video` lets through, as the video processor counts
+    them (the most frames sampling keeps; frames sized to the `max_pixels` budget); None for models without video."""
+    from mmadapt.data.video import VideoConfig
+
+    if not model.encoder.dynamic or model.tokens.video_token_id is None:
+        return None
+    settings = VideoConfig.parse(config.data.video)
+    videos = settings.processor(processor)
+    frames = settings.num_frames if settings.num_frames is not None else settings.max_frames
+    side = math.isqrt(videos.max_pixels // max(frames, 1)) + 1  # frames large enough to be cut to the budget
+    tokens = videos.tokens_for(frames, side, side)
+    while tokens > max(config.data.max_length - 256, config.data.max_length // 2) and frames > 1:
+        frames = max(1, frames // 2)  # a video that cannot fit max_length is dropped as too_long, never trained on
+        tokens = videos.tokens_for(frames, side, side)
+    return tokens, frames
 
 
 # ---- the probe --------------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     encoder = SampleEncoder.for_model(model, tokenizer, image_root=d.image_root, max_length=d.max_length,
                                       truncation=d.truncation, chat_template=d.chat_template,
                                       template_kwargs=d.template_kwargs,
-                                      chat_template_mismatch=d.chat_template_mismatch)
+                                      chat_template_mismatch=d.chat_template_mismatch, video=d.video)
     collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
     train = VLMDataset(d.train, encoder)
     evaluation = VLMDataset(d.eval, encoder) if d.eval else None
