@@ -173,9 +173,13 @@ class VisionLanguageModel(nn.Module):
         frames = contract.locate(input_ids, self.tokens.video_token_id)
         trace["valid"] = valid = as_bool_mask(attention_mask, input_ids)
         segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
-        if visual is None:
-            visual = self.encode_checked(pixel_values, image_grid_thw, spans)
-        video = self.encode_videos(pixel_values_videos, video_grid_thw, frames)
+        if visual is None and pixel_values is not None and pixel_values_videos is not None:
+            visual, video = self.encode_together(pixel_values, image_grid_thw, spans, pixel_values_videos,
+                                                 video_grid_thw, frames)
+        else:
+            if visual is None:
+                visual = self.encode_checked(pixel_values, image_grid_thw, spans)
+            video = self.encode_videos(pixel_values_videos, video_grid_thw, frames)
         trace["visual"] = visual
         if check:
             self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample,
@@ -194,7 +198,7 @@ class VisionLanguageModel(nn.Module):
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
-        if visual is None and pixel_values is None and self.runs_vision_every_step():
+        if visual is None and video is None and pixel_values is None and self.runs_vision_every_step():
             inputs_embeds = inputs_embeds + self.vision_placeholder(inputs_embeds)
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
@@ -205,11 +209,30 @@ class VisionLanguageModel(nn.Module):
             packed = PackedRows(segments, cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
 
-    def encode_videos(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
-                      frames: ImageSpans) -> VisualTokens | None:
-        """The videos' visual tokens at LLM width, one grid per frame (temporal patch): (t, h, w) -> t x (1, h, w)."""
-        if pixel_values_videos is None and video_grid_thw is None:
-            return None
+    def encode_together(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None, spans: ImageSpans,
+                        pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor | None,
+                        frames: ImageSpans) -> tuple[VisualTokens, VisualTokens]:
+        """Images and videos through the encoder and projector in ONE call (split after): every forward runs the
+        vision side once, whatever mix of images and videos a rank holds, so sharded (FSDP2) vision parts gather their
+        parameters the same number of times on every rank. The ViT attends within each image / frame, so this equals
+        two calls up to float rounding."""
+        self.check_video_inputs(pixel_values_videos, video_grid_thw, frames)
+        if image_grid_thw is None or pixel_values.ndim != 2:
+            return self.encode_checked(pixel_values, image_grid_thw, spans), self.encode_videos(
+                pixel_values_videos, video_grid_thw, frames)  # the encoder's own error names what is wrong
+        both = self.encode_checked(torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
+                                   torch.cat([image_grid_thw, video_grid_thw.to(image_grid_thw.device)]), spans)
+        images = len(image_grid_thw)
+        cut = int(both.grids[:images].prod(-1).sum())
+
+        def part(rows: slice, grids: torch.Tensor) -> VisualTokens:
+            return VisualTokens(both.features[rows], grids, both.window, tuple(level[rows] for level in both.levels))
+
+        return part(slice(0, cut), both.grids[:images]), per_frame(part(slice(cut, None), both.grids[images:]))
+
+    def check_video_inputs(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
+                           frames: ImageSpans) -> None:
+        """Video pixels need a dynamic encoder, a backbone with a video token, and their grids."""
         first = int(frames.sample[0]) if frames.num_spans else 0
         if self.tokens.video_token_id is None:
             raise ImageTokenContractError(
@@ -225,12 +248,19 @@ class VisionLanguageModel(nn.Module):
             raise ImageTokenContractError(
                 f"sample {first}: pixel_values_videos and video_grid_thw come together; only one was given. Fix: pass "
                 "both, from the same processor call.")
+
+    def encode_videos(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
+                      frames: ImageSpans) -> VisualTokens | None:
+        """The videos' visual tokens at LLM width, one grid per frame (temporal patch): (t, h, w) -> t x (1, h, w)."""
+        if pixel_values_videos is None and video_grid_thw is None:
+            return None
+        self.check_video_inputs(pixel_values_videos, video_grid_thw, frames)
         try:
             visual = self.encode_images(pixel_values_videos, video_grid_thw)
         except ImageTokenContractError as e:
+            first = int(frames.sample[0]) if frames.num_spans else 0
             raise ImageTokenContractError(f"sample {first}: videos: {e}") from None
-        grids = torch.repeat_interleave(visual.grids, visual.grids[:, 0], dim=0)
-        return dataclasses.replace(visual, grids=torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1))
+        return per_frame(visual)
 
     def check_video(self, frames: ImageSpans, video: VisualTokens | None, video_grid_thw: torch.Tensor | None,
                     videos_per_sample: torch.Tensor | None, batch_size: int) -> None:
@@ -555,6 +585,14 @@ class VisionLanguageModel(nn.Module):
     def tie_weights(self) -> None:
         """Re-tie the backbone's tied embeddings (after loading weights into them)."""
         self.backbone.tie_weights()
+
+
+def per_frame(video: VisualTokens) -> VisualTokens:
+    """Videos' visual tokens with one grid per temporal patch, (t, h, w) -> t x (1, h, w): the LLM sees each patch
+    as its own span (the Qwen processors write one per patch, between timestamps). The features are frame-major
+    already, so only the grids change."""
+    grids = torch.repeat_interleave(video.grids, video.grids[:, 0], dim=0)
+    return dataclasses.replace(video, grids=torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1))
 
 
 def merge_video(spans: ImageSpans, visual: VisualTokens | None, frames: ImageSpans,

@@ -128,3 +128,47 @@ def test_mixed_text_only_and_image_batches_keep_every_rank_in_step(mixed, case):
                                 for run in (f"{tag}-one", f"{tag}-{strategy}"))
                 assert ours.keys() == theirs.keys() and ours
                 assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in ours)
+
+
+@pytest.fixture(scope="module")
+def mixed_video(tmp_path_factory):
+    """Records cycling through a video, an image + a video, an image, and text only: with one sample per rank the
+    ranks hold different mixes in most steps (the vision side must still run once per forward on every rank)."""
+    from mmadapt.testing import moving_square, write_video
+
+    root = tmp_path_factory.mktemp("mixed-video")
+    (root / "media").mkdir()
+    for k, (name, load) in enumerate(PHOTOS.items()):
+        Image.fromarray(load()).resize((32 + 16 * (k % 2), 32)).save(root / "media" / f"{name}.png")
+    for k, direction in enumerate(((0, 1), (0, -1), (1, 0), (-1, 0))):
+        write_video(root / "media" / f"clip{k}.mp4", moving_square(4 + 2 * k, 32, 32 + 16 * (k % 2),
+                                                                   direction=direction), fps=4)
+    records = []
+    for i in range(24):
+        name, kind = list(PHOTOS)[i % 4], i % 4
+        question = {0: "<video>\nWhere to?", 1: "<image><video>\nBoth?", 2: "<image>\nWhat is this?",
+                    3: f"Say the word {name}."}[kind]
+        record = {"id": f"s{i}", "conversations": [{"from": "human", "value": question},
+                                                   {"from": "gpt", "value": name}]}
+        if kind in (1, 2):
+            record["image"] = f"{name}.png"
+        if kind in (0, 1):
+            record["videos"] = [f"clip{i % 4}.mp4"]
+        records.append(record)
+    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (root / "base.yaml").write_text(
+        f"data: {{train: {root / 'train.jsonl'}, image_root: {root / 'media'}, max_length: 512,\n"
+        "       video: {fps: 4, min_pixels: 256, max_pixels: 16384}}\n"
+        "train: {steps: 3, lr: 1.0e-3, progress: false}\nstages: {encoder: full}\n")
+    return root
+
+
+def test_mixed_image_video_and_text_only_batches_keep_every_rank_in_step(mixed_video):
+    """One rank with a video and an image, the other with text only or a video only: FSDP2's all-gathers stay paired
+    (one vision forward per step on every rank), and 2 processes equal one."""
+    one = train(mixed_video, "one", "data.batch_size=1", "train.grad_accum=2")
+    for strategy in ("fsdp", "ddp"):
+        two = train(mixed_video, strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
+        assert len(one) == len(two) == 3
+        for a, b in zip(one, two, strict=True):
+            assert abs(a - b) <= 1e-5, (strategy, one, two)
