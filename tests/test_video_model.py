@@ -210,3 +210,52 @@ def test_a_training_step_with_video_reaches_the_encoder():
     loss.backward()
     grad = model.encoder.tower.blocks[0].attn.qkv.weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_a_batch_from_transformers_own_qwen3vl_processor_gives_transformers_logits(tmp_path):
+    """The user's path: two short videos and an image through transformers' `Qwen3VLProcessor` (real Qwen tokenizer,
+    per-frame timestamps in the text), into `from_pretrained(<a Qwen3-VL directory>)`: the same logits as
+    `Qwen3VLForConditionalGeneration` - the frames reach the LLM (before video was modelled they were dropped and the
+    logits differed by ~1)."""
+    import numpy as np
+    import transformers
+    from real_tokenizers import real_tokenizer
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    tokenizer = real_tokenizer("qwen3")
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = {**{k: v for k, v in BACKBONES.get("qwen3_vl").options("tiny").items() if not k.endswith("token_id")},
+            "vocab_size": len(tokenizer)}
+    vision = {k: v for k, v in ENCODERS.get("qwen3_vl_vit").options("tiny").items() if not k.endswith("_pixels")}
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        text_config=text, vision_config={**vision, "out_hidden_size": 64}, **ids)).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = VisionLanguageModel.from_pretrained(tmp_path).eval()
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=8, merge_size=2, min_pixels=256, max_pixels=64 * 64),
+        video_processor=Qwen3VLVideoProcessor(patch_size=8, merge_size=2, size={"shortest_edge": 256,
+                                                                                "longest_edge": 8 * 48 * 48},
+                                              cap_pixels_per_frame=False),
+        tokenizer=tokenizer, chat_template="")
+    rng = np.random.default_rng(0)
+    videos = [rng.integers(0, 255, (4, 32, 48, 3), dtype=np.uint8), rng.integers(0, 255, (6, 48, 32, 3),
+                                                                                  dtype=np.uint8)]
+    metadata = [VideoMetadata(total_num_frames=len(v), fps=4.0, frames_indices=list(range(len(v)))) for v in videos]
+    image = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    video, picture = "<|vision_start|><|video_pad|><|vision_end|>", "<|vision_start|><|image_pad|><|vision_end|>"
+    prompts = [f"<|im_start|>user\n{video}{picture}What moves?<|im_end|>\n",
+               f"<|im_start|>user\n{video}And here?<|im_end|>\n<|im_start|>assistant\nleft"]
+    batch = processor(text=prompts, images=[image], videos=videos, video_metadata=metadata, do_sample_frames=False,
+                      padding=True, return_tensors="pt")
+    assert "<0.1 seconds>" in tokenizer.decode(batch["input_ids"][0])  # the per-frame timestamps are in the text
+    inputs = dict(batch)
+    with torch.no_grad():
+        expected = theirs(**inputs).logits
+        got = ours(**inputs).logits
+    mask = batch["attention_mask"].bool()
+    assert (got - expected)[mask].abs().max() <= ATOL
