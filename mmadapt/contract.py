@@ -194,10 +194,13 @@ class BatchReport:
         return self.error is None
 
     def __str__(self) -> str:
-        lines = [f"{'sample':>6}  {'tokens':>6}  {'images':>6}  {'spans':>5}  span lengths -> visual tokens"]
+        videos = any(r.get("videos") for r in self.rows)
+        lines = [f"{'sample':>6}  {'tokens':>6}  {'images':>6}  " + (f"{'videos':>6}  " if videos else "") +
+                 f"{'spans':>5}  span lengths -> visual tokens" + (" (video frames count as spans)" if videos else "")]
         for r in self.rows:
             pairs = ", ".join(f"{a}->{b}" for a, b in zip(r["span_lengths"], r["image_tokens"], strict=False))
-            lines.append(f"{r['sample']:>6}  {r['tokens']:>6}  {r['images']!s:>6}  {r['spans']:>5}  {pairs}")
+            column = f"{r.get('videos', 0)!s:>6}  " if videos else ""
+            lines.append(f"{r['sample']:>6}  {r['tokens']:>6}  {r['images']!s:>6}  {column}{r['spans']:>5}  {pairs}")
         lines.append("contract: OK" if self.ok else f"contract: FAILED - {self.error}")
         return "\n".join(lines)
 
@@ -207,6 +210,7 @@ def check_batch(model: Any, batch: dict) -> BatchReport:
     """Run every image-token check on `batch` through the model's own input path (`model.prepare`, no LLM forward)
     and return a readable report: per sample its tokens, images and spans, and the first violation."""
     input_ids, images_per_sample, found, error = batch["input_ids"], batch.get("images_per_sample"), {}, None
+    videos_per_sample = batch.get("videos_per_sample")
     try:
         model.prepare(**{k: batch.get(k) for k in PREPARED_KEYS}, check=True, trace=found)
     except (ValueError, TypeError) as e:  # ImageTokenContractError is a ValueError
@@ -220,6 +224,7 @@ def check_batch(model: Any, batch: dict) -> BatchReport:
         mine = (spans.sample == b).nonzero().flatten().tolist()
         rows.append({"sample": b, "tokens": int(lengths_in_tokens[b]), "spans": len(mine),
                      "images": int(images_per_sample[b]) if images_per_sample is not None else "?",
+                     **({"videos": int(videos_per_sample[b])} if videos_per_sample is not None else {}),
                      "span_lengths": [lengths[k] for k in mine], "image_tokens": [tokens[k] for k in mine
                                                                                    if k < len(tokens)]})
     return BatchReport(rows, error)

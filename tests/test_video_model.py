@@ -259,3 +259,10 @@ def test_a_batch_from_transformers_own_qwen3vl_processor_gives_transformers_logi
         got = ours(**inputs).logits
     mask = batch["attention_mask"].bool()
     assert (got - expected)[mask].abs().max() <= ATOL
+
+
+def test_check_batch_reports_videos_and_their_frame_spans():
+    model = qwen()
+    report = check_batch(model, synthetic_video_batch(model, LAYOUT, **SHAPES))
+    assert report.ok and [r["videos"] for r in report.rows] == [1, 1] and [r["spans"] for r in report.rows] == [3, 3]
+    assert "videos" in str(report).splitlines()[0]
