@@ -100,12 +100,24 @@ def test_the_summary_table_and_an_unknown_reporter(tmp_path):
 
 
 class SlowSamples(list):
+    """Samples that each take `DATA_SECONDS` to load on the trainer's clock (a fake clock: the test does not depend
+    on how fast this machine computes a step)."""
+
+    delay = 0.0
+
     def __getitem__(self, index):
-        time.sleep(0.05)
+        SlowSamples.delay += DATA_SECONDS
         return super().__getitem__(index)
 
 
-def test_a_step_that_waits_for_data_says_so_once(tmp_path, caplog):
+DATA_SECONDS = 10.0  # far above any machine's step time for this tiny model: the data share is > 0.9
+
+
+def test_a_step_that_waits_for_data_says_so_once(tmp_path, caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr("mmadapt.train.trainer.time",
+                        SimpleNamespace(perf_counter=lambda: time.perf_counter() + SlowSamples.delay))
     model = tiny(QWEN)
     data = SlowSamples(synthetic_samples(model, [1, 0] * 6, text_lengths=[4] * 12))
     with caplog.at_level(logging.WARNING, logger="mmadapt.train.trainer"):
