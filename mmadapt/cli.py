@@ -99,14 +99,22 @@ def data_encoder(args: argparse.Namespace) -> object:
     kwargs = yaml.safe_load(args.template_kwargs) if args.template_kwargs else {}
     if not isinstance(kwargs, dict):
         raise ValueError(f"--template-kwargs must be a mapping such as '{{enable_thinking: false}}', got {kwargs!r}")
-    video = yaml.safe_load(args.video) if args.video else {}
-    if not isinstance(video, dict):
-        raise ValueError(f"--video must be a mapping such as '{{fps: 1, max_frames: 64}}', got {video!r}")
+    video = video_settings(args.video)
     return SampleEncoder.for_model(
         model, tokenizer, image_root=args.image_root, allow_outside_root=args.allow_outside_root,
         max_length=args.max_length, truncation=args.truncation,
         insert_missing_placeholder=args.insert_missing_placeholder, chat_template=args.chat_template,
         template_kwargs=kwargs, chat_template_mismatch=args.chat_template_mismatch, video=video)
+
+
+def video_settings(text: str | None) -> dict:
+    """`--video '{fps: 1, max_frames: 64}'` (YAML) as the data.video settings."""
+    import yaml
+
+    video = yaml.safe_load(text) if text else {}
+    if not isinstance(video, dict):
+        raise ValueError(f"--video must be a mapping such as '{{fps: 1, max_frames: 64}}', got {video!r}")
+    return video
 
 
 def describe_encoder(args: argparse.Namespace, encoder: object) -> str:
@@ -368,7 +376,8 @@ def _inference_data(args: argparse.Namespace) -> tuple:
 
     model, tokenizer = load_for_inference(args.model, args.adapters)
     root = args.image_root or str(Path(args.data).parent)
-    encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length)
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length,
+                                      video=video_settings(args.video))
     records = read_records(args.data)
     if not records:
         raise ValueError(f"{args.data} holds no records")
@@ -379,16 +388,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help."""
     import json
 
-    from mmadapt.evaluate import VARIANTS, evaluate_records, plot_report, write_predictions
+    from mmadapt.evaluate import evaluate_records, plot_report, variants_of, write_predictions
 
     model, encoder, collate, records = _inference_data(args)
     report = evaluate_records(model, encoder, collate, records, margin=args.margin,
                               max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
     print(f"{report['samples']} samples ({report['skipped']} skipped), up to {report['max_new_tokens']} new tokens")
-    print(f"{'with':<10} {'exact':>7} {'contained':>10}")
-    for name in VARIANTS:
-        print(f"{name:<10} {report[f'accuracy_{name}']:>7.3f} {report[f'contained_{name}']:>10.3f}")
-    print(f"{'chance':<10} {report['chance']:>7.3f}")
+    print(f"{'with':<13} {'exact':>7} {'contained':>10}")
+    for name in variants_of(report):  # + time_shuffled (frames reversed) when the prompts have videos
+        print(f"{name:<13} {report[f'accuracy_{name}']:>7.3f} {report[f'contained_{name}']:>10.3f}")
+    print(f"{'chance':<13} {report['chance']:>7.3f}")
     print(report["verdict"])
     if args.predictions:
         write_predictions(report, args.predictions)
@@ -444,16 +453,21 @@ def cmd_sees(args: argparse.Namespace) -> int:
             break
     if not samples:
         raise ValueError(f"none of the records of {args.data} could be encoded (see `mmadapt data check`)")
-    print(f"{'batch':>5} {'loss':>8} {'blanked':>8} {'shuffled':>8} {'grad proj':>10}  verdict")
-    reports = []
-    for b in range(0, len(samples), args.batch_size):
-        report = sees_images(model, collate(samples[b : b + args.batch_size]))
-        reports.append(report)
-        shuffled = "n/a" if report.loss_shuffled is None else f"{report.loss_shuffled:.4f}"
-        print(f"{b // args.batch_size:>5} {report.loss:>8.4f} {report.loss_blank:>8.4f} {shuffled:>8} "
-              f"{report.grad_projector:>10.3g}  {report.verdict}")
+    reports = [sees_images(model, collate(samples[b : b + args.batch_size]))
+               for b in range(0, len(samples), args.batch_size)]
+    videos = any(r.videos for r in reports)
+    columns = [("loss", "loss"), ("blanked", "loss_blank"), ("shuffled", "loss_shuffled")]
+    if videos:  # the video columns: blanked videos, frames reversed in time, another sample's video
+        columns += [("v blank", "loss_blank_videos"), ("reversed", "loss_time_shuffled"),
+                    ("v other", "loss_shuffled_videos")]
+    print(f"{'batch':>5} " + " ".join(f"{title:>8}" for title, _ in columns) + f" {'grad proj':>10}  verdict")
+    for b, report in enumerate(reports):
+        values = [getattr(report, key) for _, key in columns]
+        cells = " ".join("     n/a" if v is None else f"{v:>8.4f}" for v in values)
+        print(f"{b:>5} {cells} {report.grad_projector:>10.3g}  {report.verdict}")
     ok = all(r.ok for r in reports)
-    print(f"the model {'sees' if ok else 'does NOT see'} its images on {len(reports)} batch(es) of {args.data}")
+    seen = "images and videos" if videos and any(r.images for r in reports) else "videos" if videos else "images"
+    print(f"the model {'sees' if ok else 'does NOT see'} its {seen} on {len(reports)} batch(es) of {args.data}")
     return 0 if ok else 1
 
 
@@ -467,6 +481,8 @@ def add_eval_commands(sub: argparse._SubParsersAction) -> None:
         command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
                              "data file's directory)")
         command.add_argument("--max-length", type=int, default=4096)
+        command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
+                             "'{fps: 1, max_frames: 64}'")
         command.set_defaults(func=func)
         if name == "eval":
             command.add_argument("--json", default=None, help="write the report here")

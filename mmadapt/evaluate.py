@@ -1,7 +1,8 @@
-"""Evaluation that proves a model reads its images: answers with real, blanked and shuffled images.
+"""Evaluation that proves a model reads its images (and videos): answers with real, blanked and shuffled inputs.
 
     report = evaluate_records(model, encoder, collate, records)    # `mmadapt eval MODEL DATA` prints it
     report["accuracy_images"], report["accuracy_blank"], report["accuracy_shuffled"], report["passed"]
+    for name in variants_of(report): report[f"accuracy_{name}"]   # + "time_shuffled" when there are videos
 
 Greedy answers to each record's question (its last assistant turn is the reference) are scored per
 sample by normalised exact match (case, surrounding whitespace and final punctuation ignored;
@@ -12,6 +13,15 @@ next sample's image of the same grid, so its span still fits). The verdict: imag
 better of blanked / shuffled by `margin` accuracy points. `chance` is the best constant answer's
 accuracy (the majority reference's share). `max_new_tokens` defaults to fit the longest reference.
 The digits demo (`mmadapt demo`) reports through this same code.
+
+Videos (prompts with `pixel_values_videos`): "images" means the real inputs, images and videos; blanking zeroes
+the videos' pixels too and shuffling also moves each video to the next sample whose videos have the same grids
+(images and videos move independently). When any prompt has a video a fourth variant is scored,
+"time_shuffled" (`accuracy_time_shuffled`, `contained_time_shuffled`, and a `time_shuffled` answer per
+prediction): each video's temporal patches in reverse order (`mmadapt.data.video.reverse_frames`), the same frames in
+the wrong order; prompts without a video (or with a one-patch video) are unchanged in it. The verdict then needs
+real inputs to beat the best of blanked / shuffled / time-shuffled by the margin. Reports of image-only data are
+unchanged (three variants, `VARIANTS`); `variants_of(report)` lists the variants a report holds.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import torch
 DEFAULT_MARGIN = 0.2
 EVAL_BATCH = 64
 VARIANTS = ("images", "blank", "shuffled")
+VIDEO_VARIANTS = (*VARIANTS, "time_shuffled")
+LABELS = {"images": "real images", "blank": "blanked", "shuffled": "shuffled", "time_shuffled": "frames reversed"}
 
 
 def reference_of(record: dict[str, Any]) -> str:
@@ -64,30 +76,75 @@ def end_token_ids(encoder: Any) -> list[int]:
     return [encoder.tokenizer.convert_tokens_to_ids(encoder.template.end_of_turn(encoder.tokenizer))]
 
 
+def has_videos(samples: Sequence[Any]) -> bool:
+    """Whether any sample carries a video (`pixel_values_videos`)."""
+    return any(getattr(s, "pixel_values_videos", None) is not None for s in samples)
+
+
+def variants_of(report: dict[str, Any]) -> tuple[str, ...]:
+    """The variants a report scores: `VARIANTS`, plus "time_shuffled" when its prompts had videos."""
+    return VIDEO_VARIANTS if "accuracy_time_shuffled" in report else VARIANTS
+
+
+def zeros_or_none(pixels: torch.Tensor | None) -> torch.Tensor | None:
+    return None if pixels is None else torch.zeros_like(pixels)
+
+
 def blanked(samples: Sequence[Any]) -> list[Any]:
-    """Each image replaced by the processor's mean colour (normalised pixels = 0); token counts unchanged."""
-    return [dataclasses.replace(s, pixel_values=None if s.pixel_values is None else torch.zeros_like(s.pixel_values))
-            for s in samples]
+    """Each image and video replaced by the processor's mean colour (normalised pixels = 0); token counts unchanged."""
+    out = []
+    for s in samples:
+        blank = dataclasses.replace(s, pixel_values=zeros_or_none(s.pixel_values))
+        if getattr(s, "pixel_values_videos", None) is not None:
+            blank = dataclasses.replace(blank, pixel_values_videos=zeros_or_none(s.pixel_values_videos))
+        out.append(blank)
+    return out
 
 
 def shuffled(samples: Sequence[Any]) -> list[Any]:
-    """Each sample gets the image of the next sample with the same grid (cyclic), so its span still fits.
+    """Each sample gets the images of the next sample with the same grids (cyclic), so its spans still fit, and
+    likewise the videos of the next sample with the same video grids (images and videos move independently).
 
-    A sample whose grid no other sample shares keeps its image."""
+    A sample whose grids no other sample shares keeps its images (videos)."""
     def key(s: Any) -> tuple:
         grid = () if s.image_grid_thw is None else tuple(s.image_grid_thw.flatten().tolist())
         return tuple(s.tokens_per_image), grid
 
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(key(s), []).append(i)
+    def video_key(s: Any) -> tuple:
+        grid = getattr(s, "video_grid_thw", None)
+        return tuple(getattr(s, "tokens_per_video", ())), () if grid is None else tuple(grid.flatten().tolist())
+
     out = list(samples)
-    for members in groups.values():
+    for members in groups_of(samples, key):
         for k, i in enumerate(members):
             donor = samples[members[(k + 1) % len(members)]]
             out[i] = dataclasses.replace(samples[i], pixel_values=donor.pixel_values,
                                          image_grid_thw=donor.image_grid_thw)
+    if has_videos(samples):
+        for members in groups_of(samples, video_key):
+            for k, i in enumerate(members):
+                donor = samples[members[(k + 1) % len(members)]]
+                out[i] = dataclasses.replace(out[i], pixel_values_videos=donor.pixel_values_videos,
+                                             video_grid_thw=donor.video_grid_thw)
     return out
+
+
+def time_shuffled(samples: Sequence[Any]) -> list[Any]:
+    """Each video's temporal patches in reverse order (`mmadapt.data.video.reverse_frames`): the same frames, in the
+    wrong order, with the same grids and token counts. Samples without a video are returned as they are."""
+    from mmadapt.data.video import reverse_frames
+
+    return [s if getattr(s, "pixel_values_videos", None) is None else
+            dataclasses.replace(s, pixel_values_videos=reverse_frames(s.pixel_values_videos, s.video_grid_thw)[0])
+            for s in samples]
+
+
+def groups_of(samples: Sequence[Any], key: Any) -> list[list[int]]:
+    """Indices of `samples` grouped by `key(sample)`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(key(s), []).append(i)
+    return list(groups.values())
 
 
 def answer_budget(encoder: Any, references: Sequence[str], slack: int = 4) -> int:
@@ -108,7 +165,7 @@ def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_
         batch = collate(prompts[start : start + EVAL_BATCH])
         new = model.generate(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"),
                              batch.get("image_grid_thw"), max_new_tokens=max_new_tokens, eos_token_id=ends,
-                             pad_token_id=encoder.pad_token_id)
+                             pad_token_id=encoder.pad_token_id, **videos_of(batch))
         for row in new.tolist():
             cut = next((k for k, t in enumerate(row) if t in ends), len(row))
             answers.append(encoder.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
@@ -118,8 +175,17 @@ def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_
     return answers
 
 
+def videos_of(batch: dict[str, Any]) -> dict[str, Any]:
+    """The collated batch's video inputs for `model.generate` ({} without videos)."""
+    keys = ("pixel_values_videos", "video_grid_thw", "videos_per_sample")
+    return {k: batch[k] for k in keys if batch.get(k) is not None}
+
+
 def verdict(report: dict[str, Any]) -> tuple[bool, str]:
-    """Passed when accuracy with real images beats blanked and shuffled images by >= the margin."""
+    """Passed when accuracy with real images beats blanked and shuffled images by >= the margin (and, for videos,
+    frames in reversed order: `accuracy_time_shuffled` in the report)."""
+    if "accuracy_time_shuffled" in report:
+        return video_verdict(report)
     best_without = max(report["accuracy_blank"], report["accuracy_shuffled"])
     gap = report["accuracy_images"] - best_without
     passed = gap >= report["margin"]
@@ -131,10 +197,25 @@ def verdict(report: dict[str, Any]) -> tuple[bool, str]:
     return passed, text
 
 
+def video_verdict(report: dict[str, Any]) -> tuple[bool, str]:
+    """The verdict with videos: real inputs beat the best of blanked / shuffled / time-shuffled by the margin."""
+    best_without = max(report["accuracy_blank"], report["accuracy_shuffled"], report["accuracy_time_shuffled"])
+    gap = report["accuracy_images"] - best_without
+    passed = gap >= report["margin"]
+    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with real images and videos "
+            f"{report['accuracy_images']:.3f}, blanked {report['accuracy_blank']:.3f}, shuffled "
+            f"{report['accuracy_shuffled']:.3f}, frames reversed {report['accuracy_time_shuffled']:.3f} (chance "
+            f"{report['chance']:.3f}); real inputs beat the best of blanked/shuffled/frames reversed by {gap:+.3f}, "
+            f"{'>=' if passed else '<'} the margin {report['margin']:.2f}: the model "
+            f"{'reads' if passed else 'does not clearly read'} the images and the order of the videos' frames")
+    return passed, text
+
+
 def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[dict[str, Any]], *,
                      margin: float = DEFAULT_MARGIN, max_new_tokens: int | None = None, classes: int | None = None,
                      progress: bool = False) -> dict[str, Any]:
-    """The three-way evaluation of `records` (see module docstring): report dict plus per-sample `predictions`.
+    """The three-way evaluation of `records` (four-way with videos; see module docstring): report dict plus
+    per-sample `predictions`.
 
     Records that cannot be encoded (a `DataProblem`) are skipped and counted in `skipped`."""
     from mmadapt.data import DataProblem
@@ -152,25 +233,29 @@ def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[d
         raise ValueError(f"none of the {len(records)} records can be evaluated: {skipped[:3]}")
     references = [reference_of(r) for r in kept]
     budget = max_new_tokens or answer_budget(encoder, references)
+    variants = {"images": prompts, "blank": blanked(prompts), "shuffled": shuffled(prompts)}
+    if has_videos(prompts):
+        variants["time_shuffled"] = time_shuffled(prompts)
+    names = tuple(variants)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=3 * len(prompts), desc="eval (images, blanked, shuffled)", unit="answer")
-    variants = {"images": prompts, "blank": blanked(prompts), "shuffled": shuffled(prompts)}
+        bar = tqdm(total=len(names) * len(prompts), desc=f"eval ({', '.join(LABELS[n] for n in names)})",
+                   unit="answer")
     answers = {name: predict(model, encoder, collate, variant, budget, bar) for name, variant in variants.items()}
     if bar is not None:
         bar.close()
     report: dict[str, Any] = {}
-    for name in VARIANTS:
+    for name in names:
         report[f"accuracy_{name}"] = sum(map(exact, answers[name], references)) / len(references)
         report[f"contained_{name}"] = sum(map(contained, answers[name], references)) / len(references)
     report.update(chance=chance_level(references, classes), margin=margin, samples=len(kept),
                   skipped=len(skipped), skipped_samples=skipped, max_new_tokens=budget)
     report["passed"], report["verdict"] = verdict(report)
     report["predictions"] = [
-        {"id": p.id, "reference": ref, **{name: answers[name][k] for name in VARIANTS},
-         "exact": {name: exact(answers[name][k], ref) for name in VARIANTS}}
+        {"id": p.id, "reference": ref, **{name: answers[name][k] for name in names},
+         "exact": {name: exact(answers[name][k], ref) for name in names}}
         for k, (p, ref) in enumerate(zip(prompts, references, strict=True))]
     return report
 
@@ -182,18 +267,20 @@ def write_predictions(report: dict[str, Any], path: str | Path) -> None:
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> Path:
-    """Bar chart: exact and contained accuracy with real / blanked / shuffled images, chance and the margin."""
+    """Bar chart: exact and contained accuracy with real / blanked / shuffled images (and frames reversed, for
+    videos), chance and the margin."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = variants_of(report)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs = range(len(VARIANTS))
-    ax.bar([x - 0.2 for x in xs], [report[f"accuracy_{v}"] for v in VARIANTS], 0.4, label="exact match")
-    ax.bar([x + 0.2 for x in xs], [report[f"contained_{v}"] for v in VARIANTS], 0.4, label="reference contained")
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [report[f"accuracy_{v}"] for v in names], 0.4, label="exact match")
+    ax.bar([x + 0.2 for x in xs], [report[f"contained_{v}"] for v in names], 0.4, label="reference contained")
     ax.axhline(report["chance"], color="gray", linestyle="--", label=f"chance {report['chance']:.2f}")
-    ax.set_xticks(list(xs), ["real images", "blanked", "shuffled"])
+    ax.set_xticks(list(xs), [LABELS[v] for v in names])
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
     ax.set_title(("PASSED" if report["passed"] else "FAILED") + f" (margin {report['margin']:.2f}, "

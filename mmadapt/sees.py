@@ -1,9 +1,9 @@
-"""Does the model see its images? A check on one batch, without training (seconds on a CPU).
+"""Does the model see its images and videos? A check on one batch, without training (seconds on a CPU).
 
     report = sees_images(model, batch)        # batch: the collator's (or synthetic_batch's) keyword inputs
     print(report); assert report.ok
 
-Three measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens):
+Measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens):
 
 1. gradients: the norm of d(loss)/d(projector parameters) and, when the encoder has trainable
    parameters, d(loss)/d(encoder parameters). A zero norm means the visual tokens never reach
@@ -17,16 +17,31 @@ Three measurements on the answer loss (the batch's `labels`, i.e. the assistant 
    (a cyclic shift inside each group of identical `image_grid_thw`; fixed-size encoders form one
    group), so every span keeps its token count. "not applicable" when no two images share a grid.
 
-A model that sees its images has a non-zero projector gradient and a loss that changes when
-its images are blanked or shuffled (the sign is arbitrary before training; after training both
-should go up). `SeesImagesReport.ok` is that verdict.
+When the batch has videos (`pixel_values_videos`, `video_grid_thw`; dynamic encoders), three more:
 
-The call runs in eval mode (no dropout, so the three losses differ only by their images) and
+4. blanked videos: the loss with `pixel_values_videos` zeroed (every frame the processor's mean colour).
+5. time-shuffled videos: the loss with each video's temporal patches in reverse order
+   (`mmadapt.data.video.reverse_frames`: the rows of temporal patch j, the block [j*h*w, (j+1)*h*w) of the
+   video's rows, move to patch t-1-j), so the
+   same frames arrive in the wrong order. A video with t == 1 cannot be shuffled (counted in
+   `videos_single_frame`), nor one whose temporal patches are all equal; "not applicable" when no video moves.
+6. shuffled videos: the loss with each video replaced by another sample's video of the same `video_grid_thw`
+   (a cyclic shift, like shuffled images). "not applicable" when no two videos share a grid.
+
+Images and videos are changed one kind at a time (the other kind stays real). A batch may have images,
+videos or both; one with neither is refused.
+
+A model that sees its images (videos) has a non-zero projector gradient and a loss that changes when
+its images (videos) are blanked or shuffled, and when the frames of its videos are put out of order (the sign
+is arbitrary before training; after training all should go up). `SeesImagesReport.ok` is that verdict.
+
+The call runs in eval mode (no dropout, so the losses differ only by their pixels) and
 restores the mode; gradients come from `torch.autograd.grad`, so no `.grad` is written and
 no parameter changes.
 
 Shapes: I images; pixel_values (I, C, H, W) for fixed-size encoders or (patches, F) with
-image_grid_thw (I, 3) for dynamic ones, patches = sum_i t_i * h_i * w_i.
+image_grid_thw (I, 3) for dynamic ones, patches = sum_i t_i * h_i * w_i. V videos: pixel_values_videos
+(patches, F) with video_grid_thw (V, 3) = (t, h, w), a video's rows ordered temporal patch by temporal patch.
 """
 
 from __future__ import annotations
@@ -40,54 +55,85 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.data.video import reverse_frames
+
 NOT_APPLICABLE = "not applicable: no two images share a patch grid"
+NO_TWO_VIDEOS = "not applicable: no two videos share a patch grid"
+NO_MOTION = "not applicable: no video has two different temporal patches"
 
 
 @dataclass(frozen=True, kw_only=True)
 class SeesImagesReport:
-    """Losses with real / blanked / shuffled images and the visual path's gradient norms.
+    """Losses with real / blanked / shuffled images (and videos) and the visual path's gradient norms.
 
-    `loss_shuffled` is None when shuffling is not applicable; `grad_encoder` is None when the
-    encoder has no trainable parameters. A loss change counts when |change| > `tolerance` * max(1, loss).
+    `loss_blank` is None when the batch has no images (a batch of videos only); `loss_shuffled` is None when
+    shuffling images is not applicable; `grad_encoder` is None when the encoder has no trainable parameters.
+    Video fields (None / 0 for a batch without videos): `loss_blank_videos` (frames blanked),
+    `loss_time_shuffled` (temporal patches reversed; None when no video can be reordered),
+    `loss_shuffled_videos` (another sample's video; None when no two videos share a grid); `videos`,
+    `videos_time_shuffled` (reordered), `videos_single_frame` (t == 1: cannot be reordered),
+    `videos_shuffled` (replaced). A loss change counts when |change| > `tolerance` * max(1, loss).
     """
 
     loss: float
-    loss_blank: float
+    loss_blank: float | None
     loss_shuffled: float | None
     grad_projector: float
     grad_encoder: float | None
     images: int
     images_shuffled: int
     tolerance: float = 1e-6
+    loss_blank_videos: float | None = None
+    loss_time_shuffled: float | None = None
+    loss_shuffled_videos: float | None = None
+    videos: int = 0
+    videos_time_shuffled: int = 0
+    videos_single_frame: int = 0
+    videos_shuffled: int = 0
 
     @property
-    def blank_change(self) -> float:
-        return self.loss_blank - self.loss
+    def blank_change(self) -> float | None:
+        return None if self.loss_blank is None else self.loss_blank - self.loss
 
     @property
     def shuffled_change(self) -> float | None:
         return None if self.loss_shuffled is None else self.loss_shuffled - self.loss
+
+    @property
+    def blank_videos_change(self) -> float | None:
+        return None if self.loss_blank_videos is None else self.loss_blank_videos - self.loss
+
+    @property
+    def time_shuffled_change(self) -> float | None:
+        return None if self.loss_time_shuffled is None else self.loss_time_shuffled - self.loss
+
+    @property
+    def shuffled_videos_change(self) -> float | None:
+        return None if self.loss_shuffled_videos is None else self.loss_shuffled_videos - self.loss
 
     def changed(self, delta: float) -> bool:
         return math.isfinite(delta) and abs(delta) > self.tolerance * max(1.0, abs(self.loss))
 
     @property
     def problems(self) -> list[str]:
-        """Why the model does not see its images; empty when it does."""
+        """Why the model does not see its images (videos); empty when it does."""
         out = []
         if not math.isfinite(self.loss):
             out.append(f"the answer loss is not finite ({self.loss})")
-        if self.images == 0:
+        if self.images == 0 and self.videos == 0:
             out.append("the batch has no images")
         if not (math.isfinite(self.grad_projector) and self.grad_projector > 0):
             out.append(f"no gradient reaches the projector from the answer loss (norm {self.grad_projector:.3g}): "
                        "the visual tokens do not reach the LLM")
         if self.grad_encoder is not None and not (math.isfinite(self.grad_encoder) and self.grad_encoder > 0):
             out.append(f"no gradient reaches the trainable encoder parameters (norm {self.grad_encoder:.3g})")
-        if not self.changed(self.blank_change):
-            out.append(f"blanking the images does not change the answer loss ({self.blank_change:+.3g})")
-        if self.shuffled_change is not None and not self.changed(self.shuffled_change):
-            out.append(f"shuffling the images does not change the answer loss ({self.shuffled_change:+.3g})")
+        checks = (("blanking the images", self.blank_change), ("shuffling the images", self.shuffled_change),
+                  ("blanking the videos", self.blank_videos_change),
+                  ("reversing the order of the videos' frames", self.time_shuffled_change),
+                  ("shuffling the videos", self.shuffled_videos_change))
+        for what, change in checks:
+            if change is not None and not self.changed(change):
+                out.append(f"{what} does not change the answer loss ({change:+.3g})")
         return out
 
     @property
@@ -95,22 +141,45 @@ class SeesImagesReport:
         return not self.problems
 
     @property
+    def seen(self) -> str:
+        """What the batch shows the model: "images", "videos" or "images and videos"."""
+        if self.videos == 0:
+            return "images"
+        return "videos" if self.images == 0 else "images and videos"
+
+    @property
     def verdict(self) -> str:
-        return "sees its images" if self.ok else "does NOT see its images: " + "; ".join(self.problems)
+        return f"sees its {self.seen}" if self.ok else f"does NOT see its {self.seen}: " + "; ".join(self.problems)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "blank_change": self.blank_change, "shuffled_change": self.shuffled_change,
-                "ok": self.ok, "problems": self.problems}
+                "blank_videos_change": self.blank_videos_change, "time_shuffled_change": self.time_shuffled_change,
+                "shuffled_videos_change": self.shuffled_videos_change, "ok": self.ok, "problems": self.problems}
 
     def __str__(self) -> str:
         encoder = "frozen (not measured)" if self.grad_encoder is None else f"{self.grad_encoder:.4g}"
-        shuffled = (NOT_APPLICABLE if self.loss_shuffled is None else
-                    f"{self.loss_shuffled:.4f} ({self.shuffled_change:+.4f}; {self.images_shuffled} of "
-                    f"{self.images} images moved)")
+        head = f"answer loss, real {self.seen}:"
+        lines = [f"{head:<29} {self.loss:.4f}"]
+        if self.images:
+            shuffled = (NOT_APPLICABLE if self.loss_shuffled is None else
+                        f"{self.loss_shuffled:.4f} ({self.shuffled_change:+.4f}; {self.images_shuffled} of "
+                        f"{self.images} images moved)")
+            blank = "not measured" if self.loss_blank is None else f"{self.loss_blank:.4f} ({self.blank_change:+.4f})"
+            lines += [f"answer loss, blanked images:  {blank}", f"answer loss, shuffled images: {shuffled}"]
+        if self.videos:
+            blank = ("not measured" if self.loss_blank_videos is None else
+                     f"{self.loss_blank_videos:.4f} ({self.blank_videos_change:+.4f})")
+            single = f", {self.videos_single_frame} with one temporal patch" if self.videos_single_frame else ""
+            reordered = (f"{NO_MOTION}{single}" if self.loss_time_shuffled is None else
+                         f"{self.loss_time_shuffled:.4f} ({self.time_shuffled_change:+.4f}; "
+                         f"{self.videos_time_shuffled} of {self.videos} videos reordered{single})")
+            shuffled = (NO_TWO_VIDEOS if self.loss_shuffled_videos is None else
+                        f"{self.loss_shuffled_videos:.4f} ({self.shuffled_videos_change:+.4f}; "
+                        f"{self.videos_shuffled} of {self.videos} videos moved)")
+            lines += [f"answer loss, blanked videos:  {blank}", f"answer loss, frames reversed: {reordered}",
+                      f"answer loss, shuffled videos: {shuffled}"]
         return "\n".join([
-            f"answer loss, real images:     {self.loss:.4f}",
-            f"answer loss, blanked images:  {self.loss_blank:.4f} ({self.blank_change:+.4f})",
-            f"answer loss, shuffled images: {shuffled}",
+            *lines,
             f"gradient norm at projector:   {self.grad_projector:.4g}",
             f"gradient norm at encoder:     {encoder}",
             f"verdict: the model {self.verdict}",
@@ -118,25 +187,53 @@ class SeesImagesReport:
 
 
 def sees_images(model: nn.Module, batch: dict[str, Any], *, tolerance: float = 1e-6) -> SeesImagesReport:
-    """Check on one batch that the answer loss depends on the images (see the module docstring)."""
+    """Check on one batch that the answer loss depends on the images and videos (see the module docstring)."""
     labels = batch.get("labels")
     if labels is None or not bool((labels[..., 1:] != -100).any()):
         raise ValueError("sees_images needs a batch with answer labels (labels != -100 after the first token). "
                          "Fix: pass the collator's batch of samples that have an assistant turn.")
-    if batch.get("pixel_values") is None:
-        raise ValueError("sees_images needs a batch with images (pixel_values is missing)")
+    has_images, has_videos = batch.get("pixel_values") is not None, batch.get("pixel_values_videos") is not None
+    if not (has_images or has_videos):
+        raise ValueError("sees_images needs a batch with images or videos (pixel_values is missing, and so is "
+                         "pixel_values_videos)")
     device = next(model.parameters()).device
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    shuffled = shuffle_images(batch["pixel_values"], batch.get("image_grid_thw"))
     with eval_mode(model), projector_requires_grad(model):
         loss, grad_projector, grad_encoder = loss_and_gradients(model, batch)
-        with torch.no_grad():
-            loss_blank = float(model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss)
-            loss_shuffled = None if shuffled is None else float(model(**{**batch, "pixel_values": shuffled[0]}).loss)
-    return SeesImagesReport(loss=loss, loss_blank=loss_blank, loss_shuffled=loss_shuffled,
-                            grad_projector=grad_projector, grad_encoder=grad_encoder,
-                            images=num_images(batch["pixel_values"], batch.get("image_grid_thw")),
-                            images_shuffled=0 if shuffled is None else shuffled[1], tolerance=tolerance)
+        images = image_losses(model, batch) if has_images else {"images": 0, "images_shuffled": 0}
+        videos = video_losses(model, batch) if has_videos else {}
+    return SeesImagesReport(loss=loss, grad_projector=grad_projector, grad_encoder=grad_encoder, tolerance=tolerance,
+                            **{"loss_blank": None, "loss_shuffled": None, **images}, **videos)
+
+
+@torch.no_grad()
+def image_losses(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """Report fields of the image measurements: losses with blanked and shuffled images, image counts."""
+    pixels, grids = batch["pixel_values"], batch.get("image_grid_thw")
+    shuffled = shuffle_images(pixels, grids)
+    return {"loss_blank": float(model(**{**batch, "pixel_values": torch.zeros_like(pixels)}).loss),
+            "loss_shuffled": None if shuffled is None else float(model(**{**batch, "pixel_values": shuffled[0]}).loss),
+            "images": num_images(pixels, grids), "images_shuffled": 0 if shuffled is None else shuffled[1]}
+
+
+@torch.no_grad()
+def video_losses(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """Report fields of the video measurements: losses with blanked, time-shuffled and shuffled videos, counts."""
+    pixels, grids = batch["pixel_values_videos"], batch.get("video_grid_thw")
+    if grids is None:
+        raise ValueError("sees_images: the batch has pixel_values_videos but no video_grid_thw")
+
+    def loss_with(videos: torch.Tensor) -> float:
+        return float(model(**{**batch, "pixel_values_videos": videos}).loss)
+
+    reordered, moved = reverse_frames(pixels, grids)
+    shuffled = shuffle_images(pixels, grids)
+    return {"loss_blank_videos": loss_with(torch.zeros_like(pixels)),
+            "loss_time_shuffled": loss_with(reordered) if moved else None,
+            "loss_shuffled_videos": None if shuffled is None else loss_with(shuffled[0]),
+            "videos": int(grids.shape[0]), "videos_time_shuffled": moved,
+            "videos_single_frame": int((grids[:, 0] == 1).sum()),
+            "videos_shuffled": 0 if shuffled is None else shuffled[1]}
 
 
 def loss_and_gradients(model: nn.Module, batch: dict[str, Any]) -> tuple[float, float, float | None]:
@@ -165,6 +262,7 @@ def shuffle_images(pixel_values: torch.Tensor,
 
     Fixed-size pixels (I, C, H, W) have no `image_grid_thw`: all images share one grid. Returns None
     when no two images share a grid (nothing can move without changing a span's token count).
+    Videos work the same way (`pixel_values_videos`, `video_grid_thw`): each video gets another's.
     """
     if image_grid_thw is None:
         count = pixel_values.shape[0]

@@ -2,12 +2,18 @@
 
 The task: name the colour of a noisy solid-colour image (4 colours), learnable by a tiny model in a few
 dozen steps. A trained model must beat blanked and shuffled images; an untrained one must not.
+
+Videos (mechanics, untrained model, synthetic samples and a stand-in sample encoder): `predict` passes the videos
+to `generate`, the blanked / shuffled / time-shuffled variants change only the pixels they should, and a report of
+prompts with videos adds the time-shuffled variant while an image-only report keeps its keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +23,8 @@ from PIL import Image
 import mmadapt
 from mmadapt import evaluate
 from mmadapt.cli import main
+from mmadapt.data import Collator
+from mmadapt.testing import synthetic_samples, synthetic_video_samples
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
@@ -105,3 +113,107 @@ def test_chat_answers_from_a_run_directory(trained, capsys):
     root, _ = trained
     assert main(["chat", str(root / "out"), "--image", str(root / "eval-2.png"), "What colour is this?"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].rstrip(".") == "blue"  # eval-2 is blue
+
+
+# ---- videos (mechanics) ----------------------------------------------------------------------------------
+END = 7
+
+
+class Encoder:
+    """Stands in for `SampleEncoder` in `evaluate_records`: prompt i is the i-th prepared sample; tokens decode to
+    their ids, and token END ends a turn."""
+
+    pad_token_id = 0
+
+    def __init__(self, samples):
+        self.samples = samples
+        self.tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: END,
+                                         decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+        self.template = SimpleNamespace(end_of_turn=lambda tokenizer: "<end>")
+
+    def encode_prompt(self, record, index):
+        return self.samples[index]
+
+
+def records_for(samples):
+    return [{"id": s.id, "conversations": [{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "1"}]}
+            for s in samples]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    torch.manual_seed(0)
+    return mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5").eval()
+
+
+def video_prompts(model):
+    """Four prompts: two with one 4-frame video each (one grid), one with a 2-frame video (t = 1) and an image,
+    one with an image only."""
+    return synthetic_video_samples(model, (("video",), ("video",), ("video", "image"), ("image",)),
+                                   video_shapes=((4, 32, 48), (4, 32, 48), (2, 32, 32)),
+                                   image_sides=(32, 32), text_lengths=(3, 3, 3, 3), seed=2)
+
+
+def test_predict_passes_videos_to_generate(qwen, monkeypatch):
+    prompts = video_prompts(qwen)
+    collate = Collator.for_model(qwen, pad_token_id=0)
+    seen = []
+    generate = qwen.generate
+    monkeypatch.setattr(qwen, "generate", lambda *a, **kw: seen.append(kw) or generate(*a, **kw))
+    answers = evaluate.predict(qwen, Encoder(prompts), collate, prompts, max_new_tokens=3)
+    assert len(answers) == 4
+    assert seen[0]["video_grid_thw"].tolist() == [[2, 4, 6], [2, 4, 6], [1, 4, 4]]
+    assert seen[0]["videos_per_sample"].tolist() == [1, 1, 1, 0]
+    assert seen[0]["pixel_values_videos"].shape[0] == 2 * 2 * 24 + 16
+
+
+def test_blanked_shuffled_and_time_shuffled_videos(qwen):
+    prompts = video_prompts(qwen)
+    blank = evaluate.blanked(prompts)
+    assert all(b.pixel_values_videos is None or not b.pixel_values_videos.any() for b in blank)
+    assert all(b.pixel_values is None or not b.pixel_values.any() for b in blank)
+    moved = evaluate.shuffled(prompts)
+    # the two 4-frame videos trade places; the 2-frame one has no partner; images move among equal grids
+    assert torch.equal(moved[0].pixel_values_videos, prompts[1].pixel_values_videos)
+    assert torch.equal(moved[1].pixel_values_videos, prompts[0].pixel_values_videos)
+    assert torch.equal(moved[2].pixel_values_videos, prompts[2].pixel_values_videos)
+    assert torch.equal(moved[2].pixel_values, prompts[3].pixel_values)
+    assert moved[3].pixel_values_videos is None and torch.equal(moved[3].pixel_values, prompts[2].pixel_values)
+    reordered = evaluate.time_shuffled(prompts)
+    first = prompts[0].pixel_values_videos
+    assert torch.equal(reordered[0].pixel_values_videos, torch.cat([first[24:], first[:24]]))
+    assert torch.equal(reordered[2].pixel_values_videos, prompts[2].pixel_values_videos)  # t == 1: nothing to reorder
+    assert reordered[3] is prompts[3]
+    assert all(len(a) == len(b) for a, b in zip(reordered, prompts, strict=True))
+
+
+def test_a_report_with_videos_adds_the_time_shuffled_variant(qwen):
+    prompts = video_prompts(qwen)
+    collate = Collator.for_model(qwen, pad_token_id=0)
+    report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
+    assert evaluate.variants_of(report) == ("images", "blank", "shuffled", "time_shuffled")
+    assert {"accuracy_time_shuffled", "contained_time_shuffled"} <= set(report)
+    assert {"time_shuffled"} <= set(report["predictions"][0]) and "time_shuffled" in report["predictions"][0]["exact"]
+    assert "frames reversed" in report["verdict"]
+
+
+def test_an_image_only_report_keeps_its_keys(qwen):
+    prompts = [dataclasses.replace(s, labels=torch.full_like(s.labels, -100))
+               for s in synthetic_samples(qwen, (1, 1), image_sides=[32, 32], seed=1)]
+    collate = Collator.for_model(qwen, pad_token_id=0)
+    report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
+    assert evaluate.variants_of(report) == evaluate.VARIANTS
+    assert not any("time_shuffled" in key for key in report) and set(report["predictions"][0]) == {
+        "id", "reference", "images", "blank", "shuffled", "exact"}
+    assert "images beat the better of blanked/shuffled" in report["verdict"]
+
+
+def test_the_video_verdict_needs_real_inputs_to_beat_frames_reversed():
+    base = {"accuracy_images": 0.95, "accuracy_blank": 0.5, "accuracy_shuffled": 0.5, "accuracy_time_shuffled": 0.1,
+            "chance": 0.5, "margin": 0.2}
+    assert evaluate.verdict(base)[0]
+    passed, text = evaluate.verdict({**base, "accuracy_time_shuffled": 0.9})
+    assert not passed and "frames reversed 0.900" in text and "FAILED" in text
+    assert not evaluate.verdict({**base, "accuracy_blank": 0.8})[0]
+    image_only = {k: v for k, v in base.items() if k != "accuracy_time_shuffled"}
+    assert evaluate.verdict(image_only)[0] and "frames" not in evaluate.verdict(image_only)[1]

@@ -1,4 +1,6 @@
-"""`sees_images`: a model that sees its images passes; one whose visual tokens are cut off does not; no side effects."""
+"""`sees_images`: a model that sees its images (videos) passes; one whose visual tokens are cut off does not; no side
+effects. Videos: blanked, frames reversed in time (`reverse_frames`; t == 1 counted, not reordered) and shuffled
+among equal grids; a batch of videos only works; image-only reports keep their fields and text."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import torch
 from torch import nn
 
 import mmadapt
+from mmadapt.data.video import reverse_frames
 from mmadapt.sees import SeesImagesReport, sees_images, shuffle_images
-from mmadapt.testing import synthetic_batch
+from mmadapt.testing import synthetic_batch, synthetic_video_batch
 
 COMBINATIONS = [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")]
 
@@ -130,6 +133,9 @@ def test_a_batch_without_answers_or_images_is_refused():
         sees_images(model, {**batch, "labels": torch.full_like(batch["labels"], -100)})
     with pytest.raises(ValueError, match="pixel_values is missing"):
         sees_images(model, {k: v for k, v in batch.items() if k != "pixel_values"})
+    videos = video_batch(model)
+    with pytest.raises(ValueError, match="pixel_values is missing, and so is pixel_values_videos"):
+        sees_images(model, {k: v for k, v in videos.items() if not k.startswith("pixel_values")})
 
 
 def test_report_tolerance_and_dict():
@@ -138,3 +144,94 @@ def test_report_tolerance_and_dict():
     assert not report.ok and report.to_dict()["ok"] is False  # a change of 1e-9 is float noise, not an image
     seen = dataclasses.replace(report, loss_blank=2.1)
     assert seen.ok and seen.to_dict()["blank_change"] == pytest.approx(0.1)
+
+
+# ---- videos ----------------------------------------------------------------------------------------------
+# three videos: two of 4 frames at 32 x 48 (t = 2, one grid: shuffled between them), one of 2 frames (t = 1)
+VIDEO_LAYOUT = (("video", "image"), ("video",), ("video",))
+VIDEO_SHAPES = ((4, 32, 48), (4, 32, 48), (2, 32, 32))
+
+
+def video_batch(model, layout=VIDEO_LAYOUT, shapes=VIDEO_SHAPES, image_sides=(32,)) -> dict:
+    return synthetic_video_batch(model, layout, video_shapes=shapes, image_sides=image_sides, seed=5)
+
+
+def test_a_normal_model_sees_its_videos():
+    model = tiny(COMBINATIONS[0])
+    before = snapshot(model)
+    report = sees_images(model, video_batch(model))
+    assert report.ok, str(report)
+    assert report.images == 1 and report.loss_shuffled is None and report.blank_change not in (None, 0.0)
+    assert (report.videos, report.videos_time_shuffled, report.videos_single_frame, report.videos_shuffled) == (
+        3, 2, 1, 2)
+    for change in (report.blank_videos_change, report.time_shuffled_change, report.shuffled_videos_change):
+        assert change is not None and change != 0.0
+    text = str(report)
+    assert "real images and videos" in text and "sees its images and videos" in text
+    assert "2 of 3 videos reordered, 1 with one temporal patch" in text and "2 of 3 videos moved" in text
+    data = report.to_dict()
+    assert data["videos_single_frame"] == 1 and data["time_shuffled_change"] == pytest.approx(
+        report.loss_time_shuffled - report.loss)
+    assert_unchanged(model, before)
+
+
+def test_a_batch_of_videos_only_is_measured():
+    model = tiny(COMBINATIONS[0])
+    report = sees_images(model, video_batch(model, (("video",), ("video",)), VIDEO_SHAPES[:2], image_sides=()))
+    assert report.ok, str(report)
+    assert report.images == 0 and report.loss_blank is None and report.blank_change is None
+    assert report.videos == 2 and report.videos_shuffled == 2 and report.videos_single_frame == 0
+    text = str(report)
+    assert "real videos" in text and "sees its videos" in text and "images:" not in text
+
+
+def test_videos_of_one_temporal_patch_or_distinct_grids_are_not_applicable():
+    model = tiny(COMBINATIONS[0])
+    report = sees_images(model, video_batch(model, (("video",), ("video",)), ((2, 32, 32), (2, 32, 48)),
+                                            image_sides=()))
+    assert report.loss_time_shuffled is None and report.loss_shuffled_videos is None
+    assert report.videos_single_frame == 2 and report.videos_time_shuffled == 0
+    assert "no video has two different temporal patches, 2 with one temporal patch" in str(report)
+    assert "no two videos share a patch grid" in str(report)
+    assert report.ok, str(report)  # the gradient and the blanked videos still show they are seen
+
+
+def test_a_projector_that_outputs_nothing_does_not_see_videos():
+    model = tiny(COMBINATIONS[0])
+    layer = last_linear(model.projector)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+    report = sees_images(model, video_batch(model))
+    assert not report.ok and report.time_shuffled_change == 0.0 and report.blank_videos_change == 0.0
+    problems = " | ".join(report.problems)
+    assert "blanking the videos does not change" in problems and "reversing the order of the videos' frames" in \
+        problems and "shuffling the videos does not change" in problems
+    assert "does NOT see its images and videos" in str(report)
+
+
+def test_image_only_reports_keep_their_fields_and_text():
+    model = tiny(COMBINATIONS[0])
+    report = sees_images(model, batch_for(model))
+    assert (report.videos, report.loss_blank_videos, report.loss_time_shuffled, report.loss_shuffled_videos) == (
+        0, None, None, None)
+    lines = str(report).splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "answer loss, real images", "answer loss, blanked images", "answer loss, shuffled images",
+        "gradient norm at projector", "gradient norm at encoder", "verdict"]
+    assert lines[0] == f"answer loss, real images:     {report.loss:.4f}"
+
+
+def test_reverse_frames_reverses_temporal_patches_inside_each_video():
+    grids = torch.tensor([[3, 1, 2], [1, 2, 2], [2, 1, 1], [2, 1, 1]])
+    rows = grids.prod(-1).tolist()
+    # value = 10 * video + temporal patch; video 3's two patches are equal (nothing to reorder)
+    values = [10.0 * v + (0 if v == 3 else k // (n // t))
+              for v, (n, t) in enumerate(zip(rows, grids[:, 0].tolist(), strict=True)) for k in range(n)]
+    pixels = torch.tensor(values)[:, None].expand(-1, 2)
+    out, moved = reverse_frames(pixels, grids)
+    assert moved == 2 and out.shape == pixels.shape
+    videos = [chunk[:, 0].tolist() for chunk in out.split(rows)]
+    assert videos == [[2.0, 2.0, 1.0, 1.0, 0.0, 0.0], [10.0] * 4, [21.0, 20.0], [30.0, 30.0]]
+    again, _ = reverse_frames(out, grids)
+    assert torch.equal(again, pixels)  # reversal is its own inverse

@@ -311,3 +311,20 @@ def test_plan_counts_the_largest_video_the_sampling_settings_let_through():
     assert work.video_frames == 32 and work.visual_per_image == videos.tokens_for(32, 4096, 4096)
     assert work.visual_per_image > default.visual_per_image and "video(s) of 32 frames" in work.describe()
     assert workload(RunConfig.from_dict({"data": {"video": settings}}), llava).video_frames == 0
+
+
+def test_eval_and_sees_on_video_data_report_frames_reversed(model_dir, media, tmp_path, capsys):
+    from mmadapt.cli import main
+
+    records = [{"id": f"v{k}", "videos": [name], "messages": [{"role": "user", "content": "<video>\nWhich way?"},
+                                                              {"role": "assistant", "content": answer}]}
+               for k, (name, answer) in enumerate((("left.mp4", "left"), ("down.mp4", "down")) * 2)]
+    path = tmp_path / "eval.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    video = ["--image-root", str(media), "--video", "{fps: 4, min_pixels: 256, max_pixels: 32768}"]
+    assert main(["eval", str(model_dir), str(path), *video, "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "time_shuffled" in out and "frames reversed" in out  # the row and the verdict name it
+    assert main(["sees", str(model_dir), str(path), *video, "--batches", "1", "--batch-size", "4"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "reversed" in out.splitlines()[0] and "its videos on 1 batch(es)" in out

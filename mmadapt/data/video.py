@@ -618,3 +618,20 @@ class VideoProcessor:
             buffer.sub_(self._shift).div_(self._scale)
             windows = buffer.view(tp, 3, h // m, m, p, w // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
             slot.view(windows.shape).copy_(windows)
+
+
+def reverse_frames(pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each video's temporal patches in reverse order, and how many videos changed.
+
+    pixel_values_videos (sum_v t_v*h_v*w_v, F), rows of video v's temporal patch j the contiguous block
+    [j*h*w, (j+1)*h*w) of its rows (the processor's order); video_grid_thw (V, 3). The result has the same shape,
+    grids and token counts. A video with t == 1, or whose temporal patches are all equal, is unchanged and not
+    counted.
+    """
+    rows = video_grid_thw.prod(-1).tolist()
+    out, moved = [], 0
+    for chunk, (t, h, w) in zip(pixel_values_videos.split(rows), video_grid_thw.tolist(), strict=True):
+        reordered = chunk.view(t, h * w, -1).flip(0).reshape(chunk.shape)
+        moved += int(t > 1 and not torch.equal(reordered, chunk))
+        out.append(reordered)
+    return (torch.cat(out) if out else pixel_values_videos.clone()), moved
