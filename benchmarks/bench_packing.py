@@ -31,7 +31,7 @@ SHAPES = {  # moderate widths so matmuls, not Python, dominate, as in real model
     "qwen3_5": dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
                     linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-                    image_token_id=2047, vision_start_token_id=2045, vision_end_token_id=2046,
+                    image_token_id=2047, vision_start_token_id=2045, vision_end_token_id=2046, video_token_id=2044,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                          mrope_section=[4, 2, 2], mrope_interleaved=True)),
 }
