@@ -14,14 +14,60 @@ from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_
 from mmadapt.data.problems import REASONS, DataProblem
 from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, ProcessedImages, QwenProcessor, processor_for
 from mmadapt.data.report import BadDataError, BadSampleBudget, DataReport, check_dataset, show_sample
-from mmadapt.data.samples import IMAGE, EncodedSample, Sample, Turn, parse_record, read_records
+from mmadapt.data.samples import IMAGE, VIDEO, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import TEMPLATES, ChatTemplate
 from mmadapt.data.tokenizer import char_tokenizer, load_tokenizer, prepare_tokenizer
+from mmadapt.data.video import (
+    ProcessedVideos,
+    Video,
+    VideoConfig,
+    VideoLimits,
+    VideoProcessor,
+    VideoSampling,
+    load_video,
+    probe_video,
+)
 
 __all__ = [
-    "DEFAULT_MAX_PIXELS", "IMAGE", "REASONS", "TEMPLATES", "BadDataError", "BadSampleBudget", "ChatTemplate",
-    "Collator", "DataConfig", "DataProblem", "DataReport", "EncodedSample", "FixedSizeProcessor", "Geometry",
-    "ImageProcessor", "ProcessedImages", "QwenProcessor", "Sample", "SampleEncoder", "Turn", "VLMDataset",
-    "char_tokenizer", "check_dataset", "image_size", "length_grouped_sampler", "load_image", "load_tokenizer",
-    "parse_record", "prepare_tokenizer", "processor_for", "read_records", "show_sample",
+    "DEFAULT_MAX_PIXELS",
+    "IMAGE",
+    "REASONS",
+    "TEMPLATES",
+    "VIDEO",
+    "BadDataError",
+    "BadSampleBudget",
+    "ChatTemplate",
+    "Collator",
+    "DataConfig",
+    "DataProblem",
+    "DataReport",
+    "EncodedSample",
+    "FixedSizeProcessor",
+    "Geometry",
+    "ImageProcessor",
+    "ProcessedImages",
+    "ProcessedVideos",
+    "QwenProcessor",
+    "Sample",
+    "SampleEncoder",
+    "Turn",
+    "VLMDataset",
+    "Video",
+    "VideoConfig",
+    "VideoLimits",
+    "VideoProcessor",
+    "VideoSampling",
+    "char_tokenizer",
+    "check_dataset",
+    "image_size",
+    "length_grouped_sampler",
+    "load_image",
+    "load_tokenizer",
+    "load_video",
+    "parse_record",
+    "prepare_tokenizer",
+    "probe_video",
+    "processor_for",
+    "read_records",
+    "show_sample",
 ]
