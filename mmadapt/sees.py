@@ -91,25 +91,29 @@ class SeesImagesReport:
     videos_single_frame: int = 0
     videos_shuffled: int = 0
 
+    def change(self, loss: float | None) -> float | None:
+        """`loss` minus the real loss (None when the measurement does not apply)."""
+        return None if loss is None else loss - self.loss
+
     @property
     def blank_change(self) -> float | None:
-        return None if self.loss_blank is None else self.loss_blank - self.loss
+        return self.change(self.loss_blank)
 
     @property
     def shuffled_change(self) -> float | None:
-        return None if self.loss_shuffled is None else self.loss_shuffled - self.loss
+        return self.change(self.loss_shuffled)
 
     @property
     def blank_videos_change(self) -> float | None:
-        return None if self.loss_blank_videos is None else self.loss_blank_videos - self.loss
+        return self.change(self.loss_blank_videos)
 
     @property
     def time_shuffled_change(self) -> float | None:
-        return None if self.loss_time_shuffled is None else self.loss_time_shuffled - self.loss
+        return self.change(self.loss_time_shuffled)
 
     @property
     def shuffled_videos_change(self) -> float | None:
-        return None if self.loss_shuffled_videos is None else self.loss_shuffled_videos - self.loss
+        return self.change(self.loss_shuffled_videos)
 
     def changed(self, delta: float) -> bool:
         return math.isfinite(delta) and abs(delta) > self.tolerance * max(1.0, abs(self.loss))
