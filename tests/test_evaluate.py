@@ -74,8 +74,16 @@ def test_eval_reports_three_ways_and_the_trained_model_passes(trained, capsys):
     assert [e["id"] for e in report["evidence"]] == ["eval-0", "eval-1"]
     assert all(Path(e["png"]).stat().st_size > 1000 and abs(sum(e["quadrants"].values()) - 1) < 1e-6
                for e in report["evidence"])
+    assert all(isinstance(e["faithfulness"], float) and e["random_orders"] == 8
+               and e["trusted"] == (e["pixel_effect"] >= 0.1 and e["wins"] == 8) for e in report["evidence"])
     out = capsys.readouterr().out
     assert "PASSED" in out and "contained" in out
+    maps = [line for line in out.splitlines() if line.startswith("evidence map of ")]
+    assert [m.split(":")[0] for m in maps] == ["evidence map of eval-0", "evidence map of eval-1"]
+    assert all(f"(faithfulness {e['faithfulness']:+.2f}, beats {e['wins']} of 8 random orders" in m
+               for e, m in zip(report["evidence"], maps, strict=True))
+    resting = [e for e in report["evidence"] if e["pixel_effect"] >= 0.1]
+    assert any(line.startswith("evidence: mean faithfulness ") for line in out.splitlines()) == bool(resting)
 
 
 @pytest.mark.slow

@@ -305,7 +305,7 @@ def test_integrated_gradients_stay_complete_with_deepstack_levels():
     model = tiny().eval()
     batch = synthetic_batch(model, (1,), image_sides=[(32, 48)], text_lengths=[6])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
-    (result,) = evidence(model, inputs, torch.tensor([5, 7]), steps=128, batch_size=64)
+    (result,) = evidence(model, inputs, torch.tensor([5, 7]), method="integrated", steps=128, batch_size=64)
     delta = result.objective - result.baseline_objective
     assert abs(delta) > 1e-3 and result.scores.sum() == pytest.approx(delta, rel=0.02, abs=1e-5)
 
