@@ -82,16 +82,16 @@ Why occlusion at the pixels is the default, with windows of two sizes: the faith
   different model, as another seed does (shares up to 0.17 apart, faithfulness up to 0.24, accuracy 0.83 against
   1.00); every range below spans both:
       encoder + backbone       accuracy    top-left share   faithfulness    trusted
-      clip + llama             1.00        0.96-1.00        +0.59-+0.67     100%
-      siglip + llama           1.00        0.98-1.00        +0.56-+0.67     100%
-      timm + llama             1.00        1.00             +0.57-+0.62     100%
-      qwen3_5_vit + llama      1.00        0.83-1.00        +0.45-+0.67     83%-100%
-      qwen3_vl_vit + llama     1.00        0.97-1.00        +0.53-+0.67     100%
-      clip + qwen3_5           0.83-1.00   0.88-1.00        +0.47-+0.60     100%
-      siglip + qwen3_5         1.00        0.88-0.98        +0.43-+0.49     100%
-      timm + qwen3_5           1.00        0.88-1.00        +0.48-+0.59     100%
-      qwen3_5_vit + qwen3_5    0.92-1.00   0.85-0.96        +0.37-+0.61     83%-100%
-      qwen3_vl_vit + qwen3_5   1.00        0.88-1.00        +0.45-+0.63     100%
+      clip + llama             1.00        0.96-1.00        +0.59 to +0.67  100%
+      siglip + llama           1.00        0.98-1.00        +0.56 to +0.67  100%
+      timm + llama             1.00        1.00             +0.57 to +0.62  100%
+      qwen3_5_vit + llama      1.00        0.83-1.00        +0.45 to +0.67  83%-100%
+      qwen3_vl_vit + llama     1.00        0.97-1.00        +0.53 to +0.67  100%
+      clip + qwen3_5           0.83-1.00   0.88-1.00        +0.47 to +0.60  100%
+      siglip + qwen3_5         1.00        0.88-0.98        +0.43 to +0.49  100%
+      timm + qwen3_5           1.00        0.88-1.00        +0.48 to +0.59  100%
+      qwen3_5_vit + qwen3_5    0.92-1.00   0.85-0.96        +0.37 to +0.61  83%-100%
+      qwen3_vl_vit + qwen3_5   1.00        0.88-1.00        +0.45 to +0.63  100%
   Windows of one cell alone miss evidence held redundantly by a region (a trained Qwen ViT's four corner cells
   are copies of one another: removing one changes nothing; measured on the two-answer task that preceded this
   one, single cells 0.33 against 0.82 for both sizes); windows of 2 x 2 alone blur evidence held by one cell.
