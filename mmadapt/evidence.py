@@ -662,6 +662,14 @@ class Faithfulness:
         return float(np.mean(self.random_scores))
 
     @property
+    def deletion_random_mean(self) -> float:
+        return float(np.mean(self.deletion_random))
+
+    @property
+    def insertion_random_mean(self) -> float:
+        return float(np.mean(self.insertion_random))
+
+    @property
     def wins(self) -> int:
         """How many of the random orders the map's order beats (its score against that order is positive)."""
         return sum(s > 0 for s in self.random_scores)
@@ -687,8 +695,8 @@ class Faithfulness:
         return {"faithfulness": self.score, "trusted": self.trusted, "wins": self.wins, "random_orders": self.orders,
                 "decisive": self.decisive, "pixel_effect": self.pixel_effect,
                 "deletion_auc": self.deletion, "insertion_auc": self.insertion,
-                "deletion_auc_random": float(np.mean(self.deletion_random)),
-                "insertion_auc_random": float(np.mean(self.insertion_random)),
+                "deletion_auc_random": self.deletion_random_mean,
+                "insertion_auc_random": self.insertion_random_mean,
                 "answer_probability_image": self.full, "answer_probability_mean_colour": self.blank,
                 "curve_steps": self.steps}
 
@@ -700,7 +708,8 @@ def faithfulness(model: Any, inputs: dict[str, Any], answer_ids: Any, maps: Sequ
     returns them) against `orders` random orders (see `Faithfulness`). Costs 2 + 2 * (1 + orders) * (steps - 1)
     forwards (128 by default; fewer when the prompt has fewer cells than `steps`), `batch_size` per forward."""
     if steps < 2 or orders < 1:
-        raise ValueError(f"steps ({steps}) must be >= 2 and orders ({orders}) >= 1")
+        raise ValueError(f"faithfulness: {steps} points on the deletion / insertion curves (--curve-steps) and "
+                         f"{orders} random orders; give at least 2 points (or 0 to skip the measurement) and 1 order")
     prompt = _Prompt.of(model, inputs, answer_ids)
     was_training = model.training
     model.eval()
@@ -843,6 +852,9 @@ def explain(model: Any, processor: Any, image: Any, prompt: str, *, max_new_toke
     "png" (the rendered file when `out` is given, else None)}. An empty answer (the end token first) is
     explained through that end token.
     """
+    if curve_steps < 0 or curve_steps == 1:
+        raise ValueError(f"curve_steps {curve_steps}: give at least 2 points on the deletion / insertion curves "
+                         "(--curve-steps), or 0 to skip the faithfulness measurement")
     picture = processor.image(image)
     text = prompt if "<image>" in prompt else f"<image>\n{prompt}"
     inputs = processor(text, images=[picture])
