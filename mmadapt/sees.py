@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from mmadapt.data.video import reverse_frames
+from mmadapt.modes import eval_mode
 
 NOT_APPLICABLE = "not applicable: no two images share a patch grid"
 NO_TWO_VIDEOS = "not applicable: no two videos share a patch grid"
@@ -284,18 +285,6 @@ def shuffle_images(pixel_values: torch.Tensor,
                 out[i] = chunks[members[k - 1]]
             moved += len(members)
     return (torch.cat(out), moved) if moved else None
-
-
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode for the block; every submodule's own mode is restored after."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from PIL import Image
 
 import mmadapt
 from mmadapt import Processor, contract
-from mmadapt.cli import add_explain_command
+from mmadapt.cli.explain import add_explain_command
 from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
 from mmadapt.data.processors import FixedSizeProcessor, QwenProcessor, as_uint8, processor_for
 from mmadapt.evidence import (
@@ -568,7 +568,7 @@ def test_cmd_explain_answers_and_writes_the_png_for_a_saved_model(names, tmp_pat
 def test_the_faithfulness_line_says_whether_to_trust_the_map():
     """`mmadapt explain`'s last line: a map that beats every random order on an answer that rests on the pixels is
     trusted; one that loses to any is flagged; an answer the mean-colour image gives as readily says nothing."""
-    from mmadapt.cli import evidence_lines
+    from mmadapt.cli.explain import evidence_lines
     from mmadapt.evidence import Faithfulness
 
     (heat,) = token_maps(torch.rand(16), torch.tensor([[1, 4, 4]]), images=[(32, 32)], image_processor=fixed("pad"))

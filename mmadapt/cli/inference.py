@@ -1,0 +1,196 @@
+"""`mmadapt chat`, `mmadapt eval` and `mmadapt sees`: a trained model answers, is scored, and shows whether it sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mmadapt.cli.common import add_model_arguments, video_settings
+from mmadapt.cli.explain import write_evidence
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Answer PROMPT and exit, or hold a conversation read from stdin (one user turn per line)."""
+    import torch
+
+    from mmadapt import Processor
+    from mmadapt.inference import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.adapters)
+    processor = Processor.for_model(model, tokenizer)
+    generator = torch.Generator().manual_seed(args.seed)
+    messages: list[dict] = []
+    pending, pending_videos = list(args.image), list(args.video)
+
+    def answer(text: str) -> str:
+        nonlocal pending, pending_videos
+        placeholders = ("" if "<video>" in text else "<video>\n" * len(pending_videos)) + (
+            "" if "<image>" in text else "<image>\n" * len(pending))
+        messages.append({"role": "user", "content": placeholders + text})
+        images = [img for m in messages for img in m.get("images", [])] + pending
+        videos = [video for m in messages for video in m.get("videos", [])] + pending_videos
+        messages[-1]["images"], messages[-1]["videos"], pending, pending_videos = pending, pending_videos, [], []
+        inputs = processor([{"role": m["role"], "content": m["content"]} for m in messages], images=images,
+                           videos=videos)
+        printed, ids = "", []
+
+        def stream(token: torch.Tensor) -> None:
+            nonlocal printed
+            ids.append(int(token[0]))
+            text_so_far = processor.decode(ids)
+            print(text_so_far[len(printed):], end="", flush=True)
+            printed = text_so_far
+
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, eos_token_id=processor.eos_token_ids,
+                             pad_token_id=processor.encoder.pad_token_id, temperature=args.temperature,
+                             top_p=args.top_p, generator=generator, on_token=stream)
+        reply = processor.decode(out[0])
+        print(reply[len(printed):], flush=True)
+        messages.append({"role": "assistant", "content": reply})
+        return reply
+
+    if args.prompt:
+        answer(" ".join(args.prompt))
+        return 0
+    for line in sys.stdin:
+        line = line.strip()
+        if line.startswith("/image "):
+            pending.append(line[len("/image "):].strip())
+        elif line.startswith("/video "):
+            pending_videos.append(line[len("/video "):].strip())
+        elif line:
+            answer(line)
+    return 0
+
+
+
+def add_chat_command(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="ask a trained model about images and videos (one prompt, or a conversation "
+                          "on stdin)")
+    add_model_arguments(chat)
+    chat.add_argument("prompt", nargs="*", help="the question; none: read turns from stdin (`/image PATH` and "
+                      "`/video PATH` attach an image or a video to the next turn)")
+    chat.add_argument("--image", action="append", default=[], help="an image for the first turn (repeatable)")
+    chat.add_argument("--video", action="append", default=[], help="a video file for the first turn (repeatable; "
+                      "Qwen3.5 / Qwen3-VL models; sampled at 2 fps as their processor does)")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.set_defaults(func=cmd_chat)
+
+
+
+def _inference_data(args: argparse.Namespace) -> tuple:
+    """(model, sample encoder, collator, records) for `eval` / `sees` on the user's own data file."""
+    from pathlib import Path
+
+    from mmadapt.data import Collator, SampleEncoder
+    from mmadapt.data.samples import read_records
+    from mmadapt.inference import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.adapters)
+    root = args.image_root or str(Path(args.data).parent)
+    encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length,
+                                      video=video_settings(args.video))
+    records = read_records(args.data)
+    if not records:
+        raise ValueError(f"{args.data} holds no records")
+    return model, encoder, Collator.for_model(model, encoder.pad_token_id), records
+
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help."""
+    import json
+
+    from mmadapt.evaluate import evaluate_records, plot_report, variants_of, write_predictions
+
+    model, encoder, collate, records = _inference_data(args)
+    report = evaluate_records(model, encoder, collate, records, margin=args.margin,
+                              max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
+    print(f"{report['samples']} samples ({report['skipped']} skipped), up to {report['max_new_tokens']} new tokens")
+    print(f"{'with':<13} {'exact':>7} {'contained':>10}")
+    for name in variants_of(report):  # + time_shuffled (frames reversed) when the prompts have videos
+        print(f"{name:<13} {report[f'accuracy_{name}']:>7.3f} {report[f'contained_{name}']:>10.3f}")
+    print(f"{'chance':<13} {report['chance']:>7.3f}")
+    print(report["verdict"])
+    if args.predictions:
+        write_predictions(report, args.predictions)
+    if args.plot:
+        plot_report(report, args.plot)
+    if args.evidence:
+        report["evidence"] = write_evidence(args, model, encoder, records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "predictions"}, f, indent=2)
+    return 1 if args.require_sees and not report["passed"] else 0
+
+
+
+def cmd_sees(args: argparse.Namespace) -> int:
+    """The loss-based check (`sees_images`) on a few batches of the user's data: a table and an exit code."""
+    from mmadapt.data import DataProblem
+    from mmadapt.sees import sees_images
+
+    model, encoder, collate, records = _inference_data(args)
+    samples = []
+    for i, record in enumerate(records):
+        try:
+            samples.append(encoder.encode(record, i))
+        except DataProblem as problem:
+            if problem.fatal:
+                raise
+        if len(samples) == args.batches * args.batch_size:
+            break
+    if not samples:
+        raise ValueError(f"none of the records of {args.data} could be encoded (see `mmadapt data check`)")
+    reports = [sees_images(model, collate(samples[b : b + args.batch_size]))
+               for b in range(0, len(samples), args.batch_size)]
+    videos = any(r.videos for r in reports)
+    columns = [("loss", "loss"), ("blanked", "loss_blank"), ("shuffled", "loss_shuffled")]
+    if videos:  # the video columns: blanked videos, frames reversed in time, another sample's video
+        columns += [("v blank", "loss_blank_videos"), ("reversed", "loss_time_shuffled"),
+                    ("v other", "loss_shuffled_videos")]
+    print(f"{'batch':>5} " + " ".join(f"{title:>8}" for title, _ in columns) + f" {'grad proj':>10}  verdict")
+    for b, report in enumerate(reports):
+        values = [getattr(report, key) for _, key in columns]
+        cells = " ".join("     n/a" if v is None else f"{v:>8.4f}" for v in values)
+        print(f"{b:>5} {cells} {report.grad_projector:>10.3g}  {report.verdict}")
+    ok = all(r.ok for r in reports)
+    seen = "images and videos" if videos and any(r.images for r in reports) else "videos" if videos else "images"
+    print(f"the model {'sees' if ok else 'does NOT see'} its {seen} on {len(reports)} batch(es) of {args.data}")
+    return 0 if ok else 1
+
+
+
+def add_eval_commands(sub: argparse._SubParsersAction) -> None:
+    for name, func, helptext in (
+            ("eval", cmd_eval, "answer held-out questions with real, blanked and shuffled images; score them"),
+            ("sees", cmd_sees, "does the answer loss on your data depend on the images? (no generation)")):
+        command = sub.add_parser(name, help=helptext)
+        add_model_arguments(command)
+        command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
+        command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
+                             "data file's directory)")
+        command.add_argument("--max-length", type=int, default=4096)
+        command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
+                             "'{fps: 1, max_frames: 64}'")
+        command.set_defaults(func=func)
+        if name == "eval":
+            command.add_argument("--json", default=None, help="write the report here")
+            command.add_argument("--predictions", default=None, help="per-sample answers (.jsonl)")
+            command.add_argument("--plot", default=None, help="a bar chart of the accuracies (.png)")
+            command.add_argument("--margin", type=float, default=0.2)
+            command.add_argument("--max-new-tokens", type=int, default=None,
+                                 help="default: enough for the longest reference answer")
+            command.add_argument("--require-sees", action="store_true",
+                                 help="exit 1 unless images beat blanked and shuffled ones by the margin")
+            command.add_argument("--evidence", type=int, default=0, metavar="K",
+                                 help="draw evidence maps (mmadapt explain) of the first K single-image samples")
+            command.add_argument("--evidence-dir", default="evidence", help="where the maps go (default: evidence/)")
+        else:
+            command.add_argument("--batches", type=int, default=4)
+            command.add_argument("--batch-size", type=int, default=8)
+
