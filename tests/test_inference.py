@@ -94,6 +94,42 @@ def test_chat_from_stdin_keeps_the_conversation(model_dir, images, capsys, monke
     assert capsys.readouterr().out.replace("\n", "") == (first + second).replace("\n", "")
 
 
+def test_a_chat_session_answers_as_mmadapt_chat_does_and_keeps_the_conversation(model_dir, images, capsys):
+    from mmadapt.inference import Chat, Sampling
+
+    camera = images / "camera.png"
+    assert main(["chat", str(model_dir), "--image", str(camera), "--max-new-tokens", "8", "What is it?"]) == 0
+    printed = capsys.readouterr().out
+    chat = Chat.load(model_dir, sampling=Sampling(max_new_tokens=8))
+    pieces: list[str] = []
+    first = chat.ask("What is it?", images=[camera], on_text=pieces.append)
+    assert printed == first + "\n"  # the session's greedy answer is what `mmadapt chat` prints
+    assert len(pieces) > 1 and "".join(pieces) == first  # streamed in pieces that make the answer
+    second = chat.ask("And now?")  # the first turn's image stays in context
+    assert second == greedy(model_dir, [{"role": "user", "content": "<image>\nWhat is it?"},
+                                        {"role": "assistant", "content": first},
+                                        {"role": "user", "content": "And now?"}], [camera], 8)
+    assert [(t.role, t.images) for t in chat.turns] == [("user", (camera,)), ("assistant", ()), ("user", ()),
+                                                       ("assistant", ())]
+    chat.reset()
+    assert chat.turns == [] and chat.images == [] and chat.videos == []
+    chat.attach(images=[camera])  # what `/image PATH` does: the next turn's image
+    assert chat.ask("What is it?") == first and len(chat.turns) == 2
+
+
+def test_a_chat_samples_reproducibly_from_its_seed_and_restores_the_model_mode(model_dir, images):
+    from mmadapt.inference import Chat, Sampling
+
+    model = VisionLanguageModel.from_pretrained(model_dir).train()
+    chat = Chat(model, Processor.from_pretrained(model_dir),
+                sampling=Sampling(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=3))
+    ask = ("<image>\nHi", [images / "astronaut.png"])
+    answer = chat.ask(*ask)
+    assert model.training and all(m.training for m in model.modules())  # generated in eval mode, mode restored
+    chat.reset()
+    assert chat.ask(*ask) == answer  # a reset chat samples as a new one
+
+
 def test_sampling_is_reproducible_with_a_seed(model_dir, images):
     model = VisionLanguageModel.from_pretrained(model_dir).eval()
     inputs = Processor.from_pretrained(model_dir)("<image>\nHi", images=[images / "astronaut.png"])

@@ -12,43 +12,15 @@ from mmadapt.cli.explain import write_evidence
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Answer PROMPT and exit, or hold a conversation read from stdin (one user turn per line)."""
-    import torch
+    from mmadapt.inference import Chat, Sampling
 
-    from mmadapt import Processor
-    from mmadapt.inference import load_for_inference
+    chat = Chat.load(args.model, args.adapters, sampling=Sampling(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+    chat.attach(images=args.image, videos=args.video)
 
-    model, tokenizer = load_for_inference(args.model, args.adapters)
-    processor = Processor.for_model(model, tokenizer)
-    generator = torch.Generator().manual_seed(args.seed)
-    messages: list[dict] = []
-    pending, pending_videos = list(args.image), list(args.video)
-
-    def answer(text: str) -> str:
-        nonlocal pending, pending_videos
-        placeholders = ("" if "<video>" in text else "<video>\n" * len(pending_videos)) + (
-            "" if "<image>" in text else "<image>\n" * len(pending))
-        messages.append({"role": "user", "content": placeholders + text})
-        images = [img for m in messages for img in m.get("images", [])] + pending
-        videos = [video for m in messages for video in m.get("videos", [])] + pending_videos
-        messages[-1]["images"], messages[-1]["videos"], pending, pending_videos = pending, pending_videos, [], []
-        inputs = processor([{"role": m["role"], "content": m["content"]} for m in messages], images=images,
-                           videos=videos)
-        printed, ids = "", []
-
-        def stream(token: torch.Tensor) -> None:
-            nonlocal printed
-            ids.append(int(token[0]))
-            text_so_far = processor.decode(ids)
-            print(text_so_far[len(printed):], end="", flush=True)
-            printed = text_so_far
-
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, eos_token_id=processor.eos_token_ids,
-                             pad_token_id=processor.encoder.pad_token_id, temperature=args.temperature,
-                             top_p=args.top_p, generator=generator, on_token=stream)
-        reply = processor.decode(out[0])
-        print(reply[len(printed):], flush=True)
-        messages.append({"role": "assistant", "content": reply})
-        return reply
+    def answer(text: str) -> None:
+        chat.ask(text, on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
 
     if args.prompt:
         answer(" ".join(args.prompt))
@@ -56,9 +28,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     for line in sys.stdin:
         line = line.strip()
         if line.startswith("/image "):
-            pending.append(line[len("/image "):].strip())
+            chat.attach(images=[line[len("/image "):].strip()])
         elif line.startswith("/video "):
-            pending_videos.append(line[len("/video "):].strip())
+            chat.attach(videos=[line[len("/video "):].strip()])
         elif line:
             answer(line)
     return 0
