@@ -1,7 +1,8 @@
 """`mmadapt demo`: train a tiny model to read handwritten digits, and prove it reads the images.
 
     report = run_demo(out="runs/demo")          # the embedded default: qwen3_5_vit + qwen_merger + qwen3_5 (tiny)
-    report["accuracy_images"], report["accuracy_blank"], report["accuracy_shuffled"], report["passed"]
+    report.evaluation.accuracy["images"], report.evaluation.accuracy["blank"], report.passed
+    print(report)                               # what `mmadapt demo` prints after training; OUT/report.json too
 
 The task ships offline: scikit-learn's 1,797 scanned handwritten digits (8 x 8 px, 16 grey
 levels), upscaled to `image_size` px (default 32 = 2 merge windows of the tiny Qwen ViT, and
@@ -28,12 +29,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mmadapt.evaluate import EvalReport
+    from mmadapt.sees import SeesImagesReport
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,72 @@ def plot_predictions(path: Path, image_root: Path, records: Sequence[dict[str, A
     return path
 
 
+# ---- the report -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DemoReport:
+    """A demo run: the held-out evaluation (`EvalReport`, its verdict the demo's), the training that preceded it,
+    `sees_images` before and after training, and the files written under `out`.
+
+    `print(report)` gives what `mmadapt demo` prints after training; `to_dict()` is OUT/report.json.
+    """
+
+    evaluation: EvalReport
+    steps: int
+    skipped: int  # training steps skipped (non-finite loss)
+    train_seconds: float
+    final_loss: float | None
+    model: dict[str, str]  # encoder, projector, backbone, preset
+    hyperparameters: dict[str, Any]
+    train_samples: int
+    eval_samples: int
+    sees_before: SeesImagesReport
+    sees_after: SeesImagesReport
+    files: dict[str, str]  # loss_curve, predictions, data, log
+    seconds: float
+    out: str  # the output directory, as given
+    question: str = QUESTION
+
+    @property
+    def passed(self) -> bool:
+        return self.evaluation.passed
+
+    @property
+    def verdict(self) -> str:
+        return self.evaluation.verdict
+
+    @property
+    def report_file(self) -> str:
+        return os.path.join(self.out, "report.json")
+
+    def lines(self) -> list[str]:
+        """Training, the held-out accuracy with real / blanked / shuffled images, the files, the verdict."""
+        accuracy = self.evaluation.accuracy
+        return [f"trained {self.steps} steps on {self.train_samples} digits in {self.train_seconds:.0f} s "
+                f"(final loss {self.final_loss:.3f}); total {self.seconds:.0f} s",
+                f"held-out answer accuracy ({self.eval_samples} digits, chance {self.evaluation.chance:.3f}):",
+                *(f"  {name:<16} {accuracy[key]:.3f}" for name, key in (
+                    ("real images", "images"), ("blanked images", "blank"), ("shuffled images", "shuffled"))),
+                f"report {self.report_file}; loss curve {self.files['loss_curve']}; "
+                f"predictions {self.files['predictions']}",
+                self.verdict]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def to_dict(self) -> dict[str, Any]:
+        """OUT/report.json: accuracy_<variant> (real, blanked, shuffled), chance, margin, the training, the sees
+        reports, passed, verdict, files, seconds."""
+        from mmadapt.evaluate import VARIANTS
+
+        return {**{f"accuracy_{name}": self.evaluation.accuracy[name] for name in VARIANTS},
+                "chance": self.evaluation.chance, "margin": self.evaluation.margin, "steps": self.steps,
+                "skipped": self.skipped, "train_seconds": self.train_seconds, "final_loss": self.final_loss,
+                "model": self.model, "hyperparameters": self.hyperparameters, "train_samples": self.train_samples,
+                "eval_samples": self.eval_samples, "question": self.question,
+                "sees_images_before": self.sees_before.to_dict(), "sees_images_after": self.sees_after.to_dict(),
+                "passed": self.passed, "verdict": self.verdict, "files": self.files, "seconds": self.seconds}
+
+
 # ---- the run --------------------------------------------------------------------------------------
 def prepare_out(out: Path) -> None:
     """Make OUT a demo directory; clear a previous demo's trainer outputs, refuse another run's.
@@ -144,11 +217,10 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
              backbone: str = DEFAULT_COMPONENTS[2], preset: str = "tiny", steps: int | None = None,
              lr: float | None = None, batch_size: int | None = None, warmup_steps: int | None = None,
              image_size: int | None = None, margin: float = 0.2, out: str | Path = "runs/demo",
-             seed: int = 0, progress: bool = True, deepstack: str = "use") -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, deepstack: str = "use") -> DemoReport:
     """Train on the digits, score held-out answers with real / blanked / shuffled images; write OUT; the report.
 
-    `None` hyper-parameters take `DEFAULTS`. The report has `accuracy_images`, `accuracy_blank`,
-    `accuracy_shuffled`, `chance`, `margin`, `passed`, `verdict`, `steps`, `seconds` and more.
+    `None` hyper-parameters take `DEFAULTS`.
     """
     import mmadapt
     from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
@@ -159,7 +231,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     hp = {**DEFAULTS, **{k: v for k, v in dict(steps=steps, lr=lr, batch_size=batch_size,
                                                  warmup_steps=warmup_steps, image_size=image_size).items()
                          if v is not None}}
-    started, out = time.perf_counter(), Path(out)
+    started, given, out = time.perf_counter(), str(out), Path(out)
     prepare_out(out)
     torch.manual_seed(seed)
     model = mmadapt.build_model(encoder, projector, backbone, preset=preset, deepstack=deepstack)
@@ -180,23 +252,19 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     summary = Trainer(model, config, train_data, collate).fit()
 
     scored = evaluate_records(model, sample_encoder, collate, eval_records, margin=margin, classes=10)
-    predictions = {name: [row[name] for row in scored["predictions"]] for name in VARIANTS}
+    predictions = {name: scored.answers(name) for name in VARIANTS}
     sees_after = sees_images(model, probe)
-    report: dict[str, Any] = {
-        **{f"accuracy_{name}": scored[f"accuracy_{name}"] for name in VARIANTS},
-        "chance": scored["chance"], "margin": margin,
-        "steps": summary["steps"], "skipped": summary["skipped"], "train_seconds": round(summary["seconds"], 2),
-        "final_loss": summary["history"][-1]["loss"] if summary["history"] else None,
-        "model": {"encoder": encoder, "projector": projector, "backbone": backbone, "preset": preset},
-        "hyperparameters": {**hp, "seed": seed}, "train_samples": len(train_records),
-        "eval_samples": len(eval_records), "question": QUESTION,
-        "sees_images_before": sees_before.to_dict(), "sees_images_after": sees_after.to_dict(),
-    }
-    report["passed"], report["verdict"] = scored["passed"], scored["verdict"]
-    report["files"] = {"loss_curve": str(out / "loss.png"), "predictions": str(
+    files = {"loss_curve": str(out / "loss.png"), "predictions": str(
         plot_predictions(out / "predictions.png", out / "data", eval_records, predictions)),
         "data": str(out / "data"), "log": str(out / "log.jsonl")}
-    report["seconds"] = round(time.perf_counter() - started, 2)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log.info("%s", report["verdict"])
+    report = DemoReport(
+        evaluation=scored, steps=summary["steps"], skipped=summary["skipped"],
+        train_seconds=round(summary["seconds"], 2),
+        final_loss=summary["history"][-1]["loss"] if summary["history"] else None,
+        model={"encoder": encoder, "projector": projector, "backbone": backbone, "preset": preset},
+        hyperparameters={**hp, "seed": seed}, train_samples=len(train_records), eval_samples=len(eval_records),
+        sees_before=sees_before, sees_after=sees_after, files=files,
+        seconds=round(time.perf_counter() - started, 2), out=given)
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    log.info("%s", report.verdict)
     return report

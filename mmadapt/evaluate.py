@@ -1,12 +1,14 @@
 """Evaluation that proves a model reads its images (and videos): answers with real, blanked and shuffled inputs.
 
-    report = evaluate_records(model, encoder, collate, records)    # `mmadapt eval MODEL DATA` prints it
-    report["accuracy_images"], report["accuracy_blank"], report["accuracy_shuffled"], report["passed"]
-    for name in variants_of(report): report[f"accuracy_{name}"]   # + "time_shuffled" when there are videos
+    report = evaluate_records(model, encoder, collate, records)    # an EvalReport
+    print(report)                                                   # the table `mmadapt eval MODEL DATA` prints
+    report.accuracy["images"], report.accuracy["blank"], report.accuracy["shuffled"], report.passed
+    for name in report.variants: report.accuracy[name]             # + "time_shuffled" when there are videos
+    report.to_dict()                                                # the JSON of `mmadapt eval --json`
 
 Greedy answers to each record's question (its last assistant turn is the reference) are scored per
 sample by normalised exact match (case, surrounding whitespace and final punctuation ignored;
-`accuracy_*`) and by "reference contained in the answer" (`contained_*`), each three ways: with the
+`accuracy`) and by "reference contained in the answer" (`contained`), each three ways: with the
 real images, with blanked images (pixel_values zeroed = the processor's mean colour: same size,
 grid and token count, no content) and with images shuffled across samples (each sample gets the
 next sample's image of the same grid, so its span still fits). The verdict: images must beat the
@@ -17,11 +19,11 @@ The digits demo (`mmadapt demo`) reports through this same code.
 Videos (prompts with `pixel_values_videos`): "images" means the real inputs, images and videos; blanking zeroes
 the videos' pixels too and shuffling also moves each video to the next sample whose videos have the same grids
 (images and videos move independently). When any prompt has a video a fourth variant is scored,
-"time_shuffled" (`accuracy_time_shuffled`, `contained_time_shuffled`, and a `time_shuffled` answer per
+"time_shuffled" (`accuracy["time_shuffled"]`, `contained["time_shuffled"]`, and a `time_shuffled` answer per
 prediction): each video's temporal patches in reverse order (`mmadapt.data.video.reverse_frames`), the same frames in
 the wrong order; prompts without a video (or with a one-patch video) are unchanged in it. The verdict then needs
 real inputs to beat the best of blanked / shuffled / time-shuffled by the margin. Reports of image-only data are
-unchanged (three variants, `VARIANTS`); `variants_of(report)` lists the variants a report holds.
+unchanged (three variants, `VARIANTS`); `report.variants` lists the variants a report holds.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mmadapt.modes import eval_mode
 
 DEFAULT_MARGIN = 0.2
 EVAL_BATCH = 64
@@ -79,11 +84,6 @@ def end_token_ids(encoder: Any) -> list[int]:
 def has_videos(samples: Sequence[Any]) -> bool:
     """Whether any sample carries a video (`pixel_values_videos`)."""
     return any(getattr(s, "pixel_values_videos", None) is not None for s in samples)
-
-
-def variants_of(report: dict[str, Any]) -> tuple[str, ...]:
-    """The variants a report scores: `VARIANTS`, plus "time_shuffled" when its prompts had videos."""
-    return VIDEO_VARIANTS if "accuracy_time_shuffled" in report else VARIANTS
 
 
 def zeros_or_none(pixels: torch.Tensor | None) -> torch.Tensor | None:
@@ -159,19 +159,17 @@ def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_
     """Greedy answers to generation prompts, in batches; text up to the end-of-turn token, stripped."""
     ends = end_token_ids(encoder)
     answers: list[str] = []
-    was_training = model.training
-    model.eval()
-    for start in range(0, len(prompts), EVAL_BATCH):
-        batch = collate(prompts[start : start + EVAL_BATCH])
-        new = model.generate(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"),
-                             batch.get("image_grid_thw"), max_new_tokens=max_new_tokens, eos_token_id=ends,
-                             pad_token_id=encoder.pad_token_id, **videos_of(batch))
-        for row in new.tolist():
-            cut = next((k for k, t in enumerate(row) if t in ends), len(row))
-            answers.append(encoder.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-        if progress is not None:
-            progress.update(len(new))
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(prompts), EVAL_BATCH):
+            batch = collate(prompts[start : start + EVAL_BATCH])
+            new = model.generate(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"),
+                                 batch.get("image_grid_thw"), max_new_tokens=max_new_tokens, eos_token_id=ends,
+                                 pad_token_id=encoder.pad_token_id, **videos_of(batch))
+            for row in new.tolist():
+                cut = next((k for k, t in enumerate(row) if t in ends), len(row))
+                answers.append(encoder.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+            if progress is not None:
+                progress.update(len(new))
     return answers
 
 
@@ -181,29 +179,91 @@ def videos_of(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: batch[k] for k in keys if batch.get(k) is not None}
 
 
-def verdict(report: dict[str, Any]) -> tuple[bool, str]:
-    """Passed when accuracy with real images beats blanked and shuffled images by >= the margin (and, for videos,
-    frames in reversed order: `accuracy_time_shuffled` in the report)."""
-    videos = "accuracy_time_shuffled" in report
-    without = [v for v in variants_of(report) if v != "images"]
-    gap = report["accuracy_images"] - max(report[f"accuracy_{v}"] for v in without)
-    passed = gap >= report["margin"]
-    scores = ", ".join(f"{LABELS[v]} {report[f'accuracy_{v}']:.3f}" for v in without)
+def verdict(accuracy: Mapping[str, float], *, chance: float, margin: float) -> tuple[bool, str]:
+    """(passed, the verdict's sentence) for per-variant accuracies: passed when accuracy with real images beats
+    blanked and shuffled images by >= `margin` (and, for videos, frames in reversed order: a "time_shuffled"
+    accuracy)."""
+    videos = "time_shuffled" in accuracy
+    without = [v for v in (VIDEO_VARIANTS if videos else VARIANTS) if v != "images"]
+    gap = accuracy["images"] - max(accuracy[v] for v in without)
+    passed = gap >= margin
+    scores = ", ".join(f"{LABELS[v]} {accuracy[v]:.3f}" for v in without)
     inputs, winner, best, read = (("real images and videos", "real inputs", "the best of",
                                    "the images and the order of the videos' frames") if videos else
                                   ("images", "images", "the better of", "the images"))
-    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with {inputs} {report['accuracy_images']:.3f}, {scores} "
-            f"(chance {report['chance']:.3f}); {winner} beat {best} {'/'.join(LABELS[v] for v in without)} by "
-            f"{gap:+.3f}, {'>=' if passed else '<'} the margin {report['margin']:.2f}: the model "
+    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with {inputs} {accuracy['images']:.3f}, {scores} "
+            f"(chance {chance:.3f}); {winner} beat {best} {'/'.join(LABELS[v] for v in without)} by "
+            f"{gap:+.3f}, {'>=' if passed else '<'} the margin {margin:.2f}: the model "
             f"{'reads' if passed else 'does not clearly read'} {read}")
     return passed, text
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalReport:
+    """What `evaluate_records` measured: per-variant accuracies (`VARIANTS`, + "time_shuffled" with videos), the
+    verdict over them, and each sample's answers (`predictions`: id, reference, one answer per variant, `exact`).
+
+    `skipped_samples` are the records that could not be encoded (`DataProblem.to_dict()`); `max_new_tokens` the
+    answer budget used. `print(report)` gives the table of `mmadapt eval`, `to_dict()` its `--json` file.
+    """
+
+    accuracy: Mapping[str, float]  # variant -> normalised exact-match accuracy
+    contained: Mapping[str, float]  # variant -> share of answers that contain the reference
+    chance: float
+    margin: float
+    samples: int
+    max_new_tokens: int
+    skipped_samples: tuple[dict[str, Any], ...] = ()
+    predictions: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants scored: `VARIANTS`, plus "time_shuffled" when the prompts had videos."""
+        return tuple(self.accuracy)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.skipped_samples)
+
+    @property
+    def passed(self) -> bool:
+        return verdict(self.accuracy, chance=self.chance, margin=self.margin)[0]
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.accuracy, chance=self.chance, margin=self.margin)[1]
+
+    def answers(self, variant: str) -> list[str]:
+        """Each sample's answer with `variant` inputs, in record order."""
+        return [row[variant] for row in self.predictions]
+
+    def lines(self) -> list[str]:
+        """The table of `mmadapt eval`: samples, one row per variant (exact, contained), chance, the verdict."""
+        return [f"{self.samples} samples ({self.skipped} skipped), up to {self.max_new_tokens} new tokens",
+                f"{'with':<13} {'exact':>7} {'contained':>10}",
+                *(f"{name:<13} {self.accuracy[name]:>7.3f} {self.contained[name]:>10.3f}" for name in self.variants),
+                f"{'chance':<13} {self.chance:>7.3f}",
+                self.verdict]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `--json` report: accuracy_<variant> and contained_<variant> for each variant, chance, margin,
+        samples, skipped, skipped_samples, max_new_tokens, passed, verdict (the predictions go to
+        `write_predictions`)."""
+        scores = {f"{kind}_{name}": value[name] for name in self.variants
+                  for kind, value in (("accuracy", self.accuracy), ("contained", self.contained))}
+        return {**scores, "chance": self.chance, "margin": self.margin, "samples": self.samples,
+                "skipped": self.skipped, "skipped_samples": list(self.skipped_samples),
+                "max_new_tokens": self.max_new_tokens, "passed": self.passed, "verdict": self.verdict}
+
+
 def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[dict[str, Any]], *,
                      margin: float = DEFAULT_MARGIN, max_new_tokens: int | None = None, classes: int | None = None,
-                     progress: bool = False) -> dict[str, Any]:
-    """The three-way evaluation of `records` (four-way with videos; see module docstring): report dict plus
-    per-sample `predictions`.
+                     progress: bool = False) -> EvalReport:
+    """The three-way evaluation of `records` (four-way with videos; see module docstring), with each sample's
+    answers.
 
     Records that cannot be encoded (a `DataProblem`) are skipped and counted in `skipped`."""
     from mmadapt.data import DataProblem
@@ -234,27 +294,29 @@ def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[d
     answers = {name: predict(model, encoder, collate, variant, budget, bar) for name, variant in variants.items()}
     if bar is not None:
         bar.close()
-    report: dict[str, Any] = {}
-    for name in names:
-        report[f"accuracy_{name}"] = sum(map(exact, answers[name], references)) / len(references)
-        report[f"contained_{name}"] = sum(map(contained, answers[name], references)) / len(references)
-    report.update(chance=chance_level(references, classes), margin=margin, samples=len(kept),
-                  skipped=len(skipped), skipped_samples=skipped, max_new_tokens=budget)
-    report["passed"], report["verdict"] = verdict(report)
-    report["predictions"] = [
+    predictions = tuple(
         {"id": p.id, "reference": ref, **{name: answers[name][k] for name in names},
          "exact": {name: exact(answers[name][k], ref) for name in names}}
-        for k, (p, ref) in enumerate(zip(prompts, references, strict=True))]
-    return report
+        for k, (p, ref) in enumerate(zip(prompts, references, strict=True)))
+    return EvalReport(accuracy={name: score(exact, answers[name], references) for name in names},
+                      contained={name: score(contained, answers[name], references) for name in names},
+                      chance=chance_level(references, classes), margin=margin, samples=len(kept),
+                      max_new_tokens=budget, skipped_samples=tuple(skipped), predictions=predictions)
 
 
-def write_predictions(report: dict[str, Any], path: str | Path) -> None:
+def score(match: Any, answers: Sequence[str], references: Sequence[str]) -> float:
+    """The share of answers that `match(answer, reference)`."""
+    return sum(map(match, answers, references)) / len(references)
+
+
+def write_predictions(report: EvalReport, path: str | Path) -> None:
+    """One JSON line per sample: id, reference, one answer per variant, `exact` per variant."""
     with open(path, "w") as f:
-        for row in report["predictions"]:
+        for row in report.predictions:
             f.write(json.dumps(row) + "\n")
 
 
-def plot_report(report: dict[str, Any], path: str | Path) -> Path:
+def plot_report(report: EvalReport, path: str | Path) -> Path:
     """Bar chart: exact and contained accuracy with real / blanked / shuffled images (and frames reversed, for
     videos), chance and the margin."""
     import matplotlib
@@ -262,17 +324,17 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = variants_of(report)
+    names = report.variants
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [report[f"accuracy_{v}"] for v in names], 0.4, label="exact match")
-    ax.bar([x + 0.2 for x in xs], [report[f"contained_{v}"] for v in names], 0.4, label="reference contained")
-    ax.axhline(report["chance"], color="gray", linestyle="--", label=f"chance {report['chance']:.2f}")
+    ax.bar([x - 0.2 for x in xs], [report.accuracy[v] for v in names], 0.4, label="exact match")
+    ax.bar([x + 0.2 for x in xs], [report.contained[v] for v in names], 0.4, label="reference contained")
+    ax.axhline(report.chance, color="gray", linestyle="--", label=f"chance {report.chance:.2f}")
     ax.set_xticks(list(xs), [LABELS[v] for v in names])
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
-    ax.set_title(("PASSED" if report["passed"] else "FAILED") + f" (margin {report['margin']:.2f}, "
-                 f"{report['samples']} samples)", fontsize=10)
+    ax.set_title(("PASSED" if report.passed else "FAILED") + f" (margin {report.margin:.2f}, "
+                 f"{report.samples} samples)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -2,6 +2,8 @@
 
     report = sees_images(model, batch)        # batch: the collator's (or synthetic_batch's) keyword inputs
     print(report); assert report.ok
+    reports = sees_records(model, encoder, collate, records, batches=4, batch_size=8)   # `mmadapt sees MODEL DATA`
+    print(reports); assert reports.ok          # one table row per batch, then the verdict over all of them
 
 Measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens):
 
@@ -47,7 +49,7 @@ image_grid_thw (I, 3) for dynamic ones, patches = sum_i t_i * h_i * w_i. V video
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.data import DataProblem
 from mmadapt.data.video import reverse_frames
 from mmadapt.modes import eval_mode
 
@@ -209,6 +212,76 @@ def sees_images(model: nn.Module, batch: dict[str, Any], *, tolerance: float = 1
         videos = video_losses(model, batch) if has_videos else {}
     return SeesImagesReport(loss=loss, grad_projector=grad_projector, grad_encoder=grad_encoder, tolerance=tolerance,
                             **{"loss_blank": None, "loss_shuffled": None, **images}, **videos)
+
+
+# (title, SeesImagesReport field) of the table's loss columns; the video columns when a batch has videos
+COLUMNS = (("loss", "loss"), ("blanked", "loss_blank"), ("shuffled", "loss_shuffled"))
+VIDEO_COLUMNS = (("v blank", "loss_blank_videos"), ("reversed", "loss_time_shuffled"),
+                 ("v other", "loss_shuffled_videos"))
+
+
+@dataclass(frozen=True)
+class SeesRecordsReport:
+    """`sees_images` on consecutive batches of a data file (`sees_records`): one report per batch.
+
+    `print(report)` gives the table of `mmadapt sees` (a row of losses, the projector's gradient norm and the
+    verdict per batch; video columns when a batch has videos) and a last line saying whether the model sees.
+    """
+
+    batches: tuple[SeesImagesReport, ...]
+    source: str = "the records"
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.batches)
+
+    @property
+    def videos(self) -> bool:
+        return any(r.videos for r in self.batches)
+
+    @property
+    def seen(self) -> str:
+        """What the batches show the model: "images", "videos" or "images and videos"."""
+        if not self.videos:
+            return "images"
+        return "images and videos" if any(r.images for r in self.batches) else "videos"
+
+    def lines(self) -> list[str]:
+        columns = COLUMNS + VIDEO_COLUMNS if self.videos else COLUMNS
+        rows = [f"{'batch':>5} " + " ".join(f"{title:>8}" for title, _ in columns) + f" {'grad proj':>10}  verdict"]
+        for b, report in enumerate(self.batches):
+            values = [getattr(report, key) for _, key in columns]
+            cells = " ".join("     n/a" if v is None else f"{v:>8.4f}" for v in values)
+            rows.append(f"{b:>5} {cells} {report.grad_projector:>10.3g}  {report.verdict}")
+        rows.append(f"the model {'sees' if self.ok else 'does NOT see'} its {self.seen} on {len(self.batches)} "
+                    f"batch(es) of {self.source}")
+        return rows
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "ok": self.ok, "batches": [r.to_dict() for r in self.batches]}
+
+
+def sees_records(model: nn.Module, encoder: Any, collate: Any, records: Sequence[dict[str, Any]], *,
+                 batches: int = 4, batch_size: int = 8, source: str = "the records",
+                 tolerance: float = 1e-6) -> SeesRecordsReport:
+    """`sees_images` on the first `batches` batches of `batch_size` records that `encoder` encodes (records with a
+    non-fatal `DataProblem` are passed over); `source` names the records in the report and in errors."""
+    samples = []
+    for i, record in enumerate(records):
+        try:
+            samples.append(encoder.encode(record, i))
+        except DataProblem as problem:
+            if problem.fatal:
+                raise
+        if len(samples) == batches * batch_size:
+            break
+    if not samples:
+        raise ValueError(f"none of the records of {source} could be encoded (see `mmadapt data check`)")
+    return SeesRecordsReport(tuple(sees_images(model, collate(samples[b : b + batch_size]), tolerance=tolerance)
+                                   for b in range(0, len(samples), batch_size)), source=source)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import mmadapt
 from mmadapt import demo, evaluate
 from mmadapt.cli import main
 from mmadapt.data import SampleEncoder, char_tokenizer
+from mmadapt.sees import SeesImagesReport
 
 REPORT_KEYS = {"accuracy_images", "accuracy_blank", "accuracy_shuffled", "chance", "margin", "passed", "verdict",
                "steps", "seconds", "train_seconds", "sees_images_before", "sees_images_after", "files"}
@@ -72,11 +73,11 @@ def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digit
 
 
 def test_the_verdict_needs_the_margin_over_both_blank_and_shuffled():
-    base = {"accuracy_images": 0.5, "accuracy_blank": 0.1, "accuracy_shuffled": 0.1, "chance": 0.1, "margin": 0.2}
-    assert evaluate.verdict(base)[0]
-    assert not evaluate.verdict({**base, "accuracy_shuffled": 0.35})[0]
-    assert not evaluate.verdict({**base, "accuracy_blank": 0.45})[0]
-    passed, text = evaluate.verdict({**base, "accuracy_images": 0.12})
+    base, given = {"images": 0.5, "blank": 0.1, "shuffled": 0.1}, {"chance": 0.1, "margin": 0.2}
+    assert evaluate.verdict(base, **given)[0]
+    assert not evaluate.verdict({**base, "shuffled": 0.35}, **given)[0]
+    assert not evaluate.verdict({**base, "blank": 0.45}, **given)[0]
+    passed, text = evaluate.verdict({**base, "images": 0.12}, **given)
     assert not passed and text.startswith("FAILED") and "margin 0.20" in text
 
 
@@ -111,13 +112,19 @@ def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, c
 
 def test_the_cli_exits_non_zero_when_the_model_does_not_read_the_images(monkeypatch, tmp_path, capsys):
     def blind_run(**kwargs):  # what a model that ignores its images scores
-        report = {"accuracy_images": 0.11, "accuracy_blank": 0.10, "accuracy_shuffled": 0.12, "chance": 0.10,
-                  "margin": kwargs["margin"], "steps": kwargs["steps"], "train_samples": 1437, "eval_samples": 360,
-                  "train_seconds": 1.0, "seconds": 2.0, "final_loss": 1.2,
-                  "files": {"loss_curve": "loss.png", "predictions": "predictions.png"}}
-        report["passed"], report["verdict"] = evaluate.verdict(report)
-        return report
+        accuracy = {"images": 0.11, "blank": 0.10, "shuffled": 0.12}
+        scored = evaluate.EvalReport(accuracy=accuracy, contained=accuracy, chance=0.10, margin=kwargs["margin"],
+                                     samples=360, max_new_tokens=5)
+        sees = SeesImagesReport(loss=2.3, loss_blank=2.3, loss_shuffled=2.3, grad_projector=0.0, grad_encoder=None,
+                                images=16, images_shuffled=16)
+        return demo.DemoReport(evaluation=scored, steps=kwargs["steps"], skipped=0, train_seconds=1.0, final_loss=1.2,
+                               model={}, hyperparameters={}, train_samples=1437, eval_samples=360, sees_before=sees,
+                               sees_after=sees, files={"loss_curve": "loss.png", "predictions": "predictions.png"},
+                               seconds=2.0, out=str(kwargs["out"]))
 
     monkeypatch.setattr(demo, "run_demo", blind_run)
     assert main(["demo", "--steps", "1", "--out", str(tmp_path), "--no-progress"]) == 1
-    assert "FAILED" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "FAILED" in printed and "blanked images   0.100" in printed and f"report {tmp_path}/report.json" in printed
+    report = blind_run(margin=0.2, steps=1, out=tmp_path)
+    assert REPORT_KEYS <= set(report.to_dict()) and not report.to_dict()["passed"]

@@ -199,10 +199,11 @@ def test_a_report_with_videos_adds_the_time_shuffled_variant(qwen):
     prompts = video_prompts(qwen)
     collate = Collator.for_model(qwen, pad_token_id=0)
     report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
-    assert evaluate.variants_of(report) == ("images", "blank", "shuffled", "time_shuffled")
-    assert {"accuracy_time_shuffled", "contained_time_shuffled"} <= set(report)
-    assert {"time_shuffled"} <= set(report["predictions"][0]) and "time_shuffled" in report["predictions"][0]["exact"]
-    assert "frames reversed" in report["verdict"]
+    assert report.variants == ("images", "blank", "shuffled", "time_shuffled")
+    assert {"time_shuffled"} <= set(report.accuracy) & set(report.contained)
+    assert {"accuracy_time_shuffled", "contained_time_shuffled"} <= set(report.to_dict())
+    assert {"time_shuffled"} <= set(report.predictions[0]) and "time_shuffled" in report.predictions[0]["exact"]
+    assert "frames reversed" in report.verdict
 
 
 def test_an_image_only_report_keeps_its_keys(qwen):
@@ -210,18 +211,47 @@ def test_an_image_only_report_keeps_its_keys(qwen):
                for s in synthetic_samples(qwen, (1, 1), image_sides=[32, 32], seed=1)]
     collate = Collator.for_model(qwen, pad_token_id=0)
     report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
-    assert evaluate.variants_of(report) == evaluate.VARIANTS
-    assert not any("time_shuffled" in key for key in report) and set(report["predictions"][0]) == {
+    assert report.variants == evaluate.VARIANTS
+    assert not any("time_shuffled" in key for key in report.to_dict()) and set(report.predictions[0]) == {
         "id", "reference", "images", "blank", "shuffled", "exact"}
-    assert "images beat the better of blanked/shuffled" in report["verdict"]
+    assert "images beat the better of blanked/shuffled" in report.verdict
 
 
 def test_the_video_verdict_needs_real_inputs_to_beat_frames_reversed():
-    base = {"accuracy_images": 0.95, "accuracy_blank": 0.5, "accuracy_shuffled": 0.5, "accuracy_time_shuffled": 0.1,
-            "chance": 0.5, "margin": 0.2}
-    assert evaluate.verdict(base)[0]
-    passed, text = evaluate.verdict({**base, "accuracy_time_shuffled": 0.9})
+    base = {"images": 0.95, "blank": 0.5, "shuffled": 0.5, "time_shuffled": 0.1}
+    given = {"chance": 0.5, "margin": 0.2}
+    assert evaluate.verdict(base, **given)[0]
+    passed, text = evaluate.verdict({**base, "time_shuffled": 0.9}, **given)
     assert not passed and "frames reversed 0.900" in text and "FAILED" in text
-    assert not evaluate.verdict({**base, "accuracy_blank": 0.8})[0]
-    image_only = {k: v for k, v in base.items() if k != "accuracy_time_shuffled"}
-    assert evaluate.verdict(image_only)[0] and "frames" not in evaluate.verdict(image_only)[1]
+    assert not evaluate.verdict({**base, "blank": 0.8}, **given)[0]
+    image_only = {k: v for k, v in base.items() if k != "time_shuffled"}
+    assert evaluate.verdict(image_only, **given)[0] and "frames" not in evaluate.verdict(image_only, **given)[1]
+
+
+def test_the_report_prints_the_eval_table_and_writes_the_json_keys(tmp_path):
+    report = evaluate.EvalReport(accuracy={"images": 0.95, "blank": 0.25, "shuffled": 0.5, "time_shuffled": 0.125},
+                                 contained={"images": 1.0, "blank": 0.25, "shuffled": 0.5, "time_shuffled": 0.25},
+                                 chance=0.25, margin=0.2, samples=8, max_new_tokens=6,
+                                 skipped_samples=({"id": "x", "problem": "bad"},),
+                                 predictions=({"id": "a", "reference": "red", "images": "red", "blank": "blue",
+                                               "shuffled": "red", "time_shuffled": "green",
+                                               "exact": {"images": True, "blank": False, "shuffled": True,
+                                                         "time_shuffled": False}},))
+    passed, text = evaluate.verdict(report.accuracy, chance=0.25, margin=0.2)
+    assert (report.passed, report.verdict) == (passed, text) and passed and report.skipped == 1
+    assert str(report).splitlines() == [
+        "8 samples (1 skipped), up to 6 new tokens",
+        "with            exact  contained",
+        "images          0.950      1.000",
+        "blank           0.250      0.250",
+        "shuffled        0.500      0.500",
+        "time_shuffled   0.125      0.250",
+        "chance          0.250",
+        text]
+    assert list(report.to_dict()) == [
+        "accuracy_images", "contained_images", "accuracy_blank", "contained_blank", "accuracy_shuffled",
+        "contained_shuffled", "accuracy_time_shuffled", "contained_time_shuffled", "chance", "margin", "samples",
+        "skipped", "skipped_samples", "max_new_tokens", "passed", "verdict"]
+    assert report.to_dict()["accuracy_time_shuffled"] == 0.125 and report.answers("blank") == ["blue"]
+    evaluate.write_predictions(report, tmp_path / "p.jsonl")
+    assert [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()] == list(report.predictions)

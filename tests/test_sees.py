@@ -12,8 +12,8 @@ from torch import nn
 
 import mmadapt
 from mmadapt.data.video import reverse_frames
-from mmadapt.sees import SeesImagesReport, sees_images, shuffle_images
-from mmadapt.testing import synthetic_batch, synthetic_video_batch
+from mmadapt.sees import SeesImagesReport, sees_images, sees_records, shuffle_images
+from mmadapt.testing import synthetic_batch, synthetic_samples, synthetic_video_batch
 
 COMBINATIONS = [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")]
 
@@ -235,3 +235,32 @@ def test_reverse_frames_reverses_temporal_patches_inside_each_video():
     assert videos == [[2.0, 2.0, 1.0, 1.0, 0.0, 0.0], [10.0] * 4, [21.0, 20.0], [30.0, 30.0]]
     again, _ = reverse_frames(out, grids)
     assert torch.equal(again, pixels)  # reversal is its own inverse
+
+
+def test_sees_records_checks_the_first_batches_that_encode_and_prints_one_row_each():
+    from mmadapt.data import Collator, DataProblem
+
+    model = tiny(COMBINATIONS[1])
+    samples = synthetic_samples(model, (1, 1, 1, 1, 1, 1, 1), seed=3)
+
+    class Encoder:  # record i is sample i; the `bad` ones cannot be encoded (a counted, non-fatal problem)
+        def __init__(self, bad=(1,)):
+            self.bad = bad
+
+        def encode(self, record, index):
+            if index in self.bad:
+                raise DataProblem("missing_image", "gone", sample_id=str(index))
+            return samples[index]
+
+    collate = Collator.for_model(model, pad_token_id=0)
+    report = sees_records(model, Encoder(), collate, [{}] * 7, batches=2, batch_size=2, source="data.jsonl")
+    assert len(report.batches) == 2 and report.ok and report.seen == "images"
+    expected = [sees_images(model, collate([samples[0], samples[2]])), sees_images(model, collate(samples[3:5]))]
+    assert [r.loss for r in report.batches] == [r.loss for r in expected]
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["batch", "loss", "blanked", "shuffled", "grad", "proj", "verdict"] and len(lines) == 4
+    assert lines[1].split()[:2] == ["0", f"{expected[0].loss:.4f}"] and lines[1].endswith("sees its images")
+    assert lines[-1] == "the model sees its images on 2 batch(es) of data.jsonl"
+    assert report.to_dict()["ok"] and len(report.to_dict()["batches"]) == 2
+    with pytest.raises(ValueError, match=r"none of the records of data\.jsonl could be encoded"):
+        sees_records(model, Encoder(bad=(0, 1)), collate, [{}, {}], source="data.jsonl")

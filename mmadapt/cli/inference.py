@@ -77,92 +77,71 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help."""
     import json
 
-    from mmadapt.evaluate import evaluate_records, plot_report, variants_of, write_predictions
+    from mmadapt.evaluate import evaluate_records, plot_report, write_predictions
 
     model, encoder, collate, records = _inference_data(args)
     report = evaluate_records(model, encoder, collate, records, margin=args.margin,
                               max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
-    print(f"{report['samples']} samples ({report['skipped']} skipped), up to {report['max_new_tokens']} new tokens")
-    print(f"{'with':<13} {'exact':>7} {'contained':>10}")
-    for name in variants_of(report):  # + time_shuffled (frames reversed) when the prompts have videos
-        print(f"{name:<13} {report[f'accuracy_{name}']:>7.3f} {report[f'contained_{name}']:>10.3f}")
-    print(f"{'chance':<13} {report['chance']:>7.3f}")
-    print(report["verdict"])
+    print(report)
     if args.predictions:
         write_predictions(report, args.predictions)
     if args.plot:
         plot_report(report, args.plot)
+    written = report.to_dict()
     if args.evidence:
-        report["evidence"] = write_evidence(args, model, encoder, records)
+        written["evidence"] = write_evidence(args, model, encoder, records)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: v for k, v in report.items() if k != "predictions"}, f, indent=2)
-    return 1 if args.require_sees and not report["passed"] else 0
+            json.dump(written, f, indent=2)
+    return 1 if args.require_sees and not report.passed else 0
 
 
 
 def cmd_sees(args: argparse.Namespace) -> int:
     """The loss-based check (`sees_images`) on a few batches of the user's data: a table and an exit code."""
-    from mmadapt.data import DataProblem
-    from mmadapt.sees import sees_images
+    from mmadapt.sees import sees_records
 
     model, encoder, collate, records = _inference_data(args)
-    samples = []
-    for i, record in enumerate(records):
-        try:
-            samples.append(encoder.encode(record, i))
-        except DataProblem as problem:
-            if problem.fatal:
-                raise
-        if len(samples) == args.batches * args.batch_size:
-            break
-    if not samples:
-        raise ValueError(f"none of the records of {args.data} could be encoded (see `mmadapt data check`)")
-    reports = [sees_images(model, collate(samples[b : b + args.batch_size]))
-               for b in range(0, len(samples), args.batch_size)]
-    videos = any(r.videos for r in reports)
-    columns = [("loss", "loss"), ("blanked", "loss_blank"), ("shuffled", "loss_shuffled")]
-    if videos:  # the video columns: blanked videos, frames reversed in time, another sample's video
-        columns += [("v blank", "loss_blank_videos"), ("reversed", "loss_time_shuffled"),
-                    ("v other", "loss_shuffled_videos")]
-    print(f"{'batch':>5} " + " ".join(f"{title:>8}" for title, _ in columns) + f" {'grad proj':>10}  verdict")
-    for b, report in enumerate(reports):
-        values = [getattr(report, key) for _, key in columns]
-        cells = " ".join("     n/a" if v is None else f"{v:>8.4f}" for v in values)
-        print(f"{b:>5} {cells} {report.grad_projector:>10.3g}  {report.verdict}")
-    ok = all(r.ok for r in reports)
-    seen = "images and videos" if videos and any(r.images for r in reports) else "videos" if videos else "images"
-    print(f"the model {'sees' if ok else 'does NOT see'} its {seen} on {len(reports)} batch(es) of {args.data}")
-    return 0 if ok else 1
+    report = sees_records(model, encoder, collate, records, batches=args.batches, batch_size=args.batch_size,
+                          source=args.data)
+    print(report)
+    return 0 if report.ok else 1
 
 
 
-def add_eval_commands(sub: argparse._SubParsersAction) -> None:
-    for name, func, helptext in (
-            ("eval", cmd_eval, "answer held-out questions with real, blanked and shuffled images; score them"),
-            ("sees", cmd_sees, "does the answer loss on your data depend on the images? (no generation)")):
-        command = sub.add_parser(name, help=helptext)
-        add_model_arguments(command)
-        command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
-        command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
-                             "data file's directory)")
-        command.add_argument("--max-length", type=int, default=4096)
-        command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
-                             "'{fps: 1, max_frames: 64}'")
-        command.set_defaults(func=func)
-        if name == "eval":
-            command.add_argument("--json", default=None, help="write the report here")
-            command.add_argument("--predictions", default=None, help="per-sample answers (.jsonl)")
-            command.add_argument("--plot", default=None, help="a bar chart of the accuracies (.png)")
-            command.add_argument("--margin", type=float, default=0.2)
-            command.add_argument("--max-new-tokens", type=int, default=None,
-                                 help="default: enough for the longest reference answer")
-            command.add_argument("--require-sees", action="store_true",
-                                 help="exit 1 unless images beat blanked and shuffled ones by the margin")
-            command.add_argument("--evidence", type=int, default=0, metavar="K",
-                                 help="draw evidence maps (mmadapt explain) of the first K single-image samples")
-            command.add_argument("--evidence-dir", default="evidence", help="where the maps go (default: evidence/)")
-        else:
-            command.add_argument("--batches", type=int, default=4)
-            command.add_argument("--batch-size", type=int, default=8)
+def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: str) -> argparse.ArgumentParser:
+    """A command over a model and the user's data file (`eval`, `sees`): the arguments they share."""
+    command = sub.add_parser(name, help=helptext)
+    add_model_arguments(command)
+    command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
+    command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
+                         "data file's directory)")
+    command.add_argument("--max-length", type=int, default=4096)
+    command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
+                         "'{fps: 1, max_frames: 64}'")
+    return command
 
+
+def add_eval_command(sub: argparse._SubParsersAction) -> None:
+    command = add_data_file_command(sub, "eval", "answer held-out questions with real, blanked and shuffled images; "
+                                    "score them")
+    command.set_defaults(func=cmd_eval)
+    command.add_argument("--json", default=None, help="write the report here")
+    command.add_argument("--predictions", default=None, help="per-sample answers (.jsonl)")
+    command.add_argument("--plot", default=None, help="a bar chart of the accuracies (.png)")
+    command.add_argument("--margin", type=float, default=0.2)
+    command.add_argument("--max-new-tokens", type=int, default=None,
+                         help="default: enough for the longest reference answer")
+    command.add_argument("--require-sees", action="store_true",
+                         help="exit 1 unless images beat blanked and shuffled ones by the margin")
+    command.add_argument("--evidence", type=int, default=0, metavar="K",
+                         help="draw evidence maps (mmadapt explain) of the first K single-image samples")
+    command.add_argument("--evidence-dir", default="evidence", help="where the maps go (default: evidence/)")
+
+
+def add_sees_command(sub: argparse._SubParsersAction) -> None:
+    command = add_data_file_command(sub, "sees", "does the answer loss on your data depend on the images? "
+                                    "(no generation)")
+    command.set_defaults(func=cmd_sees)
+    command.add_argument("--batches", type=int, default=4)
+    command.add_argument("--batch-size", type=int, default=8)

@@ -64,17 +64,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       deepstack=args.deepstack,
                       steps=args.steps, lr=args.lr, batch_size=args.batch_size, margin=args.margin, out=args.out,
                       seed=args.seed, progress=not args.no_progress and sys.stderr.isatty())
-    print(f"trained {report['steps']} steps on {report['train_samples']} digits in {report['train_seconds']:.0f} s "
-          f"(final loss {report['final_loss']:.3f}); total {report['seconds']:.0f} s")
-    print(f"held-out answer accuracy ({report['eval_samples']} digits, chance {report['chance']:.3f}):")
-    for name, key in (("real images", "accuracy_images"), ("blanked images", "accuracy_blank"),
-                      ("shuffled images", "accuracy_shuffled")):
-        print(f"  {name:<16} {report[key]:.3f}")
-    files = report["files"]
-    print(f"report {os.path.join(args.out, 'report.json')}; loss curve {files['loss_curve']}; "
-          f"predictions {files['predictions']}")
-    print(report["verdict"])
-    return 0 if report["passed"] else 1
+    print(report)
+    return 0 if report.passed else 1
 
 
 
