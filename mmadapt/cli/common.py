@@ -1,12 +1,15 @@
 """What every command shares: how a command chooses its model (`add_build_arguments`: a combination from registry
-names; `add_model_arguments`: a saved model and --adapters), so every command spells it the same way.
+names; `add_model_arguments`: a saved model and --adapters) and its data settings (`add_data_arguments`: one flag per
+`DataConfig` field), so every command spells them the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 DEFAULT_PARTS = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
+BUILD_DEFAULTS = {**DEFAULT_PARTS, "preset": "tiny", "deepstack": "use"}
 
 def add_build_arguments(command: argparse.ArgumentParser, *, positional: bool = False) -> None:
     """The parts of a model built from registry names (positional or --encoder/--projector/--backbone), --preset
@@ -16,9 +19,14 @@ def add_build_arguments(command: argparse.ArgumentParser, *, positional: bool = 
             command.add_argument(part, nargs="?", default=default)
         else:
             command.add_argument(f"--{part}", default=default)
-    command.add_argument("--preset", default="tiny")
-    command.add_argument("--deepstack", choices=("use", "drop"), default="use",
+    command.add_argument("--preset", default=BUILD_DEFAULTS["preset"])
+    command.add_argument("--deepstack", choices=("use", "drop"), default=BUILD_DEFAULTS["deepstack"],
                          help="drop: build without the encoder's DeepStack levels")
+
+
+def build_arguments_given(args: argparse.Namespace) -> list[str]:
+    """The `add_build_arguments` flags that name something else than their default."""
+    return [f"--{name}" for name, default in BUILD_DEFAULTS.items() if getattr(args, name) != default]
 
 
 
@@ -37,12 +45,41 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
 
 
 
-def video_settings(text: str | None) -> dict:
-    """`--video '{fps: 1, max_frames: 64}'` (YAML) as the data.video settings."""
+def add_data_arguments(command: argparse.ArgumentParser, *, helps: dict[str, str] | None = None) -> None:
+    """One flag per data setting (the fields of `mmadapt.data.DataConfig`: `--max-length`, `--truncation`, ...), its
+    type, choices and help from the field (`helps` replaces a help where the command means more); a flag not given
+    stays out of the namespace, so the field's one default (or a run file's value) holds: `data_settings` reads the
+    given ones back."""
+    from mmadapt.data.config import settings
+
+    for s in settings():
+        text = (helps or {}).get(s.name, s.help).replace("%", "%%")
+        if s.kind is bool:
+            command.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        elif s.kind is dict:
+            example = f": e.g. '{s.example}'" if s.example else ""
+            command.add_argument(s.flag, metavar="YAML", default=argparse.SUPPRESS, help=f"{text}; a YAML mapping"
+                                 f"{example}".replace("%", "%%"))
+        else:
+            default = "" if s.default is None else f" (default: {s.default})"
+            command.add_argument(s.flag, type=s.kind, choices=s.choices, default=argparse.SUPPRESS,
+                                 help=text + default)
+
+
+def data_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The data settings given as flags (`add_data_arguments`), by field name; YAML mappings parsed."""
     import yaml
 
-    video = yaml.safe_load(text) if text else {}
-    if not isinstance(video, dict):
-        raise ValueError(f"--video must be a mapping such as '{{fps: 1, max_frames: 64}}', got {video!r}")
-    return video
+    from mmadapt.data.config import settings
 
+    given = {}
+    for s in settings():
+        if not hasattr(args, s.name):
+            continue
+        value = getattr(args, s.name)
+        if s.kind is dict:
+            value = yaml.safe_load(value) if value else {}
+            if not isinstance(value, dict):
+                raise ValueError(f"{s.flag} must be a mapping such as '{s.example}', got {value!r}")
+        given[s.name] = value
+    return given

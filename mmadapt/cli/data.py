@@ -1,50 +1,86 @@
 """`mmadapt data check` and `mmadapt data show`: the data pipeline over a dataset, without training.
+
+    mmadapt data check DATA [RUN.yaml] [data.KEY=VALUE ...] [--flags]
+
+The data settings are `mmadapt.data.DataConfig`'s: a run file's `data` section (and its dotted overrides), then
+one flag per field (`--max-length`, `--allow-outside-root`, ...). The model is `--model DIR`, else the run file's
+(on the meta device: no weights are read), else built from registry names; the tokenizer is `--tokenizer`, else the
+run's (`data.tokenizer`, or its pretrained model's), else the `--model` directory's, else mmadapt's character one.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from mmadapt.cli.common import add_build_arguments, build_from_args, video_settings
+from mmadapt.cli.common import (
+    add_build_arguments,
+    add_data_arguments,
+    build_arguments_given,
+    build_from_args,
+    data_settings,
+)
 
 
-def data_encoder(args: argparse.Namespace) -> object:
-    """The sample encoder `data check` / `data show` use: the model (--model DIR, else built from names), its
-    tokenizer (--tokenizer, else the model directory's, else mmadapt's character tokenizer) and template options."""
-    import yaml
+def run_config(args: argparse.Namespace) -> tuple[Any, bool]:
+    """The run config of the RUN positionals (a run file and/or `section.key=value` overrides), and whether it
+    names the model (a run file, or a `model.` override)."""
+    from mmadapt.train.config import RunConfig
 
-    from mmadapt.data import SampleEncoder, char_tokenizer, load_tokenizer
+    files = [a for a in args.run if "=" not in a]
+    overrides = [a for a in args.run if "=" in a]
+    if len(files) > 1:
+        raise ValueError(f"one run file at most, got {files}; settings look like data.key=value")
+    config = RunConfig.load(files[0] if files else None, overrides)
+    return config, bool(files) or any(o.startswith("model.") for o in overrides)
+
+
+def data_model(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
+    """--model DIR (its structure), else the run's model (on the meta device), else the one built from names."""
+    from mmadapt import VisionLanguageModel
+    from mmadapt import directory as model_directory
+    from mmadapt.train.run import model_structure
 
     if args.model:
-        from mmadapt import VisionLanguageModel
-        from mmadapt import directory as model_directory
+        return model_directory.structure(VisionLanguageModel, args.model)
+    if not run_model:
+        return build_from_args(args)
+    given = build_arguments_given(args)
+    if given:
+        raise ValueError(f"{', '.join(given)} and the run's model section both name a model: give one of them")
+    return model_structure(run)
 
-        model = model_directory.structure(VisionLanguageModel, args.model)
-    else:
-        model = build_from_args(args)
-    source = args.tokenizer or args.model
+
+def data_tokenizer(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
+    from mmadapt.data import char_tokenizer, load_tokenizer
+    from mmadapt.train.run import tokenizer_source
+
+    source = args.tokenizer or run.data.tokenizer or args.model or (tokenizer_source(run) if run_model else None)
     tokenizer = load_tokenizer(source) if source else char_tokenizer()
     if tokenizer is None:
         raise FileNotFoundError(f"{source} holds no tokenizer files; give --tokenizer DIR")
-    kwargs = yaml.safe_load(args.template_kwargs) if args.template_kwargs else {}
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"--template-kwargs must be a mapping such as '{{enable_thinking: false}}', got {kwargs!r}")
-    video = video_settings(args.video)
-    return SampleEncoder.for_model(
-        model, tokenizer, image_root=args.image_root, allow_outside_root=args.allow_outside_root,
-        max_length=args.max_length, truncation=args.truncation,
-        insert_missing_placeholder=args.insert_missing_placeholder, chat_template=args.chat_template,
-        template_kwargs=kwargs, chat_template_mismatch=args.chat_template_mismatch, video=video)
+    return tokenizer
 
 
+def data_encoder(args: argparse.Namespace) -> Any:
+    """The sample encoder `data check` / `data show` use: the model, its tokenizer and the data settings (see the
+    module docstring)."""
+    from mmadapt.data import DataConfig, SampleEncoder
 
-def describe_encoder(args: argparse.Namespace, encoder: object) -> str:
-    model = args.model or f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})"
+    run, run_model = run_config(args)
+    config = DataConfig.of(run.data, **data_settings(args))  # a bad setting fails before any model is built
+    model, tokenizer = data_model(args, run, run_model), data_tokenizer(args, run, run_model)
+    return SampleEncoder.for_model(model, tokenizer, config=config)
+
+
+def describe_encoder(args: argparse.Namespace, encoder: Any) -> str:
+    files = [a for a in args.run if "=" not in a]
+    model = args.model or (f"the model of {files[0]}" if files else
+                           f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})")
     own = " (the tokenizer's own)" if encoder.template.name == "tokenizer" else ""
-    return (f"{args.data}: {model}, chat template {encoder.template.name!r}{own}, max_length {args.max_length}, "
-            f"truncation {args.truncation!r}")
-
+    return (f"{args.data}: {model}, chat template {encoder.template.name!r}{own}, max_length "
+            f"{encoder.config.max_length}, truncation {encoder.config.truncation!r}")
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
@@ -103,26 +139,15 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
                            "supervised tokens marked, images as <image x N>, counts")
     for command in (check, show):
         command.add_argument("data", help="a LLaVA or messages dataset (.json or .jsonl)")
-        command.add_argument("--image-root", default=None, help="directory image paths are relative to")
+        command.add_argument("run", nargs="*", metavar="RUN", help="a run file (its model, tokenizer and data "
+                             "section) and/or its settings as section.key=value (e.g. data.max_length=4096)")
         add_build_arguments(command)
         command.add_argument("--model", default=None, help="a model directory (its parts and tokenizer) instead of "
                              "registry names")
         command.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: the "
-                             "--model directory's, else mmadapt's character tokenizer, as the demo model uses)")
-        command.add_argument("--chat-template", default="auto", help="auto (the tokenizer's own template, else the "
-                             "backbone's built-in), tokenizer, or a built-in name (mmadapt list shows them)")
-        command.add_argument("--template-kwargs", default=None,
-                             help="passed to the template, YAML: e.g. '{enable_thinking: false}'")
-        command.add_argument("--chat-template-mismatch", choices=("error", "warn"), default="error",
-                             help="warn: accept a built-in that renders differently from the tokenizer's own")
-        command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
-                             "'{fps: 1, max_frames: 64, max_pixels: 1605632}'")
-        command.add_argument("--max-length", type=int, default=2048)
-        command.add_argument("--truncation", choices=("drop", "raise", "text"), default="drop")
-        command.add_argument("--allow-outside-root", action="store_true",
-                             help="accept absolute image paths and paths leaving --image-root")
-        command.add_argument("--insert-missing-placeholder", action="store_true",
-                             help="put <image> before the first user text of samples whose text has none")
+                             "run's, else the --model directory's, else mmadapt's character tokenizer, as the demo "
+                             "model uses)")
+        add_data_arguments(command)
     check.add_argument("--json", default=None, help="also write the report as JSON here")
     check.add_argument("--max-bad-fraction", type=float, default=0.05,
                        help="exit 1 when the share of problem samples is above this (default 0.05)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmadapt.cli.common import add_model_arguments, video_settings
+from mmadapt.cli.common import add_data_arguments, add_model_arguments, data_settings
 from mmadapt.cli.explain import write_evidence
 
 
@@ -63,9 +63,9 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     from mmadapt.inference import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.adapters)
-    root = args.image_root or str(Path(args.data).parent)
-    encoder = SampleEncoder.for_model(model, tokenizer, image_root=root, max_length=args.max_length,
-                                      video=video_settings(args.video))
+    settings = data_settings(args)
+    settings["image_root"] = settings.get("image_root") or str(Path(args.data).parent)
+    encoder = SampleEncoder.for_model(model, tokenizer, **settings)
     records = read_records(args.data)
     if not records:
         raise ValueError(f"{args.data} holds no records")
@@ -114,11 +114,8 @@ def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: 
     command = sub.add_parser(name, help=helptext)
     add_model_arguments(command)
     command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
-    command.add_argument("--image-root", default=None, help="image paths are relative to this (default: the "
-                         "data file's directory)")
-    command.add_argument("--max-length", type=int, default=4096)
-    command.add_argument("--video", default=None, help="video settings, YAML (as data.video in a run): e.g. "
-                         "'{fps: 1, max_frames: 64}'")
+    add_data_arguments(command, helps={"image_root": "directory image and video paths are relative to (default: "
+                                       "the data file's directory)"})
     return command
 
 

@@ -1,8 +1,9 @@
 """From a record to an `EncodedSample`: parse, check, load images, preprocess, render, truncate.
 
-`SampleEncoder.for_model(model, tokenizer, ...)` wires the model's processor (encoder side),
-chat template and span tokens (backbone side) to a tokenizer. `encode(record, index)` returns
-an `EncodedSample` or raises `DataProblem` with a reason from `REASONS`:
+`SampleEncoder.for_model(model, tokenizer, config=DataConfig(...))` (or single settings, `max_length=...`) wires the
+model's processor (encoder side), chat template and span tokens (backbone side) to a tokenizer; the settings are
+`mmadapt.data.config.DataConfig`'s. `encode(record, index)` returns an `EncodedSample` or raises `DataProblem` with a
+reason from `REASONS`:
 
 - images without any placeholder -> `image_without_placeholder` (or, with
   `insert_missing_placeholder=True`, "<image>\\n" per image is put before the first user text);
@@ -33,18 +34,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
+from mmadapt.data.config import DataConfig
+from mmadapt.data.images import image_size, load_image
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.samples import IMAGE, VIDEO, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import (
     IGNORE,
-    MISMATCH_POLICIES,
-    MODES,
     TEMPLATES,
     ChatTemplate,
     ChatTemplateError,
@@ -56,38 +55,7 @@ from mmadapt.data.templates import (
 from mmadapt.data.tokenizer import prepare_tokenizer
 from mmadapt.data.video import load_video, probe_video
 
-Truncation = Literal["drop", "raise", "text"]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    image_root: str | None = None
-    allow_outside_root: bool = False
-    max_length: int = 2048
-    truncation: Truncation = "drop"
-    insert_missing_placeholder: bool = False
-    max_image_pixels: int = DEFAULT_MAX_PIXELS
-    chat_template: str = "auto"
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    chat_template_mismatch: str = "error"
-    video: Any = None  # `VideoConfig` or its fields as a dict (frame sampling, limits, pixel bounds)
-
-    def __post_init__(self) -> None:
-        from mmadapt.data.video import VideoConfig
-
-        object.__setattr__(self, "video", VideoConfig.parse(self.video))
-        if self.chat_template not in MODES and self.chat_template not in TEMPLATES:
-            raise ValueError(f"chat_template must be one of {[*MODES, *TEMPLATES.names()]}, got {self.chat_template!r}")
-        if self.chat_template_mismatch not in MISMATCH_POLICIES:
-            raise ValueError(f"chat_template_mismatch must be one of {list(MISMATCH_POLICIES)}, got "
-                             f"{self.chat_template_mismatch!r}")
-        if not isinstance(self.template_kwargs, dict):
-            raise TypeError(f"template_kwargs must be a mapping, got {type(self.template_kwargs).__name__}")
-        if self.truncation not in ("drop", "raise", "text"):
-            raise ValueError(f"truncation must be 'drop', 'raise' or 'text', got {self.truncation!r}")
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
 
 
 class SampleEncoder:
@@ -114,13 +82,16 @@ class SampleEncoder:
         self.image_text = "".join(tokenizer.convert_ids_to_tokens(span))  # how a template writes an image
 
     @classmethod
-    def for_model(cls, model: Any, tokenizer: Any, processor: Any = None, **config: Any) -> SampleEncoder:
-        """The encoder for `model`; adds missing special tokens to `tokenizer` (see `prepare_tokenizer`), resolves
-        `chat_template` (the tokenizer's own by default), checks a built-in against the tokenizer's own, and leaves
-        the template in use as `tokenizer.chat_template` (so a saved tokenizer serves what was trained)."""
+    def for_model(cls, model: Any, tokenizer: Any, processor: Any = None, *, config: DataConfig | None = None,
+                  **settings: Any) -> SampleEncoder:
+        """The encoder for `model` with the data settings `config` (a `DataConfig`, or a run's data section) and/or
+        single `settings` (`max_length=...`, which win); adds missing special tokens to `tokenizer` (see
+        `prepare_tokenizer`), resolves `chat_template` (the tokenizer's own by default), checks a built-in against
+        the tokenizer's own, and leaves the template in use as `tokenizer.chat_template` (so a saved tokenizer serves
+        what was trained)."""
         from mmadapt.data.processors import processor_for
 
-        data = DataConfig(**config)
+        data = DataConfig.of(config, **settings)
         own = tokenizer_template(tokenizer)
         template = resolve_template(data.chat_template, tokenizer, model.backbone_spec.chat_template)
         prepare_tokenizer(model, tokenizer, template)  # idempotent: adds what is missing, aligns ids and embeddings

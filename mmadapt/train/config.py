@@ -3,7 +3,8 @@
     cfg = RunConfig.load("run.yaml", ["train.lr=1e-4", "stages.preset=llava-stage1"])
 
 Unknown keys (in the file or an override) raise with the closest valid key suggested; the
-resolved config is saved with the run (`config.yaml`) and in every checkpoint.
+resolved config is saved with the run (`config.yaml`) and in every checkpoint. The `data` section
+extends `mmadapt.data.DataConfig`: every data setting of `mmadapt data check` is a `data.` key here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import difflib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
+
+from mmadapt.data.config import DataConfig, about
 
 COMPONENT_MODES = ("frozen", "full", "lora")
 REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
@@ -60,36 +63,25 @@ class ModelSection:
         return ModelConfig(**parts, deepstack=self.deepstack)
 
 
-@dataclass(kw_only=True)
-class DataSection:
-    train: str | None = None
-    eval: str | None = None
-    image_root: str | None = None
-    # a transformers tokenizer directory; None = the pretrained backbone's (or model's) directory when it
-    # holds tokenizer files, else mmadapt's char tokenizer (with a warning when the backbone is pretrained)
-    tokenizer: str | None = None
-    max_length: int = 2048
-    truncation: Literal["drop", "raise", "text"] = "drop"
-    # the chat template: auto (the tokenizer's own jinja template when it has one, else the backbone's built-in),
-    # tokenizer (require the tokenizer's), or a built-in (vicuna_v1, chatml, qwen3_5, qwen3_vl, llava_hf);
-    # template_kwargs go to the template (e.g. {enable_thinking: false}). A built-in that renders differently from
-    # the tokenizer's own template stops the run at start unless chat_template_mismatch: warn
-    chat_template: str = "auto"
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    chat_template_mismatch: Literal["error", "warn"] = "error"
-    # bad samples (missing image, placeholder mismatch, too long, ...) are skipped, counted and logged (the first of
-    # each reason in full); the run stops once more than this share of the samples seen were bad (after 32, or at
-    # once when every sample so far was bad): `mmadapt data check` the file
-    max_bad_fraction: float = 0.2
-    batch_size: int = 8
-    packing: bool = False
-    max_tokens: int = 4096
-    num_workers: int = 0
-    # videos (Qwen3.5 / Qwen3-VL models): frame sampling {fps: 2 | num_frames: N, min_frames: 4, max_frames: 768},
-    # pixel bounds over a video's frames {min_pixels, max_pixels} (default 128 / 768 merge windows, transformers'
-    # Qwen3-VL values), header-checked limits {max_frames_decoded, max_pixels_per_frame, max_seconds}, and
-    # frames_fps (the fps of videos given as frame lists); see mmadapt.data.video.VideoConfig
-    video: dict[str, Any] = field(default_factory=dict)
+@dataclass(frozen=True, kw_only=True)
+class DataSection(DataConfig):
+    """The run's data: every data setting (`DataConfig`, the same keys as `mmadapt data check`'s flags) and what
+    only a run has: the files, the tokenizer, batching, packing, workers and the bad-sample budget."""
+
+    train: str | None = field(default=None, metadata=about("the training set: a LLaVA or messages .json / .jsonl "
+                                                           "file"))
+    eval: str | None = field(default=None, metadata=about("an evaluation set, the same formats"))
+    tokenizer: str | None = field(default=None, metadata=about(
+        "a transformers tokenizer directory; None: the pretrained backbone's (or model's) directory when it holds "
+        "tokenizer files, else mmadapt's char tokenizer (with a warning when the backbone is pretrained)"))
+    max_bad_fraction: float = field(default=0.2, metadata=about(
+        "bad samples (missing image, placeholder mismatch, too long, ...) are skipped, counted and logged (the first "
+        "of each reason in full); the run stops once more than this share of the samples seen were bad (after 32, or "
+        "at once when every sample so far was bad): `mmadapt data check` the file"))
+    batch_size: int = field(default=8, metadata=about("samples per micro-batch and rank"))
+    packing: bool = field(default=False, metadata=about("pack samples into rows of max_tokens instead of padding"))
+    max_tokens: int = field(default=4096, metadata=about("tokens per packed row"))
+    num_workers: int = field(default=0, metadata=about("DataLoader worker processes"))
 
 
 @dataclass(kw_only=True)

@@ -36,6 +36,19 @@ def build_model_from(config: RunConfig) -> Any:
     return VisionLanguageModel(m.model_config())
 
 
+def model_structure(config: RunConfig) -> Any:
+    """The run's model with its parameters on the meta device (no weights read): what the data side needs (its
+    processor, span tokens and chat template), for `mmadapt data check DATA RUN.yaml`."""
+    from mmadapt import VisionLanguageModel
+    from mmadapt import directory as model_directory
+    from mmadapt.weights import architecture_only, empty_weights
+
+    if config.model.pretrained:
+        return model_directory.structure(VisionLanguageModel, config.model.pretrained)
+    with empty_weights(), architecture_only():
+        return VisionLanguageModel(config.model.model_config())
+
+
 def tokenizer_source(config: RunConfig) -> str | None:
     """`data.tokenizer`, else the pretrained backbone's (or whole model's) directory if it has tokenizer files."""
     if config.data.tokenizer is not None:
@@ -75,10 +88,7 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     model = model if model is not None else build_model_from(config)
     tokenizer = load_tokenizer(tokenizer_source(config))
     d = config.data
-    encoder = SampleEncoder.for_model(model, tokenizer, image_root=d.image_root, max_length=d.max_length,
-                                      truncation=d.truncation, chat_template=d.chat_template,
-                                      template_kwargs=d.template_kwargs,
-                                      chat_template_mismatch=d.chat_template_mismatch, video=d.video)
+    encoder = SampleEncoder.for_model(model, tokenizer, config=d)
     collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
     train = VLMDataset(d.train, encoder)
     evaluation = VLMDataset(d.eval, encoder) if d.eval else None
