@@ -7,6 +7,8 @@ torchvision uint8 resize kernel and the same fused float32 normalisation, so no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +181,30 @@ def test_bad_arguments():
         FixedSizeProcessor(image_size=32, mean=HALF, std=HALF, tokens_per_image=1, resample="cubic")
     with pytest.raises(ValueError, match="200"):
         QwenProcessor(max_aspect_ratio=500)
+
+
+
+def test_the_image_and_video_processors_hold_one_patch_geometry():
+    """The video processor is built on the image processor's PatchGeometry (its own pixel bounds); an image is one
+    temporal patch of T copies of itself, so flattening T copies of a frame is the image's patchify."""
+    from mmadapt.data.patches import PatchGeometry
+    from mmadapt.data.video import VideoConfig
+
+    image = QwenProcessor(patch_size=14, merge_size=2, projector_merge=1, min_pixels=28 * 28)
+    video = VideoConfig(max_pixels=28 * 28 * 800).processor(image)
+    assert video.patches == dataclasses.replace(image.patches, min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 800)
+    assert (video.patch_size, video.merge_size, video.projector_merge, video.patch_dim) == (14, 2, 1, 3 * 2 * 14 * 14)
+    pixels = torch.randn(3, 56, 84)
+    as_image, as_frames = torch.empty(24, image.patch_dim), torch.empty(24, image.patch_dim)
+    image.patchify(pixels, as_image)
+    video.patches.flatten(pixels.expand(2, -1, -1, -1).clone(), as_frames)
+    assert torch.equal(as_image, as_frames)
+    assert image.patches.grid(1, 56, 84) == (1, 4, 6) and image.patches.tokens((1, 4, 6)) == 24
+    assert video.patches.grid(5, 56, 84) == (3, 4, 6) and video.patches.tokens((3, 4, 6)) == 3 * 24
+    with pytest.raises(ValueError, match="projector_merge"):
+        PatchGeometry(merge_size=2, projector_merge=3, min_pixels=1, max_pixels=1)
+    with pytest.raises(ValueError, match="min_pixels"):
+        PatchGeometry(min_pixels=2, max_pixels=1)
 
 
 # ---- processor_for(model) -------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-from mmadapt.data import video as video_mod
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.video import (
     Video,
@@ -23,6 +22,8 @@ from mmadapt.data.video import (
     frame_text,
     load_video,
 )
+from mmadapt.data.video import decode as video_decode
+from mmadapt.data.video import sampling as video_sampling
 
 transformers_video = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor  # noqa: E402
@@ -181,7 +182,7 @@ def test_frame_list_parity(tmp_path, caplog):
     # no fps: transformers' prompt falls back to 24 fps, and so do we (with a warning)
     metadata = expected["video_metadata"][0]
     assert metadata.frames_indices == list(range(7)) and metadata.fps is None
-    video_mod._warn_no_fps.cache_clear()
+    video_sampling.warn_no_fps.cache_clear()
     with caplog.at_level(logging.WARNING, logger="mmadapt.data.video"):
         no_fps = processor([load_video(images)])
     assert "24" in caplog.text
@@ -278,7 +279,7 @@ def test_truncated(tmp_path, faststart):
 
 def test_empty(videos, monkeypatch):
     """PyAV writes no file without frames, so a zero-frame header is simulated; and an empty frame list."""
-    monkeypatch.setattr(video_mod, "_header", lambda *args: (0, 10.0))
+    monkeypatch.setattr(video_decode, "_header", lambda *args: (0, 10.0))
     with pytest.raises(DataProblem, match="no frames") as info:
         load_video(videos["a"])
     assert info.value.reason == "empty_video"
@@ -293,7 +294,7 @@ def test_too_large_before_decoding(tmp_path, monkeypatch):
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded despite the limits")
 
-    monkeypatch.setattr(video_mod, "_decode", no_decode)
+    monkeypatch.setattr(video_decode, "_decode", no_decode)
     for limits, what in [(VideoLimits(max_frames_decoded=11), "12 frames"),
                          (VideoLimits(max_pixels_per_frame=128 * 96 - 1), "128 x 96"),
                          (VideoLimits(max_seconds=1.0), "seconds")]:

@@ -214,7 +214,25 @@ def test_video_settings_are_checked_when_the_config_is_read():
     with pytest.raises(ValueError, match="mutually exclusive"):
         DataConfig(video={"fps": 2, "num_frames": 8})
     assert DataConfig(video={"num_frames": 8}).video.sampling.fps is None
-    assert json.dumps(DataConfig().video.fps) == "2.0"
+    assert json.dumps(DataConfig().video.sampling.fps) == "2.0"
+
+
+def test_video_config_holds_a_sampling_and_limits_and_reads_its_flat_and_nested_forms_back():
+    from dataclasses import asdict
+
+    from mmadapt.data import VideoConfig, VideoLimits, VideoSampling
+
+    flat = {"fps": 1, "max_frames": 64, "max_pixels": 100_000, "max_seconds": 5.0, "frames_fps": 4.0}
+    config = VideoConfig.parse(flat)
+    assert config.sampling == VideoSampling(fps=1, max_frames=64) and config.limits == VideoLimits(max_seconds=5.0)
+    assert (config.max_pixels, config.frames_fps, config.min_pixels) == (100_000, 4.0, None)
+    assert VideoConfig.parse(config) is config and VideoConfig.parse(None) == VideoConfig()
+    assert VideoConfig.parse(config.to_dict()) == config == VideoConfig.parse(asdict(config))  # a saved run reads back
+    assert {key: config.to_dict()[key] for key in flat} == flat and set(config.to_dict()) == set(VideoConfig.settings())
+    with pytest.raises(ValueError, match="'fps' is given twice"):
+        VideoConfig.parse({"fps": 1, "sampling": {"fps": 2}})
+    with pytest.raises(TypeError, match="sampling must be a VideoSampling"):
+        VideoConfig(sampling={"fps": 1})
 
 
 @pytest.fixture(scope="module")

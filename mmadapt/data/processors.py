@@ -8,7 +8,9 @@ One processor per kind of encoder; `processor_for(model)` builds the one the mod
   pixel_values (I, 3, S, S).
 - `QwenProcessor` (Qwen ViT): smart-resize to multiples of P*m with min_pixels <= h*w <= max_pixels,
   the frame repeated T times, cut into P x P patches listed in m x m merge-window order.
-  pixel_values (N, C*T*P*P), image_grid_thw (I, 3) = (1, h/P, w/P) per image.
+  pixel_values (N, C*T*P*P), image_grid_thw (I, 3) = (1, h/P, w/P) per image. The patch geometry
+  (P, T, m, the bounds, the sizes, grids, tokens and the flattening) is a `PatchGeometry`
+  (`mmadapt.data.patches`), the one the video processor builds on.
 Each reports `tokens_per_image`: the visual tokens the encoder + projector emit for the image (LLM side,
 after any merge: t*h*w / merge^2 for Qwen's merger).
 
@@ -49,6 +51,7 @@ from torchvision.transforms.v2 import functional as tvF
 
 from mmadapt.data.geometry import FIXED_MODES, Geometry, Step, aspect_limited, centre_offset
 from mmadapt.data.images import to_rgb
+from mmadapt.data.patches import PATCH_SHAPE, OnPatches, PatchGeometry
 
 if TYPE_CHECKING:
     from mmadapt.model import VisionLanguageModel
@@ -189,8 +192,12 @@ class FixedSizeProcessor(ImageProcessor):
         return self.tokens_per_image
 
 
-class QwenProcessor(ImageProcessor):
-    """Qwen2-VL / Qwen3-VL / Qwen3.5 image preprocessing; defaults are Qwen3.5's preprocessor_config.json."""
+class QwenProcessor(OnPatches, ImageProcessor):
+    """Qwen2-VL / Qwen3-VL / Qwen3.5 image preprocessing; defaults are Qwen3.5's preprocessor_config.json.
+
+    Its patch geometry (`patches`, a `PatchGeometry`) is the one the video processor builds on
+    (`VideoProcessor.from_image_processor`); `patch_size`, ..., `max_pixels`, `patch_dim` read it.
+    """
 
     dynamic: ClassVar[bool] = True
     mode: str = "qwen"
@@ -200,20 +207,14 @@ class QwenProcessor(ImageProcessor):
                  std: Sequence[float] = (0.5, 0.5, 0.5), projector_merge: int | None = None,
                  resample: str = "bicubic", max_aspect_ratio: float = 200.0) -> None:
         super().__init__(mean=mean, std=std, resample=resample, max_aspect_ratio=max_aspect_ratio)
-        factor = patch_size * merge_size
         if max_aspect_ratio > 200:
             raise ValueError(f"max_aspect_ratio={max_aspect_ratio}: Qwen's smart_resize rejects ratios above 200")
-        if min(patch_size, temporal_patch_size, merge_size) < 1:
-            raise ValueError(f"patch_size, temporal_patch_size, merge_size must be >= 1, got "
-                             f"{patch_size}, {temporal_patch_size}, {merge_size}")
-        if not factor**2 <= min_pixels <= max_pixels:
-            raise ValueError(f"need (patch_size*merge_size)^2 = {factor**2} <= min_pixels ({min_pixels}) <= "
-                             f"max_pixels ({max_pixels}), so every image covers at least one merge window")
-        projector_merge = merge_size if projector_merge is None else projector_merge
-        if projector_merge < 1 or merge_size % projector_merge:
-            raise ValueError(f"projector_merge ({projector_merge}) must divide merge_size ({merge_size})")
-        self.patch_size, self.temporal_patch_size, self.merge_size = patch_size, temporal_patch_size, merge_size
-        self.min_pixels, self.max_pixels, self.projector_merge = min_pixels, max_pixels, projector_merge
+        self.patches = PatchGeometry(patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+                                     merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
+                                     projector_merge=projector_merge)
+        if self.patches.factor**2 > min_pixels:
+            raise ValueError(f"need (patch_size*merge_size)^2 = {self.patches.factor**2} <= min_pixels ({min_pixels}) "
+                             f"<= max_pixels ({max_pixels}), so every image covers at least one merge window")
 
     def __repr__(self) -> str:
         return (f"QwenProcessor(patch_size={self.patch_size}, temporal_patch_size={self.temporal_patch_size}, "
@@ -221,45 +222,31 @@ class QwenProcessor(ImageProcessor):
                 f"mean={self.mean}, std={self.std}, projector_merge={self.projector_merge}, "
                 f"resample={self.resample!r})")
 
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size**2
-
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) an image is resized to: aspect limited, then Qwen's smart_resize."""
         return self.plan(height, width)[-1].size
 
     def mode_steps(self, height: int, width: int) -> list[Step]:
         """One plain resize to smart_resize(H, W): multiples of P*m, min_pixels <= area <= max_pixels."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-        size = smart_resize(height, width, factor=self.patch_size * self.merge_size,
-                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-        return [Step("resize", size)]
+        return [Step("resize", self.patches.image_size(height, width))]
 
     def tokens_for_size(self, width: int, height: int) -> int:
-        resized_height, resized_width = self.target_size(height, width)
-        return resized_height * resized_width // (self.patch_size * self.projector_merge) ** 2
+        return self.patches.tokens(self.patches.grid(1, *self.target_size(height, width)))
 
     def process(self, pixels: list[torch.Tensor]) -> ProcessedImages:
         if not pixels:
             return ProcessedImages(torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long), [])
         plans = [self.plan(*p.shape[-2:]) for p in pixels]
-        sizes = [plan[-1].size for plan in plans]  # the smart-resized (height, width)
-        grids = torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in sizes])
-        counts = grids.prod(-1)
-        out = torch.empty(int(counts.sum()), self.patch_dim)  # written in place: no concatenation copy
-        for image, plan, chunk in zip(pixels, plans, out.split(counts.tolist()), strict=True):
+        grids = [self.patches.grid(1, *plan[-1].size) for plan in plans]  # (1, h, w) of the smart-resized image
+        counts = [t * h * w for t, h, w in grids]
+        out = torch.empty(sum(counts), self.patch_dim)  # written in place: no concatenation copy
+        for image, plan, chunk in zip(pixels, plans, out.split(counts), strict=True):
             self.patchify(self.normalize(self.run(image, plan)), out=chunk)
-        return ProcessedImages(out, grids, (counts // self.projector_merge**2).tolist())
+        return ProcessedImages(out, torch.tensor(grids), [self.patches.tokens(grid) for grid in grids])
 
     def patchify(self, image: torch.Tensor, out: torch.Tensor) -> None:
         """float (3, H, W) -> `out` (h*w, C*T*P*P): P x P patches in merge-window order, each repeated T times."""
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        h, w = image.shape[1] // p, image.shape[2] // p
-        windows = image.view(3, h // m, m, p, w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # hb wb m m C P P
-        frames = windows.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # hb wb m m C T P P
-        out.view(frames.shape).copy_(frames)
+        self.patches.flatten(image.expand(self.temporal_patch_size, -1, -1, -1), out)
 
 
 # ---- pixel helpers (uint8 (3, H, W) tensors); their sizes and offsets come from mmadapt.data.geometry ---
@@ -293,7 +280,7 @@ def centre_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
 # ---- the processor a model takes ---------------------------------------------------------------
 GEOMETRY: Final[dict[bool, tuple[str, ...]]] = {
     False: ("image_size",),
-    True: ("patch_size", "temporal_patch_size", "merge_size", "projector_merge"),
+    True: PATCH_SHAPE,
 }
 
 
