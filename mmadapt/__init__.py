@@ -5,6 +5,7 @@
 """
 
 from mmadapt.backbones import BACKBONES, BackboneSpec, SpanTokens
+from mmadapt.batch import VisionBatch
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import BatchReport, ImageTokenContractError, check_batch
 from mmadapt.encoders import ENCODERS, EncoderSpec, VisualTokens
@@ -28,5 +29,5 @@ def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | C
 __all__ = [
     "BACKBONES", "ENCODERS", "PROJECTORS", "BackboneSpec", "BatchReport", "ComponentConfig", "EncoderSpec",
     "ImageTokenContractError", "ModelConfig", "Processor", "ProjectorSpec", "Registry", "SpanTokens",
-    "UnknownComponentError", "VisionLanguageModel", "VisualTokens", "build_model", "check_batch",
+    "UnknownComponentError", "VisionBatch", "VisionLanguageModel", "VisualTokens", "build_model", "check_batch",
 ]

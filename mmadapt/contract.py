@@ -4,18 +4,21 @@ Built from the two injection steps (`locate`, then `scatter`) so the checker and
 can never disagree about where the images are. Checks run on every batch by default and
 cost a few small integer ops (one device sync), nothing per token beyond a comparison.
 The checks are pure functions; `VisionLanguageModel.prepare` runs them on its one input path, and
-`check_batch` reports over that same path (the DeepStack level checks are in `mmadapt.deepstack`).
+`check_batch` reports over that same path (the DeepStack level checks are in `mmadapt.deepstack`, the video frames'
+in `mmadapt.frames`).
 
 Shapes: B batch, L tokens, S image spans, I images, N visual tokens, D LLM width.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mmadapt.batch import VisionBatch
 from mmadapt.packing import require_bool_mask
 
 
@@ -206,13 +209,15 @@ class BatchReport:
 
 
 @torch.no_grad()
-def check_batch(model: Any, batch: dict) -> BatchReport:
-    """Run every image-token check on `batch` through the model's own input path (`model.prepare`, no LLM forward)
-    and return a readable report: per sample its tokens, images and spans, and the first violation."""
-    input_ids, images_per_sample, found, error = batch["input_ids"], batch.get("images_per_sample"), {}, None
-    videos_per_sample = batch.get("videos_per_sample")
+def check_batch(model: Any, batch: Mapping[str, Any] | VisionBatch) -> BatchReport:
+    """Run every image-token check on `batch` (a `VisionBatch` or a mapping such as a collator's batch, whose other
+    keys play no part) through the model's own input path (`model.prepare`, no LLM forward) and return a readable
+    report: per sample its tokens, images and spans, and the first violation."""
+    inputs = VisionBatch.of(batch)
+    input_ids, images_per_sample, found, error = inputs.input_ids, inputs.images_per_sample, {}, None
+    videos_per_sample = inputs.videos_per_sample
     try:
-        model.prepare(**{k: batch.get(k) for k in PREPARED_KEYS}, check=True, trace=found)
+        model.prepare(inputs, check=True, trace=found)
     except (ValueError, TypeError) as e:  # ImageTokenContractError is a ValueError
         error = str(e)
     spans = found.get("spans") or locate(input_ids, model.tokens.image_token_id)
@@ -228,9 +233,3 @@ def check_batch(model: Any, batch: dict) -> BatchReport:
                      "span_lengths": [lengths[k] for k in mine], "image_tokens": [tokens[k] for k in mine
                                                                                    if k < len(tokens)]})
     return BatchReport(rows, error)
-
-
-# The batch keys `check_batch` hands to `model.prepare` (the collator's `labels` and `meta` play no part).
-PREPARED_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids",
-                 "position_ids", "images_per_sample", "cu_seqlens", "pixel_values_videos", "video_grid_thw",
-                 "videos_per_sample")

@@ -9,10 +9,11 @@ base model, then `lm_head` + cross-entropy over the supervised positions only, i
 same loss and gradients) and `logits` is None; eval mode, no labels, `return_logits=True` or
 `model.full_logits_loss = True` (`train.full_logits`) give transformers' full computation.
 
-One input path: `prepare(**batch)` turns a batch's keyword inputs into the backbone's (`ModelInputs`: the
-embeddings with the visual tokens in place, positions, masks, DeepStack inputs), running the contract checks;
-`forward`, `generate`, `contract.check_batch` and the evidence maps all go through it, so a new input kind is
-added once.
+One input path: `prepare(batch)` turns a batch's inputs (`mmadapt.batch.VisionBatch`, which `forward` and
+`generate` build from their transformers-style keywords) into the backbone's (`ModelInputs`: the embeddings with the
+visual tokens in place, positions, masks, DeepStack inputs), running the contract checks; `forward`, `generate`,
+`contract.check_batch` and the evidence maps all go through it, so a new input kind is one `VisionBatch` field plus
+the code here that reads it.
 
 Parts come from presets (random init) or from checkpoints (`ComponentConfig(pretrained=...)`: each
 family reads its own checkpoints, see `mmadapt.weights`); they may differ in dtype, and the glue casts
@@ -22,6 +23,10 @@ embeddings'). Model directories are read and written by `mmadapt.directory`.
 DeepStack (Qwen3-VL, `mmadapt.deepstack`): whether the encoder computes its levels is decided before the parts are
 built; the levels go through their own projections and, for a backbone that takes them, into its forward, checked
 like the main tokens and verified with hooks on the declared decoder layers.
+
+Videos (`mmadapt.frames`): each temporal patch of a video is a span of the video placeholder, encoded with the
+images in one call of the vision side and merged with the image spans in text order; `prepare` routes, the module
+encodes, checks and merges.
 
 Packed batches add `cu_seqlens` (see `mmadapt.packing`): positions restart per sample,
 attention gets a block-diagonal causal mask, and stateful layers (Qwen3.5's Gated DeltaNet)
@@ -48,8 +53,9 @@ from torch import distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from mmadapt import contract, deepstack
+from mmadapt import contract, deepstack, frames
 from mmadapt.backbones import BACKBONES
+from mmadapt.batch import VisionBatch
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
@@ -147,141 +153,59 @@ class VisionLanguageModel(nn.Module):
         return self.backbone_spec.positions == "mrope"
 
     # ---- the one input path ----------------------------------------------------------------------
-    def prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, *,
-                visual: VisualTokens | None = None, mm_token_type_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, images_per_sample: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-                video_grid_thw: torch.Tensor | None = None, videos_per_sample: torch.Tensor | None = None,
-                check: bool | None = None, trace: dict[str, Any] | None = None) -> ModelInputs:
-        """A batch's keyword inputs -> the backbone's (`ModelInputs`): locate the image spans, encode the images
-        (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
+    def prepare(self, batch: VisionBatch, *, visual: VisualTokens | None = None, check: bool | None = None,
+                trace: dict[str, Any] | None = None) -> ModelInputs:
+        """A batch's inputs (`VisionBatch`) -> the backbone's (`ModelInputs`): locate the image spans, encode the
+        images (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
         embeddings, derive positions (unless given) and the attention mask (packed rows: `cu_seqlens`).
 
-        Videos (`pixel_values_videos`, `video_grid_thw` (V, 3), `videos_per_sample`; dynamic encoders and backbones
-        with a video token): encoded as transformers' Qwen models do, then split into their temporal patches, one
-        span of `<|video_pad|>` per frame (t = 1 each, as the Qwen processors render them between timestamps), and
-        merged with the image spans in text order: from there on, checks, injection, M-RoPE positions and DeepStack
-        treat a frame as an image.
+        Videos (`mmadapt.frames`; dynamic encoders and backbones with a video token): encoded as transformers' Qwen
+        models do, one span of `<|video_pad|>` per temporal patch, and merged with the image spans in text order:
+        from there on, checks, injection, M-RoPE positions and DeepStack treat a frame as an image.
 
         `check`: run the image-token checks (default: the model config's `check_contract`). `trace`: a dict that
         receives `valid`, `spans` and `visual` as soon as they exist, for a report on a batch that fails a check.
         """
         check = self.config.check_contract if check is None else check
         trace = {} if trace is None else trace
+        input_ids = batch.input_ids
         trace["spans"] = spans = contract.locate(input_ids, self.tokens.image_token_id)
-        frames = contract.locate(input_ids, self.tokens.video_token_id)
-        trace["valid"] = valid = as_bool_mask(attention_mask, input_ids)
-        segments = None if cu_seqlens is None else Segments.from_cu_seqlens(cu_seqlens, valid)
-        if visual is None and pixel_values is not None and pixel_values_videos is not None:
-            visual, video = self.encode_together(pixel_values, image_grid_thw, spans, pixel_values_videos,
-                                                 video_grid_thw, frames)
+        frame_spans = contract.locate(input_ids, self.tokens.video_token_id)
+        trace["valid"] = valid = as_bool_mask(batch.attention_mask, input_ids)
+        segments = None if batch.cu_seqlens is None else Segments.from_cu_seqlens(batch.cu_seqlens, valid)
+        if visual is None and batch.pixel_values is not None and batch.pixel_values_videos is not None:
+            visual, video = frames.encode_together(self, batch, spans, frame_spans)
         else:
             if visual is None:
-                visual = self.encode_checked(pixel_values, image_grid_thw, spans)
-            video = self.encode_videos(pixel_values_videos, video_grid_thw, frames)
+                visual = self.encode_checked(batch.pixel_values, batch.image_grid_thw, spans)
+            video = frames.encode(self, batch, frame_spans)
         trace["visual"] = visual
         if check:
-            self.check_inputs(input_ids, spans, visual, valid, mm_token_type_ids, position_ids, images_per_sample,
-                              frames=frames)
-            if video is not None or frames.num_spans:
-                self.check_video(frames, video, video_grid_thw, videos_per_sample, input_ids.shape[0])
-        elif frames.num_spans and video is None:
-            raise contract.violation(int(frames.sample[0]), f"{frames.num_tokens} video placeholder token(s) but no "
-                                     "video was given", "pixel_values_videos missing from the batch",
-                                     "pass the processor's pixel_values_videos and video_grid_thw")
+            self.check_inputs(input_ids, spans, visual, valid, batch.mm_token_type_ids, batch.position_ids,
+                              batch.images_per_sample, frames=frame_spans)
+            if video is not None or frame_spans.num_spans:
+                frames.check(batch, frame_spans, video)
+        elif frame_spans.num_spans and video is None:
+            raise frames.missing(frame_spans)
         if video is not None:
-            spans, visual = merge_video(spans, visual, frames, video)
+            spans, visual = frames.merge(spans, visual, frame_spans, video)
             trace["spans"], trace["visual"] = spans, visual
             if check:
-                self.check_merged(input_ids, spans, visual, valid)
+                self.check_placement(input_ids, spans, visual, valid)
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
-        if visual is None and video is None and pixel_values is None and self.runs_vision_every_step():
+        if visual is None and video is None and batch.pixel_values is None and self.runs_vision_every_step():
             inputs_embeds = inputs_embeds + self.vision_placeholder(inputs_embeds)
+        position_ids = batch.position_ids
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
-        mask: Any = valid if attention_mask is not None else None
+        mask: Any = valid if batch.attention_mask is not None else None
         packed = None
         if segments is not None:
             mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
-            packed = PackedRows(segments, cu_seqlens, valid)
+            packed = PackedRows(segments, batch.cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
-
-    def encode_together(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None, spans: ImageSpans,
-                        pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor | None,
-                        frames: ImageSpans) -> tuple[VisualTokens, VisualTokens]:
-        """Images and videos through the encoder and projector in ONE call (split after): every forward runs the
-        vision side once, whatever mix of images and videos a rank holds, so sharded (FSDP2) vision parts gather their
-        parameters the same number of times on every rank. The ViT attends within each image / frame, so this equals
-        two calls up to float rounding."""
-        self.check_video_inputs(pixel_values_videos, video_grid_thw, frames)
-        if image_grid_thw is None or pixel_values.ndim != 2:
-            return self.encode_checked(pixel_values, image_grid_thw, spans), self.encode_videos(
-                pixel_values_videos, video_grid_thw, frames)  # the encoder's own error names what is wrong
-        both = self.encode_checked(torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]),
-                                   torch.cat([image_grid_thw, video_grid_thw.to(image_grid_thw.device)]), spans)
-        images = len(image_grid_thw)
-        cut = int(both.grids[:images].prod(-1).sum())
-
-        def part(rows: slice, grids: torch.Tensor) -> VisualTokens:
-            return VisualTokens(both.features[rows], grids, both.window, tuple(level[rows] for level in both.levels))
-
-        return part(slice(0, cut), both.grids[:images]), per_frame(part(slice(cut, None), both.grids[images:]))
-
-    def check_video_inputs(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
-                           frames: ImageSpans) -> None:
-        """Video pixels need a dynamic encoder, a backbone with a video token, and their grids."""
-        first = int(frames.sample[0]) if frames.num_spans else 0
-        if self.tokens.video_token_id is None:
-            raise ImageTokenContractError(
-                f"sample {first}: the batch carries pixel_values_videos, but backbone {self.backbone_spec.name!r} has "
-                "no video placeholder token, so no position can receive the frames. Fix: give the frames as images, "
-                "or use a backbone that renders video (qwen3_5, qwen3_vl).")
-        if not self.encoder.dynamic:
-            raise ImageTokenContractError(
-                f"sample {first}: encoder {self.config.encoder.name!r} encodes fixed-size images and takes no video. "
-                "Fix: give the frames as images (the data pipeline does this for `videos` only with a dynamic "
-                "encoder), or use a dynamic encoder (qwen3_5_vit, qwen3_vl_vit).")
-        if pixel_values_videos is None or video_grid_thw is None:
-            raise ImageTokenContractError(
-                f"sample {first}: pixel_values_videos and video_grid_thw come together; only one was given. Fix: pass "
-                "both, from the same processor call.")
-
-    def encode_videos(self, pixel_values_videos: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
-                      frames: ImageSpans) -> VisualTokens | None:
-        """The videos' visual tokens at LLM width, one grid per frame (temporal patch): (t, h, w) -> t x (1, h, w)."""
-        if pixel_values_videos is None and video_grid_thw is None:
-            return None
-        self.check_video_inputs(pixel_values_videos, video_grid_thw, frames)
-        try:
-            visual = self.encode_images(pixel_values_videos, video_grid_thw)
-        except ImageTokenContractError as e:
-            first = int(frames.sample[0]) if frames.num_spans else 0
-            raise ImageTokenContractError(f"sample {first}: videos: {e}") from None
-        return per_frame(visual)
-
-    def check_video(self, frames: ImageSpans, video: VisualTokens | None, video_grid_thw: torch.Tensor | None,
-                    videos_per_sample: torch.Tensor | None, batch_size: int) -> None:
-        """The video side of the contract: frame spans per sample == the frames its videos yield, each frame span's
-        length == its frame's tokens."""
-        tokens = video.tokens_per_image if video is not None else frames.length.new_zeros(0)
-        frames_per_sample = None
-        if videos_per_sample is not None and video_grid_thw is not None:
-            owner = torch.repeat_interleave(torch.arange(batch_size, device=video_grid_thw.device),
-                                            videos_per_sample.to(video_grid_thw.device))
-            frames_per_sample = torch.zeros(batch_size, dtype=torch.long, device=video_grid_thw.device).index_add_(
-                0, owner, video_grid_thw[:, 0].long())
-        contract.check_spans(frames, tokens, batch_size=batch_size, images_per_sample=frames_per_sample,
-                             kind="video frame")
-
-    def check_merged(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens,
-                     valid: torch.Tensor) -> None:
-        """The checks on images and video frames together (after `merge_video`): DeepStack levels, brackets, mask."""
-        deepstack.check_levels(spans, visual, self.levels)
-        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
-        contract.check_attention(spans, valid)
 
     def runs_vision_every_step(self) -> bool:
         """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
@@ -371,14 +295,12 @@ class VisionLanguageModel(nn.Module):
                      position_ids: torch.Tensor | None = None,
                      images_per_sample: torch.Tensor | None = None, frames: ImageSpans | None = None) -> None:
         """The image-token contract for one batch; raises `ImageTokenContractError` (`frames`: the video frames'
-        spans, for `mm_token_type_ids`; the video checks are `check_video` and `check_merged`)."""
+        spans, for `mm_token_type_ids`; the video checks are `frames.check` and, on the merged spans,
+        `check_placement`)."""
         tokens_per_image = visual.tokens_per_image if visual is not None else input_ids.new_zeros(0)
         contract.check_spans(spans, tokens_per_image, batch_size=input_ids.shape[0],
                              images_per_sample=images_per_sample)
-        if visual is not None:
-            deepstack.check_levels(spans, visual, self.levels)
-        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
-        contract.check_attention(spans, valid)
+        self.check_placement(input_ids, spans, visual, valid)
         if mm_token_type_ids is not None:
             contract.check_token_types(spans, mm_token_type_ids, frames)
         if position_ids is not None and self.uses_mrope and spans.num_spans and position_ids.ndim == 2:
@@ -388,6 +310,15 @@ class VisionLanguageModel(nn.Module):
                 f"{self.backbone_spec.name!r} for a batch with images; image tokens need (3, B, L) (t, h, w) "
                 "positions. Fix: omit position_ids (mmadapt computes them) or pass 3-D ones."
             )
+
+    def check_placement(self, input_ids: torch.Tensor, spans: ImageSpans, visual: VisualTokens | None,
+                        valid: torch.Tensor) -> None:
+        """Where the spans sit and what they receive: DeepStack levels shaped like the main tokens, the vision
+        brackets around each span, no span position masked out (run on the images, then on images and frames)."""
+        if visual is not None:
+            deepstack.check_levels(spans, visual, self.levels)
+        contract.check_brackets(input_ids, spans, self.tokens.vision_start_token_id, self.tokens.vision_end_token_id)
+        contract.check_attention(spans, valid)
 
     # ---- training and scoring --------------------------------------------------------------------
     def forward(
@@ -414,11 +345,7 @@ class VisionLanguageModel(nn.Module):
         supervised positions, `lm_head` + cross-entropy in chunks, the same loss and gradients) and the output's
         `logits` is None; `return_logits=True`, eval mode or no labels give transformers' full computation.
         `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
-        inputs = self.prepare(input_ids, attention_mask, pixel_values, image_grid_thw,
-                              mm_token_type_ids=mm_token_type_ids, position_ids=position_ids,
-                              images_per_sample=images_per_sample, cu_seqlens=cu_seqlens,
-                              pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
-                              videos_per_sample=videos_per_sample)
+        inputs = self.prepare(VisionBatch.of(locals()))  # the arguments that are inputs, by VisionBatch's fields
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
             raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
@@ -499,13 +426,12 @@ class VisionLanguageModel(nn.Module):
 
         Rows may be padded on either side: they are left-aligned internally.
         """
+        batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)
         order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
         types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
-        inputs = self.prepare(input_ids, valid, pixel_values, image_grid_thw, mm_token_type_ids=types,
-                              images_per_sample=images_per_sample, pixel_values_videos=pixel_values_videos,
-                              video_grid_thw=video_grid_thw, videos_per_sample=videos_per_sample)
+        inputs = self.prepare(batch.replace(input_ids=input_ids, attention_mask=valid, mm_token_type_ids=types))
         next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -585,35 +511,6 @@ class VisionLanguageModel(nn.Module):
     def tie_weights(self) -> None:
         """Re-tie the backbone's tied embeddings (after loading weights into them)."""
         self.backbone.tie_weights()
-
-
-def per_frame(video: VisualTokens) -> VisualTokens:
-    """Videos' visual tokens with one grid per temporal patch, (t, h, w) -> t x (1, h, w): the LLM sees each patch
-    as its own span (the Qwen processors write one per patch, between timestamps). The features are frame-major
-    already, so only the grids change."""
-    grids = torch.repeat_interleave(video.grids, video.grids[:, 0], dim=0)
-    return dataclasses.replace(video, grids=torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1))
-
-
-def merge_video(spans: ImageSpans, visual: VisualTokens | None, frames: ImageSpans,
-                video: VisualTokens) -> tuple[ImageSpans, VisualTokens]:
-    """Image spans and video-frame spans as one set in text order, with their visual tokens (features, grids and
-    DeepStack levels) in the same order: what the injection, the positions and DeepStack read."""
-    if visual is None:
-        width = video.features.shape[-1]
-        empty = video.features.new_zeros(0, width)
-        visual = VisualTokens(empty, video.grids.new_zeros(0, 3), video.window, tuple(empty for _ in video.levels))
-    merged, is_video, order = contract.merge(spans, frames)
-    positions = torch.arange(is_video.numel(), device=is_video.device)
-    image_rows, video_rows = positions[~is_video], positions[is_video]
-
-    def mix(image: torch.Tensor, frame: torch.Tensor) -> torch.Tensor:
-        out = frame.new_zeros(is_video.numel(), frame.shape[-1])
-        return out.index_put((image_rows,), image.to(frame.dtype)).index_put((video_rows,), frame)
-
-    grids = torch.cat([visual.grids.to(video.grids.device), video.grids])[order.to(video.grids.device)]
-    levels = tuple(mix(a, b) for a, b in zip(visual.levels, video.levels, strict=True))
-    return merged, VisualTokens(mix(visual.features, video.features), grids, video.window, levels)
 
 
 def expect_architecture(module: nn.Module, build_preset: Any, what: str, preset: str, path: str) -> None:

@@ -204,3 +204,25 @@ def test_check_batch_report_is_readable():
     text = str(report)
     assert report.ok and "contract: OK" in text and "36->36" in text
 
+
+
+def test_one_batch_type_carries_the_inputs():
+    """`VisionBatch`'s fields are the inputs: `forward` takes each by name (transformers' keywords), a mapping
+    converts with its other keys ignored, and `prepare` / `check_batch` take the batch itself."""
+    import inspect
+
+    from mmadapt import VisionBatch
+
+    assert set(VisionBatch.keys()) <= set(inspect.signature(VisionLanguageModel.forward).parameters)
+    model = tiny("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    batch = synthetic_batch(model, (1, 2))
+    del batch["labels"]
+    inputs = VisionBatch.of({**batch, "labels": batch["input_ids"], "meta": {"ids": [0, 1]}})
+    assert inputs.input_ids is batch["input_ids"] and inputs.pixel_values is batch["pixel_values"]
+    assert inputs.video_grid_thw is None and inputs.batch_size == 2 and VisionBatch.of(inputs) is inputs
+    with pytest.raises(KeyError, match="needs input_ids"):
+        VisionBatch.of({"pixel_values": batch["pixel_values"]})
+    assert str(check_batch(model, inputs)) == str(check_batch(model, batch))
+    with torch.no_grad():
+        prepared = model.prepare(inputs)
+        assert torch.equal(model.backbone(**prepared.backbone_kwargs()).logits, model(**batch).logits)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mmadapt
-from mmadapt import ImageTokenContractError, VisionLanguageModel
+from mmadapt import ImageTokenContractError, VisionBatch, VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.contract import check_batch, locate
 from mmadapt.data import Collator
@@ -81,8 +81,9 @@ def test_logits_loss_and_positions_equal_transformers_for_two_videos_and_an_imag
                                                    image_grid_thw=batch["image_grid_thw"],
                                                    video_grid_thw=batch["video_grid_thw"],
                                                    attention_mask=inputs["attention_mask"])
-        prepared = ours.prepare(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values",
-                                                         "image_grid_thw", "pixel_values_videos", "video_grid_thw")})
+        prepared = ours.prepare(VisionBatch.of({k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values",
+                                                                      "image_grid_thw", "pixel_values_videos",
+                                                                      "video_grid_thw")}))
         assert torch.equal(prepared.position_ids[:, mask], positions[:, mask])
         # the frames matter: the same batch with one video's frames in another order answers otherwise
         swapped = dict(batch)
@@ -133,7 +134,7 @@ def test_the_video_contract_names_the_sample_and_the_fix():
     with pytest.raises(ImageTokenContractError, match=r"sample 0: 2 video frame span\(s\) but no video frames"):
         model(**no_pixels)
     with pytest.raises(ImageTokenContractError, match="video placeholder token"):
-        model.prepare(no_pixels["input_ids"], no_pixels["attention_mask"], check=False)
+        model.prepare(VisionBatch(no_pixels["input_ids"], no_pixels["attention_mask"]), check=False)
     no_tokens = synthetic_batch(model, (1, 0))
     with pytest.raises(ImageTokenContractError, match="no video frame placeholder tokens"):
         model(**no_tokens, pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"])
