@@ -129,6 +129,9 @@ def test_a_dataset_that_data_check_passes_with_a_setting_trains_with_it_from_run
     assert allowed == {"s7": "missing_image"}
     assert checked(drifted, *LLAVA, "--image-root", root) == {"s6": "path_outside_root", "s7": "missing_image"}
     assert checked(drifted, str(drifted / "run.yaml")) == allowed  # the run file's model and data section
+    data, run = str(drifted / "train.jsonl"), str(drifted / "run.yaml")
+    assert main(["data", "check", data, run]) == 0  # 1 of 8 bad: within the run's data.max_bad_fraction 0.2
+    assert main(["data", "check", data, run, "data.max_bad_fraction=0.1"]) == 1
     assert trained(drifted) == allowed
     assert trained(drifted, "data.allow_outside_root=false", f"train.out={drifted / 'out2'}") == {
         "s6": "path_outside_root", "s7": "missing_image"}

@@ -4,8 +4,9 @@
 
 The data settings are `mmadapt.data.DataConfig`'s: a run file's `data` section (and its dotted overrides), then
 one flag per field (`--max-length`, `--allow-outside-root`, ...). The model is `--model DIR`, else the run file's
-(on the meta device: no weights are read), else built from registry names; the tokenizer is `--tokenizer`, else the
-run's (`data.tokenizer`, or its pretrained model's), else the `--model` directory's, else mmadapt's character one.
+(on the meta device: no weights are read), else built from registry names; the tokenizer is `--tokenizer`, else
+`data.tokenizer`, else the `--model` directory's, else the run's pretrained model's, else mmadapt's character one.
+`data check` fails above `--max-bad-fraction`, else the run file's `data.max_bad_fraction`, else 0.05.
 """
 
 from __future__ import annotations
@@ -63,24 +64,32 @@ def data_tokenizer(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
     return tokenizer
 
 
-def data_encoder(args: argparse.Namespace) -> Any:
+def data_encoder(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
     """The sample encoder `data check` / `data show` use: the model, its tokenizer and the data settings (see the
     module docstring)."""
     from mmadapt.data import DataConfig, SampleEncoder
 
-    run, run_model = run_config(args)
     config = DataConfig.of(run.data, **data_settings(args))  # a bad setting fails before any model is built
     model, tokenizer = data_model(args, run, run_model), data_tokenizer(args, run, run_model)
     return SampleEncoder.for_model(model, tokenizer, config=config)
 
 
-def describe_encoder(args: argparse.Namespace, encoder: Any) -> str:
+def describe_encoder(args: argparse.Namespace, encoder: Any, run_model: bool) -> str:
     files = [a for a in args.run if "=" not in a]
-    model = args.model or (f"the model of {files[0]}" if files else
+    model = args.model or (f"the model of {files[0] if files else 'the model.* settings'}" if run_model else
                            f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})")
     own = " (the tokenizer's own)" if encoder.template.name == "tokenizer" else ""
     return (f"{args.data}: {model}, chat template {encoder.template.name!r}{own}, max_length "
             f"{encoder.config.max_length}, truncation {encoder.config.truncation!r}")
+
+
+def bad_fraction_limit(args: argparse.Namespace, run: Any) -> tuple[float, str]:
+    """The share of problem samples above which `data check` fails, and the setting that said so."""
+    if args.max_bad_fraction is not None:
+        return args.max_bad_fraction, "--max-bad-fraction"
+    if any("=" not in a for a in args.run):
+        return run.data.max_bad_fraction, "data.max_bad_fraction"
+    return 0.05, "--max-bad-fraction"
 
 
 def cmd_data_check(args: argparse.Namespace) -> int:
@@ -91,16 +100,17 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     from mmadapt.data import check_dataset, read_records
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    encoder = data_encoder(args)
+    run, run_model = run_config(args)
+    encoder = data_encoder(args, run, run_model)
     report = check_dataset(read_records(args.data, errors="report"), encoder, progress=sys.stderr.isatty())
-    print(describe_encoder(args, encoder))
+    print(describe_encoder(args, encoder, run_model))
     print(report.format())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
-    if report.bad_fraction > args.max_bad_fraction:
-        print(f"FAILED: {100 * report.bad_fraction:.1f}% of samples have problems, more than "
-              f"--max-bad-fraction {args.max_bad_fraction}")
+    limit, name = bad_fraction_limit(args, run)
+    if report.bad_fraction > limit:
+        print(f"FAILED: {100 * report.bad_fraction:.1f}% of samples have problems, more than {name} {limit}")
         return 1
     return 0
 
@@ -113,10 +123,12 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     from mmadapt.data import DataProblem, read_records, show_sample
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    encoder = data_encoder(args)
+    run, run_model = run_config(args)
+    encoder = data_encoder(args, run, run_model)
     colour = {"always": True, "never": False}.get(args.colour, sys.stdout.isatty())
     marks = "green" if colour else "[[ ]]"
-    print(f"{describe_encoder(args, encoder)}; supervised tokens in {marks}, images as <image x visual tokens>")
+    print(f"{describe_encoder(args, encoder, run_model)}; supervised tokens in {marks}, images as <image x visual "
+          "tokens>")
     shown = 0
     for i, record in enumerate(read_records(args.data)):
         if shown == args.n:
@@ -139,18 +151,18 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
                            "supervised tokens marked, images as <image x N>, counts")
     for command in (check, show):
         command.add_argument("data", help="a LLaVA or messages dataset (.json or .jsonl)")
-        command.add_argument("run", nargs="*", metavar="RUN", help="a run file (its model, tokenizer and data "
-                             "section) and/or its settings as section.key=value (e.g. data.max_length=4096)")
+        command.add_argument("run", nargs="*", metavar="RUN", help="right after DATA: a run file (its model, tokenizer "
+                             "and data section) and/or its settings as section.key=value (e.g. data.max_length=4096)")
         add_build_arguments(command)
         command.add_argument("--model", default=None, help="a model directory (its parts and tokenizer) instead of "
                              "registry names")
-        command.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: the "
-                             "run's, else the --model directory's, else mmadapt's character tokenizer, as the demo "
-                             "model uses)")
+        command.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory (default: "
+                             "data.tokenizer, else the --model directory's, else the run's pretrained model's, else "
+                             "mmadapt's character tokenizer, as the demo model uses)")
         add_data_arguments(command)
     check.add_argument("--json", default=None, help="also write the report as JSON here")
-    check.add_argument("--max-bad-fraction", type=float, default=0.05,
-                       help="exit 1 when the share of problem samples is above this (default 0.05)")
+    check.add_argument("--max-bad-fraction", type=float, default=None, help="exit 1 when the share of problem "
+                       "samples is above this (default: the run file's data.max_bad_fraction, else 0.05)")
     check.set_defaults(func=cmd_data_check)
     show.add_argument("--n", type=int, default=3, help="how many samples (default 3)")
     show.add_argument("--colour", choices=("auto", "always", "never"), default="auto",
