@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_evidence import PROJECTOR, QUESTION, corner_setup, quadrant_report, train_corner_model
 
 from mmadapt import Processor
-from mmadapt.evidence import explain, faithfulness, render
+from mmadapt.evidence import Integrated, Occlusion, Rise, explain, faithfulness, render
 
 
 def main() -> None:
@@ -49,6 +49,7 @@ def main() -> None:
                         help="draw the default map of the first held-out answer that rests on the image (last pair)")
     args = parser.parse_args()
     threads = torch.get_num_threads()
+    methods = {method.name: method for method in (Occlusion(), Integrated(), Rise(samples=args.samples))}
     for pair in args.pairs.split(","):
         encoder, backbone = pair.split(":")
         for seed in map(int, args.seeds.split(",")):
@@ -56,10 +57,11 @@ def main() -> None:
             size, extra = corner_setup(encoder, backbone)
             model, tokenizer, held_out, seconds = train_corner_model(
                 (encoder, PROJECTOR[encoder], backbone), root, size=size, seed=seed, **extra)
-            for method in args.methods.split(","):
+            for name in args.methods.split(","):
+                method = methods[name]
                 report = quadrant_report(model, tokenizer, root, held_out[: args.images], method=method,
-                                         samples=args.samples, curve_steps=args.curve_steps)
-                line = {"encoder": encoder, "backbone": backbone, "seed": seed, "threads": threads, "method": method,
+                                         curve_steps=args.curve_steps)
+                line = {"encoder": encoder, "backbone": backbone, "seed": seed, "threads": threads, "method": name,
                         "train_seconds": round(seconds, 1), **{k: v for k, v in report.items() if k != "effects"}}
                 print(json.dumps(line), flush=True)
                 if args.out:
@@ -89,12 +91,12 @@ def control(model, tokenizer, root: Path, records: list[dict], curve_steps: int,
     processor, rng, scores = Processor.for_model(model, tokenizer), np.random.default_rng(seed), []
     for record in records:
         result = explain(model, processor, root / record["image"], QUESTION, max_new_tokens=6, curve_steps=0)
-        heat = result["map"]
-        if not result["answer_ids"]:
+        heat = result.map
+        if not result.answer_ids:
             continue  # an empty answer: nothing to follow
         noise = dataclasses.replace(heat, tokens=rng.random(heat.tokens.shape))
         inputs = processor(f"<image>\n{QUESTION}", images=[processor.image(root / record["image"])])
-        measured = faithfulness(model, inputs, torch.tensor(result["answer_ids"]), [noise], steps=curve_steps,
+        measured = faithfulness(model, inputs, torch.tensor(result.answer_ids), [noise], steps=curve_steps,
                                 seed=seed + 1)
         if measured.decisive:
             scores.append(measured)
@@ -107,9 +109,9 @@ def draw(model, tokenizer, root: Path, records: list[dict], path: str) -> dict:
     for record in records:
         result = explain(model, Processor.for_model(model, tokenizer), root / record["image"], QUESTION,
                          max_new_tokens=6)
-        if result["rests_on_image"] and result["answer"] == record["conversations"][1]["value"]:
-            render(root / record["image"], result["map"], path, prompt=QUESTION, answer=result["answer"])
-            print(f"# wrote {path}: {record['id']} {result['quadrants']}", file=sys.stderr)
+        if result.rests_on_image and result.answer == record["conversations"][1]["value"]:
+            render(root / record["image"], result.map, path, prompt=QUESTION, answer=result.answer)
+            print(f"# wrote {path}: {record['id']} {result.quadrants}", file=sys.stderr)
             return record
     raise RuntimeError("no held-out answer was right and rested on the image: nothing to draw")
 

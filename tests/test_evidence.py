@@ -32,6 +32,8 @@ from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
 from mmadapt.data.processors import FixedSizeProcessor, QwenProcessor, as_uint8, processor_for
 from mmadapt.evidence import (
     EvidenceMap,
+    Integrated,
+    Occlusion,
     cell_index,
     evidence,
     explain,
@@ -137,13 +139,13 @@ def quadrant_report(model, tokenizer, root: Path, records: list[dict], **options
     started, correct, top_left, peaks, effects, scores, beats, trusted = time.perf_counter(), 0, [], 0, [], [], 0, 0
     for record in records:
         result = explain(model, processor, root / record["image"], QUESTION, max_new_tokens=6, **options)
-        right = result["answer"] == record["conversations"][1]["value"]
+        right = result.answer == record["conversations"][1]["value"]
         correct += right
-        effects.append(result["image_effect"])
-        measured = result["deletion_insertion"]
-        if not (right and result["rests_on_image"]):
+        effects.append(result.image_effect)
+        measured = result.faithfulness
+        if not (right and result.rests_on_image):
             continue  # a wrong answer rests on no known quadrant; one the baseline gives as readily, on none
-        shares = result["quadrants"]
+        shares = result.quadrants
         top_left.append(shares["top_left"])
         peaks += max(shares, key=shares.get) == "top_left"
         if measured is not None:
@@ -188,7 +190,7 @@ def test_the_default_map_finds_the_quadrant_through_every_encoder_and_beats_rand
     default map (occlusion of the token cells at the pixels, the whole encoder inside) puts at least half of the
     evidence on the top-left quadrant (uniform: 0.25) and removes what the answer needs faster than random orders
     of the cells (deletion / insertion). Measured over seeds 0 / 1 / 2 x 1 / 2 threads (benchmarks/
-    bench_evidence.py; the table is in mmadapt.evidence's docstring), the range of each asserted number, and
+    bench_evidence.py; the table is in docs/evidence.md), the range of each asserted number, and
     what a map of random numbers gets on the same models:
         accuracy (12 held-out, chance 1/3)        0.83-1.00   bound 0.75
         resting (right, resting on the image)     0.50-0.92   bound 0.25
@@ -210,10 +212,10 @@ def test_the_default_map_finds_the_quadrant_through_every_encoder_and_beats_rand
 @pytest.mark.slow
 def test_plain_gradient_x_input_is_kept_but_integrated_gradients_is_the_better_token_map(corner_models):
     """steps=1 (one backward) is the plain method; on the same model and images it finds the corner far less
-    reliably, which is why the token map integrates over the path from empty tokens (see the module docstring)."""
+    reliably, which is why the token map integrates over the path from empty tokens (see docs/evidence.md)."""
     root, model, tokenizer, held_out, _ = corner_models("clip", "llama")
-    plain = quadrant_report(model, tokenizer, root, held_out[:12], method="integrated", steps=1, curve_steps=0)
-    default = quadrant_report(model, tokenizer, root, held_out[:12], method="integrated", curve_steps=0)
+    plain = quadrant_report(model, tokenizer, root, held_out[:12], method=Integrated(steps=1), curve_steps=0)
+    default = quadrant_report(model, tokenizer, root, held_out[:12], method=Integrated(), curve_steps=0)
     print(f"top-left share: plain gradient x input {plain['top_left']:.3f}, integrated {default['top_left']:.3f}")
     assert default["top_left"] > plain["top_left"] + 0.1
 
@@ -362,12 +364,12 @@ def test_evidence_reproduces_the_models_own_forward_and_integrated_gradients_are
     steps > 1 the scores sum to log p(answer) - log p(answer | empty visual tokens)."""
     model, _, _, inputs, answer = random_prompt(names)
     expected, logp = hooked_scores(model, inputs, answer)
-    (plain,) = evidence(model, inputs, answer, method="integrated", steps=1)
+    (plain,) = evidence(model, inputs, answer, method=Integrated(steps=1))
     visual = model.encode_images(inputs["pixel_values"], inputs.get("image_grid_thw"))
     (reference,) = token_maps(expected, visual.grids, visual.window)
     np.testing.assert_allclose(plain.scores, reference.scores, rtol=1e-4, atol=1e-7)
     assert plain.objective == pytest.approx(logp, abs=1e-5)
-    (integrated,) = evidence(model, inputs, answer, method="integrated", steps=128, batch_size=64)
+    (integrated,) = evidence(model, inputs, answer, method=Integrated(steps=128), batch_size=64)
     assert integrated.objective == pytest.approx(logp, abs=1e-5)
     delta = integrated.objective - integrated.baseline_objective
     assert integrated.scores.sum() == pytest.approx(delta, rel=0.02, abs=1e-5)
@@ -429,7 +431,8 @@ def test_occlusion_scores_are_the_models_own_forward_with_the_cells_at_the_mean_
     expected = ((drops[:, None] * windows / windows.sum(1, keepdim=True)).sum(0)).reshape(heat.grid).numpy()
     np.testing.assert_allclose(heat.scores[0], expected, rtol=1e-3, atol=1e-7)
     np.testing.assert_allclose(heat.tokens, np.abs(expected) / np.abs(expected).sum(), atol=2e-4)
-    assert heat.pixels.sum() == pytest.approx(1.0) and heat.samples == 0 and heat.steps == 0
+    assert heat.pixels.sum() == pytest.approx(1.0) and heat.method == Occlusion()
+    assert heat.summary()["samples"] == 0 and heat.summary()["steps"] == 0
     measured = faithfulness(model, inputs, answer, [heat], steps=4, orders=3)
     p = full ** answer.numel()  # p(answer): f to the T-th power
     blank = f(torch.zeros_like(inputs["pixel_values"])) ** answer.numel()
@@ -461,17 +464,17 @@ def test_evidence_leaves_the_model_as_it_was_and_refuses_what_it_cannot_explain(
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     (heat,) = evidence(model, inputs, answer, images=[image], image_processor=processor.encoder.processor,
-                       method="integrated", steps=4)
+                       method=Integrated(steps=4))
     assert model.training and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert heat.pixels.shape == (24, 40) and heat.pixels.sum() == pytest.approx(1.0)
-    assert heat.tokens.sum() == pytest.approx(1.0) and heat.steps == 4
+    assert heat.tokens.sum() == pytest.approx(1.0) and heat.method == Integrated(steps=4)
     padded = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.ones(1, 3, dtype=torch.long)], 1),
               "attention_mask": torch.cat([inputs["attention_mask"], torch.zeros(1, 3, dtype=torch.bool)], 1)}
-    np.testing.assert_allclose(evidence(model, padded, answer, method="integrated", steps=4)[0].scores, heat.scores,
+    np.testing.assert_allclose(evidence(model, padded, answer, method=Integrated(steps=4))[0].scores, heat.scores,
                                rtol=1e-4, atol=1e-7)
     (occluded,) = evidence(model, inputs, answer)
-    assert occluded.method == "occlusion" and model.training and all(p.grad is None for p in model.parameters())
+    assert occluded.method == Occlusion() and model.training and all(p.grad is None for p in model.parameters())
     np.testing.assert_allclose(evidence(model, padded, answer)[0].scores, occluded.scores, rtol=1e-4, atol=1e-9)
     with pytest.raises(ValueError, match="one prompt"):
         evidence(model, {**inputs, "input_ids": inputs["input_ids"].repeat(2, 1)}, answer)
@@ -479,10 +482,10 @@ def test_evidence_leaves_the_model_as_it_was_and_refuses_what_it_cannot_explain(
         evidence(model, {**inputs, "pixel_values": None}, answer)
     with pytest.raises(ValueError, match="unknown rule"):
         evidence(model, inputs, answer, rule="signed")
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(TypeError, match="unknown method"):
         evidence(model, inputs, answer, method="lime")
     with pytest.raises(ValueError, match="each >= 1"):
-        evidence(model, inputs, answer, windows=(0, 2))
+        evidence(model, inputs, answer, method=Occlusion(windows=(0, 2)))
     with pytest.raises(contract.ImageTokenContractError):  # an image placeholder inside the "answer"
         evidence(model, inputs, torch.tensor([model.tokens.image_token_id]))
     for wrong in (qwen(), FixedSizeProcessor(image_size=64, mean=CLIP_MEAN, std=(0.3,) * 3, tokens_per_image=64)):
@@ -568,18 +571,14 @@ def test_cmd_explain_answers_and_writes_the_png_for_a_saved_model(names, tmp_pat
 def test_the_faithfulness_line_says_whether_to_trust_the_map():
     """`mmadapt explain`'s last line: a map that beats every random order on an answer that rests on the pixels is
     trusted; one that loses to any is flagged; an answer the mean-colour image gives as readily says nothing."""
-    from mmadapt.cli.explain import evidence_lines
-    from mmadapt.evidence import Faithfulness
+    from mmadapt.evidence import Explanation, Faithfulness
 
     (heat,) = token_maps(torch.rand(16), torch.tensor([[1, 4, 4]]), images=[(32, 32)], image_processor=fixed("pad"))
-    heat = dataclasses.replace(heat, method="occlusion", windows=(1, 2), objective=-0.1, baseline_objective=-2.0)
+    heat = dataclasses.replace(heat, method=Occlusion(windows=(1, 2)), objective=-0.1, baseline_objective=-2.0)
 
     def line(deletion: float, full: float, blank: float) -> str:
         measured = Faithfulness(deletion, 0.8, (0.5, 0.6, 0.7), (0.5, 0.5, 0.9), full, blank, 8)
-        result = {"map": heat, "quadrants": heat.quadrants(), "peak": heat.peak(), "peak_box": heat.cell_box(0, 0),
-                  "completeness": None, "image_effect": heat.image_effect, "rests_on_image": heat.rests_on_image,
-                  "deletion_insertion": measured}
-        lines = evidence_lines(result)
+        lines = Explanation("blue", (), dataclasses.replace(heat, faithfulness=measured)).lines()
         assert lines[0].startswith("evidence (positive part, occlusion of token-cell windows 1x1+2x2 at the pixels)")
         assert lines[1].startswith("image effect: log p(answer) is +1.90 nats with the image than with the image at")
         return lines[2]

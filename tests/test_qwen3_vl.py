@@ -300,12 +300,12 @@ def test_more_levels_than_layers_is_a_build_error():
 def test_integrated_gradients_stay_complete_with_deepstack_levels():
     """The evidence map scales the levels with the main tokens: the scores still sum to log p(answer) - log p(answer |
     empty visual tokens), which the main tokens alone would not."""
-    from mmadapt.evidence import evidence
+    from mmadapt.evidence import Integrated, evidence
 
     model = tiny().eval()
     batch = synthetic_batch(model, (1,), image_sides=[(32, 48)], text_lengths=[6])
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
-    (result,) = evidence(model, inputs, torch.tensor([5, 7]), method="integrated", steps=128, batch_size=64)
+    (result,) = evidence(model, inputs, torch.tensor([5, 7]), method=Integrated(steps=128), batch_size=64)
     delta = result.objective - result.baseline_objective
     assert abs(delta) > 1e-3 and result.scores.sum() == pytest.approx(delta, rel=0.02, abs=1e-5)
 
