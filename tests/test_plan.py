@@ -2,7 +2,8 @@
 
 The counted parts (parameters, gradients, AdamW state, sharding) equal the model's own; the whole prediction equals
 the measured tensor peak of a real training step (live tensor bytes, `LiveBytes`, deterministic) for tiny models of
-every kind of run; the real-width validation against `VmHWM` is `benchmarks/bench_plan.py` (README table).
+every kind of run; the real-width validation against `VmHWM` is `benchmarks/bench_plan.py` (its table in
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -178,9 +179,9 @@ def test_the_examples_plan_on_8_gpus_without_their_checkpoints(example, capsys):
     assert report["fits"] is True and report["strategy"] == "fsdp2"
     assert all(note.endswith("is not here: planned from preset " + note.rsplit("preset ", 1)[-1])
                or "planned from its options" in note for note in report["notes"])
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith(f"| `examples/{example.name}`"))
-    total = float(row.split("|")[-3].replace(",", "").split()[0])  # the README's GiB per GPU
+    page = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith(f"| `examples/{example.name}`"))
+    total = float(row.split("|")[-3].replace(",", "").split()[0])  # the docs' GiB per GPU
     assert report["per_gpu"]["total"] / 1024**3 == pytest.approx(total, rel=0.05)
 
 

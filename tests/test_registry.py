@@ -61,7 +61,7 @@ def test_presets_match_published_sizes():
 
 
 def test_register_a_backbone_in_a_few_lines(tmp_path):
-    # --- the README's example, verbatim in spirit: 12 lines ---
+    # --- the example of README.md and docs/extending.md (tests/test_docs.py runs them as written): 12 lines ---
     from mmadapt import BACKBONES, BackboneSpec
 
     BACKBONES.register("qwen3", BackboneSpec(
