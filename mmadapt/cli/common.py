@@ -53,17 +53,18 @@ def add_data_arguments(command: argparse.ArgumentParser, *, helps: dict[str, str
     from mmadapt.data.config import settings
 
     for s in settings():
-        text = (helps or {}).get(s.name, s.help).replace("%", "%%")
+        text = (helps or {}).get(s.name, s.help)
+        if s.kind is dict:
+            text += "; a YAML mapping" + (f": e.g. '{s.example}'" if s.example else "")
+        elif s.kind is not bool and s.default is not None:
+            text += f" (default: {s.default})"
+        options = dict(default=argparse.SUPPRESS, help=text.replace("%", "%%"))  # argparse formats help with %
         if s.kind is bool:
-            command.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+            command.add_argument(s.flag, action=argparse.BooleanOptionalAction, **options)
         elif s.kind is dict:
-            example = f": e.g. '{s.example}'" if s.example else ""
-            command.add_argument(s.flag, metavar="YAML", default=argparse.SUPPRESS, help=f"{text}; a YAML mapping"
-                                 f"{example}".replace("%", "%%"))
+            command.add_argument(s.flag, metavar="YAML", **options)
         else:
-            default = "" if s.default is None else f" (default: {s.default})"
-            command.add_argument(s.flag, type=s.kind, choices=s.choices, default=argparse.SUPPRESS,
-                                 help=text + default)
+            command.add_argument(s.flag, type=s.kind, choices=s.choices, **options)
 
 
 def data_settings(args: argparse.Namespace) -> dict[str, Any]:
