@@ -95,7 +95,7 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     idle = _status_kib("VmRSS")
     torch.manual_seed(0)
     model = build_model_from(config)
-    apply_stages(model, config.stages.modes(), r=config.lora.r, alpha=config.lora.alpha, targets=config.lora.targets)
+    apply_stages(model, config.stages, config.lora)
     upcast_trainable(model)
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, config.train.activation_checkpointing)

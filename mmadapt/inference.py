@@ -1,13 +1,9 @@
-"""Models for inference from what training leaves behind: `load_trained(src)`, `load_for_inference(src)`, `export`.
+"""Models for inference: `load_for_inference(src)` from a model, run, checkpoint or adapters directory.
 
-A source is a complete checkpoint directory (`OUT/checkpoints/step-N`: its `config.json` names the
-components, `config.yaml` the stages and LoRA settings, the tokenizer's files sit beside them), a
-run directory (its newest checkpoint whose files match their checksums), or a model directory
-(mmadapt or transformers, `mmadapt.directory`). The model is built on the meta device, LoRA layers are
-injected exactly as in training, the weights are loaded strictly and LoRA is merged, so the model
-directory `export` writes (`mmadapt export`, and the trainer's `OUT/model`) holds plain weights that
-`VisionLanguageModel.from_pretrained` opens with no other argument. `chat`, `eval`, `sees` and `explain`
-load through `load_for_inference`, which also merges a run's LoRA adapters into a base model.
+What training leaves behind (a checkpoint, a run's newest valid one, a model directory) is read by
+`mmadapt.train.export.load_trained`: built as in training, loaded strictly, LoRA merged. This module adds what a
+user names on the command line: a run's adapters directory (its run), a run directory with an `OUT/model`, or a
+base model and `--adapters DIR` merged into it. `chat`, `eval`, `sees` and `explain` load through it.
 """
 
 from __future__ import annotations
@@ -21,64 +17,13 @@ from typing import Any
 import torch
 
 from mmadapt import directory as model_directory
-from mmadapt.data.tokenizer import load_tokenizer
 from mmadapt.model import VisionLanguageModel
 from mmadapt.modes import eval_mode
 from mmadapt.processor import Processor
-from mmadapt.train.checkpoint import MARKER, latest_checkpoint
-from mmadapt.train.config import RunConfig
-from mmadapt.train.stages import adapter_components, apply_stages, load_adapters, lora_modules, merge_lora
-from mmadapt.weights import Checkpoint, load_pretrained
+from mmadapt.train.export import load_trained
+from mmadapt.train.stages import adapter_components, load_adapters
 
 log = logging.getLogger(__name__)
-
-
-def resolve_source(src: str | Path) -> Path:
-    """A checkpoint or model directory itself, or a run directory's newest valid checkpoint."""
-    src = Path(src)
-    if not src.exists():
-        raise FileNotFoundError(f"{src} does not exist: give a run directory, a checkpoint or a model directory")
-    if (src / "checkpoints").is_dir():
-        newest = latest_checkpoint(src, verify=True)
-        if newest is None:
-            raise ValueError(f"{src} has no complete checkpoint (none with a {MARKER} marker whose files match)")
-        return newest
-    if not (src / model_directory.CONFIG_FILE).is_file():
-        raise ValueError(f"{src} is not a run, checkpoint or model directory (no config.json, no checkpoints/). "
-                         "Checkpoints written before mmadapt 0.4 hold no config.json and cannot be exported.")
-    return src
-
-
-def load_trained(src: str | Path) -> tuple[Any, Any]:
-    """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory."""
-    path = resolve_source(src)
-    if not (path / MARKER).is_file():  # a model directory
-        return VisionLanguageModel.from_pretrained(path), load_tokenizer(path)
-    config = model_directory.model_config(model_directory.read_config(path))
-    run = RunConfig.load(path / "config.yaml")
-    modes = run.stages.modes()
-
-    def build() -> VisionLanguageModel:
-        model = VisionLanguageModel(config)
-        if "lora" in modes.values():  # the same adapters as in training, so the state's keys match
-            apply_stages(model, modes, r=run.lora.r, alpha=run.lora.alpha, dropout=run.lora.dropout,
-                         targets=run.lora.targets)
-        return model
-
-    model = load_pretrained(build, Checkpoint.open(path, what="checkpoint"), what=f"checkpoint {path}",
-                            tied=lambda m: m.backbone_tied_keys(), provenance=False)
-    if lora_modules(model):
-        merge_lora(model)
-    model.requires_grad_(False)
-    return model.eval(), load_tokenizer(path)
-
-
-def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt") -> Path:
-    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`."""
-    model, tokenizer = load_trained(src)
-    model.save_pretrained(dst, format=format, tokenizer=tokenizer)
-    log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
-    return Path(dst)
 
 
 def load_for_inference(src: str | Path, adapters: str | Path | None = None) -> tuple[Any, Any]:

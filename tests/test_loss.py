@@ -88,17 +88,17 @@ def test_lora_on_the_backbone_and_on_lm_head():
     """LoRA on the declared targets (lm_head stays a plain Linear: the fused function), and LoRA on lm_head
     itself (a peft layer: the checkpointed path)."""
     from mmadapt.train import apply_stages
+    from mmadapt.train.config import LoraSection, StagesSection
 
     model = tiny(QWEN)
-    apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, r=4, alpha=8)
+    apply_stages(model, StagesSection(preset="lora"), LoraSection(r=4, alpha=8))
     for p in model.parameters():  # LoRA B starts at 0; move it so that its gradient path is exercised fully
         if p.requires_grad:
             p.data.add_(0.02 * torch.randn_like(p))
     assert type(model.backbone.get_output_embeddings()) is torch.nn.Linear
     assert_same(model, synthetic_batch(model, (1, 2), seed=3))
     model = tiny(LLAVA, tie_word_embeddings=False)
-    apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, r=4, alpha=8,
-                 targets=["q_proj", "lm_head"])
+    apply_stages(model, StagesSection(preset="lora"), LoraSection(r=4, alpha=8, targets=["q_proj", "lm_head"]))
     assert type(model.backbone.get_output_embeddings()) is not torch.nn.Linear
     for p in model.parameters():
         if p.requires_grad:

@@ -122,11 +122,12 @@ def test_packed_equals_padded_and_samples_are_isolated():
 
 def test_lora_wraps_attention_the_shared_expert_and_the_experts_never_the_router():
     from mmadapt.train import apply_stages
+    from mmadapt.train.config import LoraSection, StagesSection
     from mmadapt.train.stages import lora_modules
 
     torch.manual_seed(0)
     model = mmadapt.build_model(*NAMES)
-    apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, r=4, alpha=8)
+    apply_stages(model, StagesSection(preset="lora"), LoraSection(r=4, alpha=8))
     wrapped = set(lora_modules(model.backbone))
     suffixes = {name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] if "experts" in name or "shared" in name
                 else name.rsplit(".", 1)[-1] for name in wrapped}
@@ -141,7 +142,7 @@ def test_lora_wraps_attention_the_shared_expert_and_the_experts_never_the_router
     experts = [p for n, p in model.backbone.named_parameters() if "experts" in n and "lora_" in n]
     assert experts and any(p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
     full = mmadapt.build_model(*NAMES)  # a fully trained backbone keeps its routers (stages.router: full trains them)
-    apply_stages(full, {"encoder": "frozen", "projector": "full", "backbone": "full"})
+    apply_stages(full, StagesSection(encoder="frozen", projector="full", backbone="full"))
     routers = {n: p.requires_grad for n, p in full.backbone.named_parameters() if n.endswith("mlp.gate.weight")}
     assert len(routers) == 4 and not any(routers.values())
     assert all(p.requires_grad for n, p in full.backbone.named_parameters() if "shared_expert_gate" in n)

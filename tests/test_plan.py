@@ -58,7 +58,7 @@ def run_config(spec: dict) -> RunConfig:
 def built(config: RunConfig):
     torch.manual_seed(0)
     model = build_model_from(config)
-    apply_stages(model, config.stages.modes())
+    apply_stages(model, config.stages, config.lora)
     upcast_trainable(model)
     return model
 
@@ -210,7 +210,7 @@ def test_pretrained_parts_and_saved_models_are_planned_without_reading_a_weight(
 
 
 def test_a_probe_keeps_fewer_experts_when_they_are_large_with_the_same_plan(monkeypatch):
-    import mmadapt.train.plan as plan_module
+    import mmadapt.train.plan.probe as plan_module
 
     config = run_config(RUNS["qwen3_5_moe"])
     every = predict(config, gpus=1, device="cpu")

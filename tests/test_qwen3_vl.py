@@ -320,11 +320,11 @@ def test_the_router_loss_counts_real_tokens_only_equals_transformers_and_is_unch
 
 def test_lora_wraps_attention_and_the_experts_and_the_router_stays_frozen():
     from mmadapt.train import apply_stages
-    from mmadapt.train.config import STAGE_PRESETS
+    from mmadapt.train.config import LoraSection, StagesSection
     from mmadapt.train.stages import lora_modules
 
     model = tiny("qwen3_vl_moe")
-    apply_stages(model, STAGE_PRESETS["lora"], r=4, alpha=8)
+    apply_stages(model, StagesSection(preset="lora"), LoraSection(r=4, alpha=8))
     wrapped = set(lora_modules(model.backbone))
     assert {name.rsplit(".", 1)[-1] for name in wrapped} >= {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}
     assert not any(name.endswith("mlp.gate") for name in wrapped)
@@ -336,12 +336,12 @@ def test_lora_wraps_attention_and_the_experts_and_the_router_stays_frozen():
 
     for preset in ("llava-stage1", "llava-stage2"):
         model = tiny("qwen3_vl_moe")
-        apply_stages(model, STAGE_PRESETS[preset])
+        apply_stages(model, StagesSection(preset=preset))
         routers = [p for n, p in model.backbone.named_parameters() if n.endswith("mlp.gate.weight")]
         assert len(routers) == 4 and not any(p.requires_grad for p in routers), preset
         assert any(p.requires_grad for p in model.backbone.parameters()) == (preset == "llava-stage2")
     model = tiny("qwen3_vl_moe")
-    apply_stages(model, STAGE_PRESETS["llava-stage2"], router="full")
+    apply_stages(model, StagesSection(preset="llava-stage2", router="full"))
     assert all(p.requires_grad for n, p in model.backbone.named_parameters() if n.endswith("mlp.gate.weight"))
 
 

@@ -231,8 +231,7 @@ def exported(stage2, tmp_path_factory) -> dict:
     config = RunConfig.load(stage2.config)
     parts = build_run(config)
     model = parts.model
-    lora = config.lora
-    apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets)
+    apply_stages(model, config.stages, config.lora)
     batch = parts.collate([parts.train_data[i] for i in range(4)])
     model.eval()
     projector_at_start = {k: v.clone() for k, v in model.projector.state_dict().items()}

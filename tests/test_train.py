@@ -17,6 +17,7 @@ from mmadapt import build_model
 from mmadapt.data import Collator
 from mmadapt.testing import synthetic_samples
 from mmadapt.train import RunConfig, Trainer, apply_stages, latest_checkpoint, merge_lora
+from mmadapt.train.config import LoraSection, StagesSection
 from mmadapt.train.stages import lora_modules
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
@@ -262,7 +263,7 @@ def test_mmadapt_train_writes_out_model_with_the_final_logits(tmp_path):
     loaded = VisionLanguageModel.from_pretrained(tmp_path / "out" / "model").eval()
     checkpoint = latest_checkpoint(tmp_path / "out")
     final = VisionLanguageModel(ModelConfig.from_dict(json.loads((checkpoint / "config.json").read_text())["mmadapt"]))
-    apply_stages(final, RunConfig.load(checkpoint / "config.yaml").stages.modes(), r=4, alpha=32)
+    apply_stages(final, RunConfig.load(checkpoint / "config.yaml").stages, LoraSection(r=4, alpha=32))
     final.load_state_dict(load_checkpoint(checkpoint)["model"], strict=True)
     assert lora_modules(final) and not lora_modules(loaded)
     batch = synthetic_batch(loaded, (1, 2))
@@ -298,7 +299,7 @@ def test_lora_on_qwen3_5_wraps_exactly_the_declared_modules():
     declared = set(model.backbone_spec.lora_targets)
     expected = {name for name, m in model.backbone.named_modules()
                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in declared}
-    apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, r=4, alpha=8)
+    apply_stages(model, StagesSection(preset="lora"), LoraSection(r=4, alpha=8))
     wrapped = set(lora_modules(model.backbone))
     assert wrapped == expected
     kinds = {name.rsplit(".", 1)[-1] for name in wrapped}

@@ -79,13 +79,14 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(case):
     from mmadapt.data import Collator
     from mmadapt.testing import synthetic_samples
     from mmadapt.train import apply_stages
+    from mmadapt.train.config import StagesSection
     from mmadapt.train.optim import enable_activation_checkpointing
 
     names, options = CHECKPOINTED[case]
     torch.manual_seed(0)
     model = mmadapt.build_model(*names).train()
     if options.get("lora"):
-        apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"})
+        apply_stages(model, StagesSection(preset="lora"))
     samples = synthetic_samples(model, [1, 2, 0], text_lengths=[5, 9, 7], seed=2)
     batch = Collator.for_model(model, 0, max_tokens=512 if options.get("packed") else None)(samples)
     batch = {k: v for k, v in batch.items() if k != "meta"}

@@ -83,7 +83,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
-    from mmadapt.inference import export
+    from mmadapt.train.export import export
 
     export(args.src, args.dst, format=args.format)
     print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")

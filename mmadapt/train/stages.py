@@ -1,7 +1,7 @@
 """Training stages: each component is `frozen`, `full` or `lora`; LoRA adapters come from peft.
 
-`apply_stages(model, {"encoder": "frozen", "projector": "full", "backbone": "lora"}, lora)`
-sets `requires_grad` per component and injects LoRA layers in place (peft's
+`apply_stages(model, run.stages, run.lora)` (the run config's `StagesSection` and `LoraSection`, e.g.
+`StagesSection(preset="lora")`) sets `requires_grad` per component and injects LoRA layers in place (peft's
 `inject_adapter_in_model`, so parameter names stay under `backbone.`). Backbone LoRA targets
 are the backbone's declared `lora_targets` (exact module names, matched by peft as name
 suffixes inside the backbone only); encoder LoRA targets every linear layer of the tower and
@@ -20,22 +20,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.train.config import COMPONENT_MODES, LoraSection, StagesSection
+
 log = logging.getLogger(__name__)
 COMPONENTS = ("encoder", "projector", "backbone")
 
 
-def lora_config(model: Any, component: str, r: int, alpha: int, dropout: float, targets: list[str] | None) -> Any:
+def lora_config(model: Any, component: str, lora: LoraSection) -> Any:
+    """peft's config of `component`'s adapters: `lora.targets` for the backbone when given, else its declared
+    targets (and MoE expert parameters); every linear layer of the encoder."""
     from peft import LoraConfig
 
     if component == "projector":
         raise ValueError("stages.projector cannot be 'lora' (the projector is small; train it 'full' or freeze it)")
     parameters = None
+    targets = lora.targets if component == "backbone" else None
     if targets is None:
         targets = list(model.backbone_spec.lora_targets) if component == "backbone" else linear_names(model.encoder)
         moe = model.backbone_spec.moe
         if component == "backbone" and moe is not None and moe.expert_parameters:
             parameters = list(moe.expert_parameters)
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
                       target_parameters=parameters, bias="none")
 
 
@@ -43,37 +48,39 @@ def linear_names(module: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, nn.Linear)})
 
 
-def apply_stages(model: Any, modes: dict[str, str], *, r: int = 16, alpha: int = 32, dropout: float = 0.0,
-                 targets: list[str] | None = None, router: str = "frozen") -> dict[str, dict[str, int]]:
-    """Freeze / unfreeze / add LoRA per component; returns and logs {component: {trainable, total}}.
+def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = None) -> dict[str, dict[str, int]]:
+    """Freeze / unfreeze / add LoRA per component as the run's `stages` say, LoRA layers as its `lora` section says
+    (its defaults when None); returns and logs {component: {trainable, total}}.
 
     MoE routers (the backbone's `moe.router_parameters`) are never LoRA targets and stay frozen when the backbone trains
-    fully, unless `router="full"`."""
-    if router not in ("frozen", "full"):
-        raise ValueError(f"stages.router must be 'frozen' or 'full', got {router!r}")
+    fully, unless `stages.router` is "full"."""
+    if stages.router not in ("frozen", "full"):
+        raise ValueError(f"stages.router must be 'frozen' or 'full', got {stages.router!r}")
     from peft import inject_adapter_in_model
 
+    lora = LoraSection() if lora is None else lora
+    modes = stages.modes()
     for component in COMPONENTS:
-        mode = modes.get(component, "full")
-        if mode not in ("frozen", "full", "lora"):
+        mode = modes[component]
+        if mode not in COMPONENT_MODES:
             raise ValueError(f"stages.{component} must be 'frozen', 'full' or 'lora', got {mode!r}")
         module = getattr(model, component)
         module.requires_grad_(mode == "full")
         if mode == "lora":
-            config = lora_config(model, component, r, alpha, dropout, targets if component == "backbone" else None)
+            config = lora_config(model, component, lora)
             inject_adapter_in_model(config, module)
             for name, p in module.named_parameters():
                 p.requires_grad_("lora_" in name)
             module.lora_config = config  # kept for save_adapters
     routers = model.backbone_spec.moe.router_parameters if model.backbone_spec.moe is not None else ()
-    if routers and modes.get("backbone", "full") == "full" and router == "frozen":
+    if routers and modes["backbone"] == "full" and stages.router == "frozen":
         frozen = [p for name, p in model.backbone.named_parameters() if name.endswith(routers)]
         for p in frozen:
             p.requires_grad_(False)
         log.info("backbone: %d MoE router weights stay frozen (stages.router: full trains them)", len(frozen))
     counts = parameter_counts(model)
     for component, c in counts.items():
-        log.info("%-9s %-6s trainable %12s of %12s parameters", component, modes.get(component, "full"),
+        log.info("%-9s %-6s trainable %12s of %12s parameters", component, modes[component],
                  f"{c['trainable']:,}", f"{c['total']:,}")
     return counts
 

@@ -41,6 +41,7 @@ from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
+from mmadapt.train.export import export
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
 from mmadapt.train.plots import plot_history
 from mmadapt.train.stages import apply_stages, save_adapters
@@ -146,9 +147,7 @@ class Trainer:
         self.out = Path(config.train.out)
         torch.manual_seed(config.train.seed)
         if apply_stage_modes:
-            lora = config.lora
-            self.param_counts = apply_stages(model, config.stages.modes(), r=lora.r, alpha=lora.alpha,
-                                             dropout=lora.dropout, targets=lora.targets, router=config.stages.router)
+            self.param_counts = apply_stages(model, config.stages, config.lora)
         upcast_trainable(model)
         if config.train.activation_checkpointing:
             log.info("activation checkpointing: %s", ", ".join(enable_activation_checkpointing(
@@ -451,8 +450,6 @@ class Trainer:
 
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
-        from mmadapt.inference import export
-
         target = self.out / "model"
         export(checkpoint, target)
         log.info("model directory: %s (load it with VisionLanguageModel.from_pretrained)", target)

@@ -1,0 +1,81 @@
+"""What training leaves behind, read back as a model: `resolve_source(src)`, `load_trained(src)`, `export(src, dst)`.
+
+A source is a complete checkpoint directory (`OUT/checkpoints/step-N`: its `config.json` names the
+components, `config.yaml` the stages and LoRA settings, the tokenizer's files sit beside them), a
+run directory (its newest checkpoint whose files match their checksums), or a model directory
+(mmadapt or transformers, `mmadapt.directory`). The model is built on the meta device, LoRA layers are
+injected exactly as in training, the weights are loaded strictly and LoRA is merged, so the model
+directory `export` writes (`mmadapt export`, and the trainer's `OUT/model`) holds plain weights that
+`VisionLanguageModel.from_pretrained` opens with no other argument. Loading for chat / eval / sees / explain
+(adapters directories, a base model + adapters) is `mmadapt.inference.load_for_inference`, built on this.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mmadapt import directory as model_directory
+from mmadapt.data.tokenizer import load_tokenizer
+from mmadapt.model import VisionLanguageModel
+from mmadapt.train.checkpoint import MARKER, latest_checkpoint
+from mmadapt.train.config import RunConfig
+from mmadapt.train.stages import apply_stages, lora_modules, merge_lora
+from mmadapt.weights import Checkpoint, load_pretrained
+
+log = logging.getLogger(__name__)
+
+
+def resolve_source(src: str | Path) -> Path:
+    """A checkpoint or model directory itself, or a run directory's newest valid checkpoint."""
+    src = Path(src)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist: give a run directory, a checkpoint or a model directory")
+    if (src / "checkpoints").is_dir():
+        newest = latest_checkpoint(src, verify=True)
+        if newest is None:
+            raise ValueError(f"{src} has no complete checkpoint (none with a {MARKER} marker whose files match)")
+        return newest
+    if not (src / model_directory.CONFIG_FILE).is_file():
+        raise ValueError(f"{src} is not a run, checkpoint or model directory (no config.json, no checkpoints/). "
+                         "Checkpoints written before mmadapt 0.4 hold no config.json and cannot be exported.")
+    return src
+
+
+def load_trained(src: str | Path) -> tuple[Any, Any]:
+    """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory."""
+    path = resolve_source(src)
+    run = RunConfig.load(path / "config.yaml") if (path / MARKER).is_file() else None  # None: a model directory
+    tokenizer = load_tokenizer(path)
+    model = VisionLanguageModel.from_pretrained(path) if run is None else load_checkpoint_model(path, run)
+    return model, tokenizer
+
+
+def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
+    """The model of checkpoint `path` of `run`: built with the run's LoRA layers (so the state's keys match), loaded
+    strictly, LoRA merged, frozen and in eval mode."""
+    saved = model_directory.read_config(path)
+    config = model_directory.model_config(saved)
+    lora = "lora" in run.stages.modes().values()
+
+    def build() -> VisionLanguageModel:
+        model = VisionLanguageModel(config)
+        if lora:
+            apply_stages(model, run.stages, run.lora)
+        return model
+
+    model = load_pretrained(build, Checkpoint.open(path, what="checkpoint"), what=f"checkpoint {path}",
+                            tied=lambda m: m.backbone_tied_keys(), provenance=False)
+    if lora_modules(model):
+        merge_lora(model)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt") -> Path:
+    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`."""
+    model, tokenizer = load_trained(src)
+    model.save_pretrained(dst, format=format, tokenizer=tokenizer)
+    log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
+    return Path(dst)

@@ -1,0 +1,87 @@
+"""Counting bytes while the probe runs: `SavedBytes` (what autograd saves for the backward, by segment, through
+saved-tensor hooks) and `LiveBytes` (a dispatch mode: the peak of tensor storages alive at once)."""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from mmadapt.train.plan.segments import LOSS, SegmentKey
+
+
+class SavedBytes:
+    """Bytes autograd saves for the backward, by the tracked module the forward is in (storages counted once;
+    parameters and buffers are not activations); what no tracked module holds counts under `LOSS`. Blocks also count
+    the bytes of their first input (what activation checkpointing keeps)."""
+
+    def __init__(self, model: nn.Module, tracked: dict[nn.Module, SegmentKey]) -> None:
+        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.seen: set[int] = set()
+        self.bytes: dict[SegmentKey, int] = defaultdict(int)
+        self.inputs: dict[SegmentKey, int] = defaultdict(int)
+        self.stack = [LOSS]
+        self.handles = []
+        for module, key in tracked.items():
+            self.handles.append(module.register_forward_pre_hook(self._enter(key), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def _enter(self, key: SegmentKey) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.stack.append(key)
+            if key.is_block:
+                first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    self.inputs[key] += first.untyped_storage().nbytes()
+        return hook
+
+    def _leave(self, *_: Any) -> None:
+        self.stack.pop()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.skip and ptr not in self.seen and storage.device.type != "meta":
+            self.seen.add(ptr)
+            self.bytes[self.stack[-1]] += storage.nbytes()
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of tensor storages created inside and alive at once (a storage is counted once, from its
+    first op output until it is freed; what existed before entering is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, Any] = {}
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):  # a view or an in-place result shares an input's storage: nothing new
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage()._cdata not in inputs:
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = weakref.ref(storage, lambda _, k=key, n=size: self._free(k, n))
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int, size: int) -> None:
+        if self.live.pop(key, None) is not None:
+            self.current -= size

@@ -1,0 +1,150 @@
+"""The prediction: the run's model counted on the meta device (parameters by dtype; fp32 gradients and AdamW's two
+fp32 moments for what the stages train; sharded by the strategy), the probe's activations swept over the run's real
+depth for its longest micro-batch, plus the loss and the backward's temporaries, or the optimizer step, whichever is
+higher; and, when it does not fit, the usual changes that would, each planned alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from mmadapt.loss import chunk_rows
+from mmadapt.train.config import RunConfig
+from mmadapt.train.plan.model import planning_model, unique_parameters
+from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
+from mmadapt.train.plan.report import GIB, Plan
+from mmadapt.train.plan.segments import LOSS, Segment, at, fit, probe_sweep_segments, segments, sweep
+from mmadapt.train.plan.workloads import workload
+
+CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
+FRAGMENTATION = 0.05
+
+
+def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, device: str = "cuda",
+            probe: dict[str, Any] | None = None) -> Plan:
+    """The per-GPU memory of `config`'s training step on `gpus` devices (see the package docstring); `probe`: a probe
+    measured already (else the cached one, or measured now)."""
+    from mmadapt.train.optim import checkpointed_parts
+
+    model, notes = planning_model(config)
+    probe = probe if probe is not None else cached_probe(config)
+    work = workload(config, model)
+    strategy = "single" if gpus == 1 else ("ddp" if config.distributed.strategy == "ddp" else "fsdp2")
+    forward = segments(model, probe)
+    checkpointed = set(checkpointed_parts(config.train.activation_checkpointing))
+    load = {"encoder": work.images * work.patches_per_image, "projector": work.images * work.patches_per_image,
+            "backbone": work.tokens}
+    shard = gpus if strategy == "fsdp2" else 1
+    peak, acts = sweep(forward, load, checkpointed, shard)
+    _, acts_off = sweep(forward, load, set(), shard)
+    _, acts_all = sweep(forward, load, {"encoder", "backbone"}, shard)
+    transient = at(_transient(probe, config.precision.policy), work.tokens)
+    recompute = max((at(s.acts, load[s.part]) for s in forward if s.part in checkpointed), default=0.0)
+
+    params = list(unique_parameters(model))
+    by_dtype: dict[str, int] = defaultdict(int)
+    for p in params:
+        by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel() * p.element_size()
+    trained = [p for p in params if p.requires_grad]
+    trained_bytes = sum(p.numel() * 4 for p in trained)
+    width = model.backbone.config.hidden_size
+    hidden_bytes = 2 if config.precision.policy == "bf16-autocast" else 4
+    vocab = model.backbone.get_output_embeddings().weight.shape[0]
+    # the supervised rows' gradients (kept from the forward to the backward) and the chunk of logits
+    loss = work.supervised * width * hidden_bytes + _chunk_bytes(work.supervised, vocab, config.precision.policy)
+    parameters = sum(by_dtype.values()) // shard
+    gradients = trained_bytes // shard
+    optimizer_state = 2 * trained_bytes // shard
+    step_temp = _optimizer_temporaries(trained, device) // shard
+    sharding = _sharding_bytes(strategy, forward, trained_bytes, config.precision.policy)
+    # the step's peak: the backward sweep (gradients appear as the saved activations go) with its temporaries and
+    # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
+    backward = peak + transient + recompute + loss
+    total = int(parameters + optimizer_state + sharding + max(backward, gradients + step_temp))
+    per_gpu = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state + step_temp,
+               "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
+               "total": total}
+    margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
+    plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
+                activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
+                checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
+                gpu_memory=gpu_memory, notes=notes)
+    if plan.fits is False:
+        plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe)
+    return plan
+
+
+def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: str) -> int:
+    """FSDP2: the root unit (everything outside the blocks) stays unsharded through the step, two block units are
+    gathered at a time (the current one and the prefetched next), and one unit's gradients are unsharded before
+    their reduce-scatter; in the compute dtype. DDP: its gradient buckets, one more copy of the gradients."""
+    if strategy == "ddp":
+        return trained_bytes
+    if strategy != "fsdp2":
+        return 0
+    compute = 0.5 if precision == "bf16-autocast" else 1.0
+    units = [s for s in segments if s.key.is_block]
+    biggest = max((s.param_bytes for s in units), default=0)
+    root = sum(s.param_bytes for s in segments if not s.key.is_block)
+    return int((2 * biggest + root) * compute + max((s.trained_bytes for s in units), default=0))
+
+
+def _chunk_bytes(rows: int, vocab: int, precision: str) -> int:
+    """The chunked loss's logits alive at once: one fp32 chunk (fp32), or the bf16 logits, their fp32 copy and the
+    bf16 gradient (autocast)."""
+    return min(rows, chunk_rows(vocab)) * vocab * (8 if precision == "bf16-autocast" else 4)
+
+
+def _transient(probe: dict[str, Any], precision: str) -> tuple[float, float]:
+    """The probe's measured dynamic peak minus its own sweep and loss, fitted in tokens: the backward's
+    temporaries (of one block at a time, so counted once)."""
+    excess = []
+    probed = probe_sweep_segments(probe)
+    for point in probe["points"]:
+        load = {"encoder": point["patches"], "projector": point["patches"], "backbone": point["tokens"]}
+        exact = [replace(s, acts=(float(point["saved"].get(str(s.key), 0)), 0.0)) for s in probed]
+        peak, _ = sweep(exact, load, set())
+        loss = point["saved"].get(str(LOSS), 0) + _chunk_bytes(point["supervised"], PROBE_VOCAB, precision)
+        excess.append({"tokens": point["tokens"], "excess": max(point["dynamic"] - peak - loss, 0)})
+    return fit(excess, "tokens", lambda p: p["excess"])
+
+
+def _optimizer_temporaries(trained: list[nn.Parameter], device: str) -> int:
+    """AdamW's step: on CUDA the foreach implementation makes one fp32 temporary the size of all trained tensors;
+    on the CPU it goes tensor by tensor (two temporaries of the largest)."""
+    if not trained:
+        return 0
+    if device == "cuda":
+        return sum(p.numel() * 4 for p in trained)
+    return 2 * max(p.numel() * 4 for p in trained)
+
+
+def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any]) -> list[tuple[str, int]]:
+    """The usual changes that make a run fit, each planned alone: (change, its total per GPU)."""
+    base, modes = config.to_dict(), config.stages.modes()
+    candidates = [(f"data.max_length: {config.data.max_length // 2}",
+                   {"data": {"max_length": config.data.max_length // 2}})]
+    if config.train.activation_checkpointing != "all":
+        candidates.insert(0, ("train.activation_checkpointing: all", {"train": {"activation_checkpointing": "all"}}))
+    if modes.get("backbone") == "full":
+        candidates.append(("stages.backbone: lora", {"stages": {"preset": None, **modes, "backbone": "lora"}}))
+    changes = []
+    for change, update in candidates:
+        same_probe = "stages" not in update  # other stages save other activations: a probe of their own
+        plan = predict(RunConfig.from_dict(_merge(base, update)), gpus=gpus, device=device,
+                       probe=probe if same_probe else None)
+        changes.append((change, plan.per_gpu["total"]))
+    if config.distributed.strategy != "ddp":  # DDP replicates: more GPUs do not lower its memory
+        changes.append((f"--gpus {gpus * 2}", predict(config, gpus=gpus * 2, device=device, probe=probe).per_gpu[
+            "total"]))
+    return changes
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out

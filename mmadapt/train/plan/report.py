@@ -1,0 +1,79 @@
+"""The plan as a result: `Plan` (per-GPU bytes by kind, fits or not, the changes that would fit) formats its own
+table and JSON; sizes in GiB both ways (`gib`, `parse_size`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mmadapt.train.plan.workloads import Workload
+
+GIB = 1024**3
+
+
+@dataclass
+class Plan:
+    gpus: int
+    device: str
+    strategy: str
+    workload: Workload
+    per_gpu: dict[str, int]
+    activations_without_checkpointing: int
+    activations_with_checkpointing: int
+    checkpointing: list[str]
+    parameters_by_dtype: dict[str, int]
+    margin: int
+    gpu_memory: int | None
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory is None else self.per_gpu["total"] + self.margin <= self.gpu_memory
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fits": self.fits, "per_gpu": dict(self.per_gpu), "margin": self.margin, "gpus": self.gpus,
+                "gpu_memory": self.gpu_memory, "device": self.device, "strategy": self.strategy,
+                "workload": asdict(self.workload), "parameters_by_dtype": self.parameters_by_dtype,
+                "activations": {"without_checkpointing": self.activations_without_checkpointing,
+                                "with_checkpointing": self.activations_with_checkpointing},
+                "notes": self.notes, "suggestions": [{"change": c, "total": t} for c, t in self.suggestions]}
+
+    def table(self) -> str:
+        rows = [("parameters", self.per_gpu["parameters"],
+                 ", ".join(f"{d} {gib(b)}" for d, b in self.parameters_by_dtype.items())),
+                ("gradients", self.per_gpu["gradients"], "fp32, trained parameters"),
+                ("optimizer", self.per_gpu["optimizer"], "AdamW moments (fp32) + its step's temporaries"),
+                ("activations", self.per_gpu["activations"],
+                 f"checkpointing {'+'.join(self.checkpointing) or 'off'}: "
+                 f"off {gib(self.activations_without_checkpointing)}, all {gib(self.activations_with_checkpointing)}"),
+                ("loss", self.per_gpu["loss"], "supervised rows' gradients + one chunk of logits"),
+                ("sharding", self.per_gpu["sharding"], "FSDP2 unsharded units / DDP buckets"),
+                ("total (peak)", self.per_gpu["total"], "one training step, per device")]
+        if self.device == "cuda":
+            rows.append(("margin", self.margin, "CUDA context 1 GiB + 5% allocator fragmentation"))
+        lines = [f"plan: {self.gpus} x {self.device}{'' if self.gpu_memory is None else ' ' + gib(self.gpu_memory)}, "
+                 f"{self.strategy}; micro-batch {self.workload.describe()}"]
+        lines += [f"  {name:<13} {gib(value):>10}   {what}" for name, value, what in rows]
+        if self.fits is not None:
+            need = gib(self.per_gpu["total"] + self.margin)
+            lines.append(f"fits: {'yes' if self.fits else 'NO'} ({need} needed of {gib(self.gpu_memory)})")
+            if not self.fits:
+                lines += [f"  would fit: {change} ({gib(total + self.margin)})" for change, total in self.suggestions
+                          if total + self.margin <= self.gpu_memory] or ["  none of: " + ", ".join(
+                              c for c, _ in self.suggestions)]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB' (= GiB, as GPUs are sold), '81920MiB', '1.5TiB' -> bytes."""
+    units = {"t": 1024**4, "g": GIB, "m": 1024**2, "k": 1024}
+    value = text.strip().lower().removesuffix("b").removesuffix("i")
+    if value and value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GiB, 141GB or 24576MiB")

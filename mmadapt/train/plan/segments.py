@@ -1,0 +1,166 @@
+"""The forward pass as segments: each part's modules outside its blocks, each block, the output layer; each with
+its saved activations fitted in its load (a + b x: tokens for the backbone, patches for the vision side), its
+parameter and trained bytes; and the backward's sweep over them (the peak of saved activations plus gradients).
+
+A segment is found by a `SegmentKey` (part, block kind, index). The probe's JSON keys segments by the key's text
+('encoder', 'encoder.block:KIND:I', 'backbone.layer:KIND:I', 'head', 'loss'): `str(key)` writes it, `parse` reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mmadapt.train.plan.model import block_kinds, block_lists, own_parameters
+
+PARTS = ("encoder", "projector", "backbone")
+
+
+@dataclass(frozen=True)
+class SegmentKey:
+    """Where a segment is: `part` (encoder, projector, backbone; `head`: the output layer; `loss`: what no tracked
+    module holds) and, for one block of a part's block list, its `kind` (the backbone's layer type, else "block")
+    and `index` in the list; `kind` None: the part's modules outside its blocks."""
+
+    part: str
+    kind: str | None = None
+    index: int = 0
+
+    @property
+    def is_block(self) -> bool:
+        return self.kind is not None
+
+    @property
+    def load(self) -> str:
+        """The part whose load (patches or tokens) the segment's activations grow with."""
+        return "backbone" if self.part == HEAD.part else self.part
+
+    def position(self) -> tuple[int, int, int]:
+        """Its place in the forward: by part (the output layer last), the part's own modules before its blocks."""
+        if self.part == HEAD.part:
+            return PARTS.index("backbone"), 2, 0
+        return PARTS.index(self.part), int(self.is_block), self.index
+
+    def __str__(self) -> str:
+        if self.kind is None:
+            return self.part
+        return f"{self.part}.{'block' if self.part == 'encoder' else 'layer'}:{self.kind}:{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> SegmentKey:
+        """The key of `str(key)`."""
+        where, _, block = text.partition(":")
+        if not block:
+            return cls(text)
+        kind, _, index = block.rpartition(":")
+        return cls(where.split(".", 1)[0], kind, int(index))
+
+
+HEAD, LOSS = SegmentKey("head"), SegmentKey("loss")
+
+
+def parameter_bytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def gradient_bytes(params: list[nn.Parameter]) -> int:
+    """Their fp32 gradients' bytes (or, equally, one AdamW moment's): 4 per trained element."""
+    return sum(p.numel() * 4 for p in params if p.requires_grad)
+
+
+@dataclass
+class Segment:
+    """One step of the forward pass: its saved activations (fit a + b x), parameter bytes, trained bytes."""
+
+    key: SegmentKey
+    acts: tuple[float, float] = (0.0, 0.0)
+    inputs: tuple[float, float] = (0.0, 0.0)
+    param_bytes: int = 0
+    trained_bytes: int = 0
+
+    @property
+    def part(self) -> str:
+        return self.key.load
+
+
+def fit(points: list[dict[str, Any]], x: str, value: Any) -> tuple[float, float]:
+    """a + b x through the two probe points (b >= 0); through the origin when both have the same x (a fixed-size
+    encoder's images: its bytes are per image)."""
+    (x0, y0), (x1, y1) = ((p[x], value(p)) for p in points)
+    if x1 == x0:
+        return 0.0, (y0 + y1) / 2 / max(x0, 1)
+    slope = max((y1 - y0) / (x1 - x0), 0.0)
+    return y0 - slope * x0, slope
+
+
+def at(line: tuple[float, float], x: float) -> float:
+    return max(line[0] + line[1] * x, 0.0)
+
+
+def sweep(segments: list[Segment], load: dict[str, float], checkpointed: set[str],
+          shard: int = 1) -> tuple[float, float]:
+    """(peak of saved activations + gradients over the backward, saved activations at the end of the forward);
+    gradients are sharded / `shard` (FSDP2 reduce-scatters each unit's as its backward ends)."""
+    acts = []
+    for s in segments:
+        x = load[s.part]
+        full = at(s.acts, x)
+        kept = min(at(s.inputs, x), full)  # a block that saves nothing (frozen, no gradient through it) keeps nothing
+        acts.append(kept if s.part in checkpointed and s.key.is_block else full)
+    total_acts = sum(acts)
+    peak, grads = 0.0, 0.0
+    alive = total_acts
+    for s, a in zip(reversed(segments), reversed(acts), strict=True):  # the backward, last segment first
+        grads += s.trained_bytes / shard
+        peak = max(peak, alive + grads)
+        alive -= a
+    return peak, total_acts
+
+
+def segments(model: Any, probe: dict[str, Any]) -> list[Segment]:
+    """The run's forward as segments (encoder rest, each encoder block, projector, backbone rest, each layer,
+    the output layer) with the probe's fitted activations and the full model's parameter bytes."""
+    points = probe["points"]
+
+    def fitted(name: str, x: str, what: str = "saved") -> tuple[float, float]:
+        return fit(points, x, lambda p: p[what].get(name, 0))
+
+    def by_kind(part: str, x: str) -> dict[str, tuple[tuple[float, float], tuple[float, float]]]:
+        """{kind: (saved, inputs)} fitted for the first probed block of each kind of `part`."""
+        kinds = {}
+        for name in points[0]["saved"] | points[0]["inputs"]:
+            key = SegmentKey.parse(name)
+            if key.part == part and key.is_block and key.kind not in kinds:
+                kinds[key.kind] = (fitted(name, x), fitted(name, x, "inputs"))
+        return kinds
+
+    out = []
+    x_of = {"encoder": "patches", "backbone": "tokens"}
+    for part in PARTS:
+        x = x_of.get(part, "patches")
+        own = own_parameters(model, getattr(model, part))
+        out.append(Segment(key=SegmentKey(part), acts=fitted(part, x), param_bytes=parameter_bytes(own),
+                           trained_bytes=gradient_bytes(own)))
+        if part == "projector":
+            continue
+        kinds = by_kind(part, x)
+        for key, blocks in block_lists(model).items():
+            if not key.startswith(part):
+                continue
+            for i, (block, kind) in enumerate(zip(blocks, block_kinds(model, key, blocks), strict=True)):
+                acts, inputs = kinds.get(kind, ((0.0, 0.0), (0.0, 0.0)))
+                params = list(block.parameters())
+                out.append(Segment(key=SegmentKey(part, kind, i), acts=acts, inputs=inputs,
+                                   param_bytes=parameter_bytes(params), trained_bytes=gradient_bytes(params)))
+    head = [model.backbone.get_output_embeddings().weight]
+    out.append(Segment(key=HEAD, param_bytes=parameter_bytes(head), trained_bytes=gradient_bytes(head)))
+    return out
+
+
+def probe_sweep_segments(probe: dict[str, Any]) -> list[Segment]:
+    """The probe's tracked modules in forward order: encoder, its blocks, projector, backbone, its layers, head."""
+    measured = {SegmentKey.parse(name): counts for name, counts in probe["segments"].items()}
+    return [Segment(key=key, param_bytes=measured[key]["params"], trained_bytes=measured[key]["trained"])
+            for key in sorted(measured, key=SegmentKey.position)]
