@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--examples", action="store_true", help="print the plan of every examples/*.yaml on 8 x 80 GiB "
-                        "(the README's table) instead")
+                        "(the table in benchmarks/README.md) instead")
     args = parser.parse_args()
     from mmadapt.train.plan import predict
 

@@ -1,9 +1,13 @@
-"""Models for inference: `load_for_inference(src)` from a model, run, checkpoint or adapters directory.
+"""Models for inference, and a chat session over one: `load_for_inference(src)`, `Chat`.
 
 What training leaves behind (a checkpoint, a run's newest valid one, a model directory) is read by
 `mmadapt.train.export.load_trained`: built as in training, loaded strictly, LoRA merged. This module adds what a
 user names on the command line: a run's adapters directory (its run), a run directory with an `OUT/model`, or a
 base model and `--adapters DIR` merged into it. `chat`, `eval`, `sees` and `explain` load through it.
+
+`Chat(model, processor).ask(text, images=, videos=, on_text=)` holds a conversation (each turn's images and videos
+kept, placeholders inserted, the answer streamed through `on_text`); `mmadapt chat` is a few lines over it, and a
+notebook or a server uses the same object.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import write_jsonl, write_run
 
 from mmadapt import BACKBONES, ENCODERS, PROJECTORS
 from mmadapt.cli import main
@@ -36,9 +37,8 @@ def test_console_entry_point_runs():
 
 
 def test_train_with_a_missing_pretrained_part_is_one_line(tmp_path, capsys):
-    (tmp_path / "run.yaml").write_text(f"model:\n  backbone: {{name: llama, pretrained: {tmp_path}/vicuna}}\n"
-                                       f"data: {{train: {tmp_path}/train.jsonl}}\ntrain: {{out: {tmp_path}/out}}\n")
-    (tmp_path / "train.jsonl").write_text("")
+    write_run(tmp_path / "run.yaml", model={"backbone": {"name": "llama", "pretrained": f"{tmp_path}/vicuna"}},
+              data={"train": write_jsonl(tmp_path / "train.jsonl", [])}, train={"out": tmp_path / "out"})
     assert main(["train", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: backbone 'llama': pretrained path {tmp_path}/vicuna does not exist (rerun with --debug " \

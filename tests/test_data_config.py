@@ -9,7 +9,7 @@ from dataclasses import fields
 import numpy as np
 import pytest
 import yaml
-from PIL import Image
+from helpers import TINY_LLAVA, noise_image, write_jsonl, write_run
 
 from mmadapt.cli import build_parser, main
 from mmadapt.cli.common import data_settings
@@ -93,14 +93,14 @@ def drifted(tmp_path):
     for k in range(8):
         image = {6: str(elsewhere / "abs.png"), 7: "gone.png"}.get(k, f"{k}.png")
         if k != 7:
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(root / image)
+            noise_image(root / image, rng)
         records.append({"id": f"s{k}", "image": image, "conversations": [
             {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": f"noise {k}"}]})
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "run.yaml").write_text(
-        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
-        f"data: {{train: {tmp_path / 'train.jsonl'}, image_root: {root}, allow_outside_root: true, batch_size: 8}}\n"
-        f"train: {{steps: 1, out: {tmp_path / 'out'}, progress: false}}\n")
+    write_jsonl(tmp_path / "train.jsonl", records)
+    write_run(tmp_path / "run.yaml", model=TINY_LLAVA,
+              data={"train": tmp_path / "train.jsonl", "image_root": root, "allow_outside_root": True,
+                    "batch_size": 8},
+              train={"steps": 1, "out": tmp_path / "out", "progress": False})
     return tmp_path
 
 

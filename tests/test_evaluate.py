@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_LLAVA, write_run
 from PIL import Image
 
 import mmadapt
@@ -47,11 +48,9 @@ def write_colours(root, n: int, name: str, seed: int) -> str:
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("colours")
     train, held_out = write_colours(root, 96, "train", 0), write_colours(root, 24, "eval", 1)
-    (root / "run.yaml").write_text(
-        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
-        f"data: {{train: {train}, image_root: {root}, batch_size: 16}}\n"
-        f"train: {{steps: 150, lr: 3.0e-3, warmup_steps: 5, out: {root / 'out'}, progress: false}}\n"
-        "stages: {encoder: full, projector: full, backbone: full}\n")
+    write_run(root / "run.yaml", model=TINY_LLAVA, data={"train": train, "image_root": root, "batch_size": 16},
+              train={"steps": 150, "lr": 3.0e-3, "warmup_steps": 5, "out": root / "out", "progress": False},
+              stages={"encoder": "full", "projector": "full", "backbone": "full"})
     assert main(["train", str(root / "run.yaml")]) == 0
     return root, held_out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import write_run
 
 from mmadapt.cli import main
 from mmadapt.testing import synthetic_batch
@@ -134,9 +135,8 @@ def test_checkpointing_keeps_only_block_inputs():
 
 
 def test_the_command_prints_a_table_and_json_and_says_whether_it_fits(tmp_path, capsys):
-    path = tmp_path / "run.yaml"
-    path.write_text("model: {encoder: qwen3_5_vit, projector: qwen_merger, backbone: qwen3_5}\n"
-                    "data: {max_length: 128, batch_size: 2}\n")
+    path = write_run(tmp_path / "run.yaml", model={"encoder": "qwen3_5_vit", "projector": "qwen_merger",
+                                                    "backbone": "qwen3_5"}, data={"max_length": 128, "batch_size": 2})
     assert main(["plan", str(path), "--gpus", "2", "--gpu-memory", "1TiB"]) == 0
     out = capsys.readouterr().out
     assert "2 x cuda 1024.00 GiB, fsdp2" in out and "fits: yes" in out and "margin" in out

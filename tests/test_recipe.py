@@ -28,9 +28,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
-import yaml
 from conftest import tiny_options
 from safetensors.torch import load_file
 
@@ -115,12 +115,10 @@ def model_section(variant: str, src: Sources, projector_from: Path | None = None
 
 def write_run(path: Path, model: dict, src: Sources, out: Path, stages: dict, **extra) -> Path:
     """A run YAML; `data.tokenizer` is left out: it defaults to the pretrained backbone's directory."""
-    config = {"model": model,
-              "data": {"train": str(src.data / "train.jsonl"), "image_root": str(src.data), "batch_size": 4},
-              "train": {"steps": 3, "lr": 1e-3, "out": str(out), "progress": False, "log_every": 1},
-              "stages": stages, **extra}
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return helpers.write_run(path, model=model,
+                             data={"train": src.data / "train.jsonl", "image_root": src.data, "batch_size": 4},
+                             train={"steps": 3, "lr": 1e-3, "out": out, "progress": False, "log_every": 1},
+                             stages=stages, **extra)
 
 
 def train(config: Path) -> Path:

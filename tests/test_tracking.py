@@ -8,6 +8,7 @@ import logging
 import time
 
 import pytest
+from helpers import write_jsonl, write_run
 from test_train import QWEN, tiny
 
 from mmadapt.data import Collator
@@ -158,10 +159,9 @@ def test_mmadapt_train_logs_the_plan_once_mmadapt_plan_has_measured_it(tmp_path,
     monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
     records = [{"id": f"s{i}", "conversations": [{"from": "human", "value": "Say a word."},
                                                   {"from": "gpt", "value": "word"}]} for i in range(4)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    run = tmp_path / "run.yaml"
-    run.write_text(f"data: {{train: {tmp_path / 'train.jsonl'}, batch_size: 2, max_length: 64}}\n"
-                   "train: {steps: 1, progress: false, report_to: [tensorboard]}\n")
+    run = write_run(tmp_path / "run.yaml", data={"train": write_jsonl(tmp_path / "train.jsonl", records),
+                                                 "batch_size": 2, "max_length": 64},
+                    train={"steps": 1, "progress": False, "report_to": ["tensorboard"]})
     assert main(["train", str(run), f"train.out={tmp_path / 'first'}"]) == 0
     assert not (tmp_path / "first" / "plan.json").exists()  # no probe cached: a run does not pay for one
     assert main(["plan", str(run), "--device", "cpu"]) == 0

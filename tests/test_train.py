@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_LLAVA, write_jsonl, write_run
 
 from mmadapt import build_model
 from mmadapt.data import Collator
@@ -253,12 +254,10 @@ def test_mmadapt_train_writes_out_model_with_the_final_logits(tmp_path):
         Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / f"{k}.png")
         records.append({"id": str(k), "image": f"{k}.png", "conversations": [
             {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": f"noise {k}"}]})
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "run.yaml").write_text(
-        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
-        f"data: {{train: {tmp_path / 'train.jsonl'}, image_root: {tmp_path}, batch_size: 4}}\n"
-        f"train: {{steps: 2, lr: 1.0e-2, out: {tmp_path / 'out'}, progress: false}}\n"
-        "stages: {preset: lora}\nlora: {r: 4}\n")
+    write_run(tmp_path / "run.yaml", model=TINY_LLAVA,
+              data={"train": write_jsonl(tmp_path / "train.jsonl", records), "image_root": tmp_path, "batch_size": 4},
+              train={"steps": 2, "lr": 1.0e-2, "out": tmp_path / "out", "progress": False},
+              stages={"preset": "lora"}, lora={"r": 4})
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     loaded = VisionLanguageModel.from_pretrained(tmp_path / "out" / "model").eval()
     checkpoint = latest_checkpoint(tmp_path / "out")
@@ -437,18 +436,17 @@ def test_a_run_whose_samples_are_mostly_bad_stops_with_one_line_naming_the_first
         Image.fromarray(np.full((32, 32, 3), 30 * k, dtype=np.uint8)).save(tmp_path / "data" / f"{k}.png")
         records.append({"id": f"s{k}", "image": f"{k}.png", "conversations": [
             {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "grey"}]})
-    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "run.yaml").write_text(
-        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
-        f"data: {{train: {tmp_path / 'data' / 'train.jsonl'}, batch_size: 4}}\n"
-        f"train: {{steps: 3, out: {tmp_path / 'out'}, progress: false}}\n")
+    train = write_jsonl(tmp_path / "data" / "train.jsonl", records)
+    write_run(tmp_path / "run.yaml", model=TINY_LLAVA, data={"train": train, "batch_size": 4},
+              train={"steps": 3, "out": tmp_path / "out", "progress": False})
     assert main(["train", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stopping at step 1: 4 of the 4 samples seen were bad (4 missing_image)" in err
     assert "sample 's" in err and "data.image_root" in err and "mmadapt data check" in err
     assert not (tmp_path / "out" / "model").exists()
-    (tmp_path / "run.yaml").write_text((tmp_path / "run.yaml").read_text().replace(
-        "batch_size: 4}", f"batch_size: 4, image_root: {tmp_path / 'data'}}}"))
+    write_run(tmp_path / "run.yaml", model=TINY_LLAVA,
+              data={"train": train, "batch_size": 4, "image_root": tmp_path / "data"},
+              train={"steps": 3, "out": tmp_path / "out", "progress": False})
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     assert "bad" not in capsys.readouterr().out
 

@@ -49,7 +49,6 @@ from mmadapt.registry import Registry
 
 IGNORE = -100
 MODES = ("auto", "tokenizer")  # besides built-in names
-MISMATCH_POLICIES = ("error", "warn")
 Span = tuple[int, int]
 
 

@@ -212,7 +212,10 @@ class RunConfig:
         return _build(cls, data or {}, "")
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        """Plain values, as a run file writes them (`data.video` flat, as users write it)."""
+        data = _plain(dataclasses.asdict(self))
+        data["data"]["video"] = self.data.video.to_dict()
+        return data
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

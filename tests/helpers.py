@@ -1,0 +1,51 @@
+"""Small builders the tests share: a run file, a JSONL dataset, a noise image.
+
+    from helpers import write_run, write_jsonl, noise_image
+
+`write_run(path, model={...}, data={...}, train={...})` writes a run YAML from plain mappings (paths may be
+`Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
+Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in real_tokenizers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from PIL import Image
+
+TINY_LLAVA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, os.PathLike) else value
+
+
+def write_run(path: str | os.PathLike, **sections: Any) -> Path:
+    """A run YAML with these sections (model, data, train, stages, lora, ...); returns its path."""
+    path = Path(path)
+    path.write_text(yaml.safe_dump(_plain(sections), sort_keys=False))
+    return path
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict[str, Any]]) -> Path:
+    """One JSON record per line; returns the path."""
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def noise_image(path: str | os.PathLike, seed: int | np.random.Generator = 0, size: int = 32) -> Path:
+    """A size x size RGB PNG of uniform noise (seed: an int or a generator to draw from)."""
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+    return Path(path)
