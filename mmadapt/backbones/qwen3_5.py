@@ -51,6 +51,11 @@ def _qwen(hidden: int, intermediate: int, layers: int, heads: int, kv: int, v_he
         tie_word_embeddings=tie, **TOKENS_AND_ROPE,
     )
 
+# What every Qwen vision-language LLM declares alike (Qwen3.5, Qwen3-VL and their MoE variants): M-RoPE positions and
+# the bracketed image / video spans <|vision_start|> <|image_pad|> x N <|vision_end|> of Qwen's processors.
+QWEN_SPANS = dict(positions="mrope", image_token="<|image_pad|>", video_token="<|video_pad|>",
+                  vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>", chat_template="chatml")
+
 
 BACKBONES.register("qwen3_5", BackboneSpec(
     name="qwen3_5",
@@ -58,12 +63,7 @@ BACKBONES.register("qwen3_5", BackboneSpec(
     model_class="transformers:Qwen3_5ForCausalLM",
     config_class="transformers:Qwen3_5TextConfig",
     hf_model_type="qwen3_5_text",
-    positions="mrope",
-    image_token="<|image_pad|>",
-    video_token="<|video_pad|>",
-    vision_start_token="<|vision_start|>",
-    vision_end_token="<|vision_end|>",
-    chat_template="chatml",
+    **QWEN_SPANS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "in_proj_qkv", "in_proj_z", "out_proj"),
     presets={

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from mmadapt.backbones.base import BACKBONES, BackboneSpec, MoE
+from mmadapt.backbones.qwen3_5 import QWEN_SPANS
 from mmadapt.weights import Transposed
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' fallback when rope_parameters has none
@@ -94,12 +95,7 @@ BACKBONES.register("qwen3_vl", BackboneSpec(
     model_class="mmadapt.backbones.qwen3_vl_lm:Qwen3VLForCausalLM",
     config_class="transformers:Qwen3VLTextConfig",
     hf_model_type="qwen3_vl_text",
-    positions="mrope",
-    image_token="<|image_pad|>",
-    video_token="<|video_pad|>",
-    vision_start_token="<|vision_start|>",
-    vision_end_token="<|vision_end|>",
-    chat_template="chatml",
+    **QWEN_SPANS,
     presets=DENSE_PRESETS,
     validate=validate_mrope,
     deepstack=True,
