@@ -252,8 +252,9 @@ def fsdp_dataset(root: Path) -> Path:
 
 
 def train_losses(config: Path, out: Path, *overrides: str, procs: int = 1) -> list[float]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs)] if procs > 1 else \
-        [sys.executable]
+    launcher = [sys.executable]  # --standalone: a free rendezvous port, so two runs at once never collide
+    if procs > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     cmd = [*launcher, "-m", "mmadapt", "train", str(config), f"train.out={out}", *overrides]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:

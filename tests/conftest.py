@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`: the full suite's command) each worker computes on one thread, and so do the
+    processes it starts: two workers on two cores, not four threads fighting for them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def tiny_options(registry, name: str) -> dict:

@@ -36,8 +36,9 @@ def dataset(tmp_path_factory):
 
 
 def train(root, out, *overrides, procs=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs)] if procs > 1 else \
-        [sys.executable]
+    launcher = [sys.executable]  # --standalone: a free rendezvous port, so two runs at once never collide
+    if procs > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     cmd = [*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"), f"train.out={root / out}", *overrides]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
