@@ -31,6 +31,7 @@ def test_unknown_name_is_a_clean_error(capsys):
     assert "known: identity" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "mmadapt", "list"], capture_output=True, text=True, check=True)
     assert "qwen3_5_vit" in out.stdout

@@ -123,6 +123,7 @@ def trained(path, *overrides) -> dict[str, str]:
     return {problem["id"]: reason for reason, problem in state["first_bad"].items()}
 
 
+@pytest.mark.slow
 def test_a_dataset_that_data_check_passes_with_a_setting_trains_with_it_from_run_yaml(drifted):
     root = str(drifted / "images")
     allowed = checked(drifted, *LLAVA, "--image-root", root, "--allow-outside-root")

@@ -24,6 +24,7 @@ def digits(tmp_path_factory):
     return root, train, held_out
 
 
+@pytest.mark.slow
 def test_digit_records_are_llava_jsonl_with_png_images_and_a_stratified_split(digits):
     root, train, held_out = digits
     assert len(train) + len(held_out) == 1797 and len(held_out) == 360

@@ -104,6 +104,7 @@ def measured_peak(config: RunConfig, plan) -> int:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.slow
 def test_the_prediction_equals_the_measured_tensor_peak_of_a_training_step(name):
     config = run_config(RUNS[name])
     plan = predict(config, gpus=1, device="cpu")

@@ -38,6 +38,7 @@ def test_unknown_preset_lists_presets():
         BACKBONES.get("qwen3_5").build("huge")
 
 
+@pytest.mark.slow
 def test_import_is_light():
     code = "import sys, mmadapt; print(any(m.startswith(('timm', 'transformers.models.')) for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -270,6 +270,7 @@ def test_a_built_in_that_differs_from_the_tokenizers_own_is_an_error_unless_acce
 
 
 @pytest.mark.parametrize("builtin", ["chatml", "qwen3_5"])
+@pytest.mark.slow
 def test_the_trained_template_is_saved_with_the_tokenizer_and_serves_the_training_prompt(qwen_model, tmp_path,
                                                                                        builtin):
     from transformers import AutoTokenizer
@@ -300,6 +301,7 @@ def test_vicuna_v1_export_serves_the_training_prompt(llava_model, tmp_path):
     assert chat_ids(served) == trained
 
 
+@pytest.mark.slow
 def test_a_saved_model_directory_serves_the_prompt_it_was_trained_with_template_kwargs_included(qwen_model, tmp_path):
     from mmadapt import Processor
 

@@ -61,6 +61,7 @@ def wandb_history(directory) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_offline_get_every_scalar(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -151,6 +152,7 @@ def test_no_mfu_on_a_cpu_without_a_peak(tmp_path):
     assert all("mfu" not in r and r["tflops_per_s"] > 0 for r in history)
 
 
+@pytest.mark.slow
 def test_mmadapt_train_logs_the_plan_once_mmadapt_plan_has_measured_it(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

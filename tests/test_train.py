@@ -102,6 +102,7 @@ def test_gradient_accumulation_equals_one_batch(names, tmp_path):
 
 
 # ---- resume and atomic checkpoints ------------------------------------------------------------------
+@pytest.mark.slow
 def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
     _, full = run(QWEN, tmp_path / "full", "train.steps=6", "checkpoint.every=3")
 
@@ -139,6 +140,7 @@ run(QWEN, {out!r}, "train.steps=6", "checkpoint.every=2")
 """
 
 
+@pytest.mark.slow
 def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path):
     out = tmp_path / "run"
     script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
@@ -156,6 +158,7 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pat
     assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())  # cleaned up
 
 
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_naming_the_file(tmp_path, caplog):
     """A truncated model.safetensors in the newest checkpoint: --resume warns and uses the one before it."""
     out = tmp_path / "run"
@@ -331,6 +334,7 @@ def test_lora_merged_export_equals_unmerged_logits(names, tmp_path):
 
 
 # ---- transformers Trainer ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_transformers_trainer_runs_with_the_model_and_collator(tmp_path):
     """transformers' Trainer (grad accumulation 2: it passes num_items_in_batch) trains the model through the loss
     without full logits as through the full logits: losses within 1e-5 relative, weights after 3 AdamW steps at
@@ -458,6 +462,7 @@ def test_a_fresh_run_refuses_an_out_directory_holding_another_run(tmp_path):
 
 
 # ---- optimizer settings of real recipes ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_learning_rates_by_part_and_no_weight_decay_on_biases_and_norms(tmp_path):
     from transformers.trainer_pt_utils import get_parameter_names
 
@@ -496,6 +501,7 @@ def test_epochs_and_warmup_ratio(tmp_path):
         config(tmp_path, "train.lr_by_part={vision: 1.0e-5}")
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_with_rates_by_part_weight_decay_epochs_and_warmup_ratio(tmp_path, monkeypatch):
     settings = ("train.epochs=1.5", "data.batch_size=4", "train.warmup_ratio=0.2", "train.weight_decay=0.05",
                 "train.lr_by_part={projector: 3.0e-3, encoder: 1.0e-4}", "checkpoint.every=3")
