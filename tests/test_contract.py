@@ -205,7 +205,6 @@ def test_check_batch_report_is_readable():
     assert report.ok and "contract: OK" in text and "36->36" in text
 
 
-
 def test_one_batch_type_carries_the_inputs():
     """`VisionBatch`'s fields are the inputs: `forward` takes each by name (transformers' keywords), a mapping
     converts with its other keys ignored, and `prepare` / `check_batch` take the batch itself."""

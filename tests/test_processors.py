@@ -183,7 +183,6 @@ def test_bad_arguments():
         QwenProcessor(max_aspect_ratio=500)
 
 
-
 def test_the_image_and_video_processors_hold_one_patch_geometry():
     """The video processor is built on the image processor's PatchGeometry (its own pixel bounds); an image is one
     temporal patch of T copies of itself, so flattening T copies of a frame is the image's patchify."""

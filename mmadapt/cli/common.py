@@ -11,6 +11,7 @@ from typing import Any
 DEFAULT_PARTS = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
 BUILD_DEFAULTS = {**DEFAULT_PARTS, "preset": "tiny", "deepstack": "use"}
 
+
 def add_build_arguments(command: argparse.ArgumentParser, *, positional: bool = False) -> None:
     """The parts of a model built from registry names (positional or --encoder/--projector/--backbone), --preset
     and --deepstack; `build_from_args` builds it."""
@@ -29,12 +30,10 @@ def build_arguments_given(args: argparse.Namespace) -> list[str]:
     return [f"--{name}" for name, default in BUILD_DEFAULTS.items() if getattr(args, name) != default]
 
 
-
 def build_from_args(args: argparse.Namespace) -> object:
     from mmadapt import build_model
 
     return build_model(args.encoder, args.projector, args.backbone, preset=args.preset, deepstack=args.deepstack)
-
 
 
 def add_model_arguments(command: argparse.ArgumentParser) -> None:
@@ -42,7 +41,6 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("model", help="a model directory, a run directory (OUT), a checkpoint or OUT/adapters")
     command.add_argument("--adapters", default=None, help="LoRA adapters (an OUT/adapters directory) to merge into "
                          "MODEL, their base model")
-
 
 
 def add_data_arguments(command: argparse.ArgumentParser, *, helps: dict[str, str] | None = None) -> None:

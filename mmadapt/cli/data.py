@@ -115,7 +115,6 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_data_show(args: argparse.Namespace) -> int:
     """Print the first --n samples of DATA as the model will see them (supervised stretches marked)."""
     import logging
@@ -141,7 +140,6 @@ def cmd_data_show(args: argparse.Namespace) -> int:
         print("\n" + show_sample(encoder, sample, colour=colour))
         shown += 1
     return 0
-
 
 
 def add_data_commands(sub: argparse._SubParsersAction) -> None:

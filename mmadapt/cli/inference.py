@@ -36,7 +36,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="ask a trained model about images and videos (one prompt, or a conversation "
                           "on stdin)")
@@ -51,7 +50,6 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--seed", type=int, default=0)
     chat.set_defaults(func=cmd_chat)
-
 
 
 def _inference_data(args: argparse.Namespace) -> tuple:
@@ -70,7 +68,6 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     if not records:
         raise ValueError(f"{args.data} holds no records")
     return model, encoder, Collator.for_model(model, encoder.pad_token_id), records
-
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -96,7 +93,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 1 if args.require_sees and not report.passed else 0
 
 
-
 def cmd_sees(args: argparse.Namespace) -> int:
     """The loss-based check (`sees_images`) on a few batches of the user's data: a table and an exit code."""
     from mmadapt.sees import sees_records
@@ -106,7 +102,6 @@ def cmd_sees(args: argparse.Namespace) -> int:
                           source=args.data)
     print(report)
     return 0 if report.ok else 1
-
 
 
 def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: str) -> argparse.ArgumentParser:

@@ -25,7 +25,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_check_model(args: argparse.Namespace) -> int:
     """Build a combination, check the image-token contract on a synthetic batch, run forward + backward."""
     import torch
@@ -49,7 +48,6 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     return 0 if torch.isfinite(loss) else 1
 
 
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train a tiny model on handwritten digits; exit 1 unless it clearly reads the images."""
     import logging
@@ -68,7 +66,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     # Defaults of None mean mmadapt.demo.DEFAULTS (not imported here: building the parser stays light).
     demo = sub.add_parser("demo", help="train a tiny model to read handwritten digits (CPU, offline, minutes) and "
@@ -84,7 +81,6 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--verbose", action="store_true", help="log the trainer's steps")
     demo.set_defaults(func=cmd_demo)
-
 
 
 def cmd_numerics_dump(args: argparse.Namespace) -> int:
@@ -117,7 +113,6 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_numerics_compare(args: argparse.Namespace) -> int:
     """Compare two dumps; exit 1 when a layer diverges or a layer is on one side only."""
     from mmadapt.numerics import Tolerances, compare
@@ -134,7 +129,6 @@ def cmd_numerics_compare(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-
 def cmd_numerics_lint_deepspeed(args: argparse.Namespace) -> int:
     """Lint a DeepSpeed JSON config; exit 1 when any finding is an error."""
     from mmadapt.numerics import format_findings, lint_deepspeed
@@ -142,7 +136,6 @@ def cmd_numerics_lint_deepspeed(args: argparse.Namespace) -> int:
     findings = lint_deepspeed(args.file)
     print(format_findings(findings, args.file))
     return 1 if any(f.severity == "error" for f in findings) else 0
-
 
 
 def cmd_numerics_deepspeed_config(args: argparse.Namespace) -> int:
@@ -166,7 +159,6 @@ def cmd_numerics_deepspeed_config(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
-
 
 
 def add_numerics_commands(sub: argparse._SubParsersAction) -> None:

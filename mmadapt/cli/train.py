@@ -36,7 +36,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def add_train_command(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train from a YAML config (torchrun --nproc_per_node N -m mmadapt train)")
     train.add_argument("config", nargs="?", default=None, help="a YAML run config (default: all defaults)")
@@ -44,7 +43,6 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in train.out (= checkpoint.resume=true)")
     train.set_defaults(func=cmd_train)
-
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -65,7 +63,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits is not False else 4
 
 
-
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="predict a run's per-GPU memory before it starts: parameters, gradients, "
                                        "optimizer state, activations (measured on a probe), whether it fits")
@@ -80,7 +77,6 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
-
 def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
     from mmadapt.train.export import export
@@ -88,7 +84,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     export(args.src, args.dst, format=args.format)
     print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")
     return 0
-
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
