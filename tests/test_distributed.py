@@ -35,14 +35,22 @@ def dataset(tmp_path_factory):
     return root
 
 
-def train(root, out, *overrides, procs=1):
+def launch(root, out, *overrides, procs=1, timeout=300):
     launcher = [sys.executable]  # --standalone: a free rendezvous port, so two runs at once never collide
     if procs > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
     cmd = [*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"), f"train.out={root / out}", *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def records(root, out, *overrides, procs=1):
+    result = launch(root, out, *overrides, procs=procs)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in (root / out / "log.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
+
+
+def train(root, out, *overrides, procs=1):
+    return [record["loss"] for record in records(root, out, *overrides, procs=procs)]
 
 
 def test_fsdp2_and_ddp_equal_one_process(dataset):
@@ -73,8 +81,10 @@ def test_fsdp2_with_deepstack_and_experts_equals_one_process(dataset):
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """24 records, every other one text-only: with one sample per rank most steps give one rank an image and the
-    other none (LLaVA's 665k mix has ~40k text-only samples)."""
+    """24 records, half of them text-only (an image where i % 4 is 0 or 1): with one sample per rank and seed 0 the
+    8 steps give both ranks an image (step 1), one rank an image and the other none (steps 2, 7, 8) and no rank an
+    image (steps 3 and 6: the vision side must then get no update, as in one process). LLaVA's 665k mix has ~40k
+    text-only samples."""
     root = tmp_path_factory.mktemp("mixed")
     (root / "images").mkdir()
     for k, (name, load) in enumerate(PHOTOS.items()):
@@ -82,10 +92,10 @@ def mixed(tmp_path_factory):
     records = []
     for i in range(24):
         name = list(PHOTOS)[i % 4]
-        question = "<image>\nWhat is this?" if i % 2 else f"Say the word {name}."
+        question = "<image>\nWhat is this?" if i % 4 < 2 else f"Say the word {name}."
         record = {"id": f"s{i}", "conversations": [{"from": "human", "value": question},
                                                    {"from": "gpt", "value": name}]}
-        records.append({**record, "image": f"{name}.png"} if i % 2 else record)
+        records.append({**record, "image": f"{name}.png"} if i % 4 < 2 else record)
     (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     (root / "base.yaml").write_text(
         f"data: {{train: {root / 'train.jsonl'}, image_root: {root / 'images'}, max_length: 256}}\n"
@@ -93,10 +103,11 @@ def mixed(tmp_path_factory):
     return root
 
 
+EIGHT = "train.steps=8"  # reaches the steps where no rank has an image (3 and 6)
 MIXED = {  # (overrides, strategies run with 2 processes)
-    "encoder full": ([], ("fsdp", "ddp")),
-    "encoder frozen": (["stages.encoder=frozen"], ("fsdp",)),
-    "LoRA": (["stages.encoder=lora", "stages.backbone=lora"], ("fsdp", "ddp")),
+    "encoder full": ([EIGHT, "train.weight_decay=0.1"], ("fsdp", "ddp")),
+    "encoder frozen": ([EIGHT, "stages.encoder=frozen", "stages.projector=full"], ("fsdp", "ddp")),
+    "LoRA": ([EIGHT, "stages.encoder=lora", "stages.backbone=lora"], ("fsdp", "ddp")),
     "DeepStack + MoE": (["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"],
                         ("fsdp",)),
     # activation checkpointing inside FSDP2's units (each decoder layer / vision block recomputed in the backward)
@@ -111,14 +122,21 @@ MIXED = {  # (overrides, strategies run with 2 processes)
 @pytest.mark.parametrize("case", list(MIXED))
 def test_mixed_text_only_and_image_batches_keep_every_rank_in_step(mixed, case):
     """FSDP2 died in the first step where one rank had an image and the other none (its all-gathers no longer
-    paired: gloo's "Connection reset by peer"); every rank now runs the vision side, and 2 processes equal one."""
+    paired: gloo's "Connection reset by peer"); every rank now runs the vision side, and 2 processes equal one.
+    From the first step where no rank had an image the losses left one process's (7.9e-4 at step 5): the
+    placeholder's zero gradients gave AdamW a step (momentum, weight decay) that one process does not take."""
     overrides, strategies = MIXED[case]
     tag = case.replace(" ", "-").replace("+", "")
-    one = train(mixed, f"{tag}-one", *overrides, "data.batch_size=1", "train.grad_accum=2")
+    steps = 8 if EIGHT in overrides else 3
+    reference = records(mixed, f"{tag}-one", *overrides, "data.batch_size=1", "train.grad_accum=2")
+    one = [r["loss"] for r in reference]
+    if steps == 8:  # the data gives steps with no image anywhere, and steps with images after them
+        no_image = [r["step"] for r in reference if r["images_per_s"] == 0]
+        assert no_image and max(no_image) < steps, no_image
     for strategy in strategies:
         two = train(mixed, f"{tag}-{strategy}", *overrides, "data.batch_size=1", f"distributed.strategy={strategy}",
                     procs=2)
-        assert len(one) == len(two) == 3
+        assert len(one) == len(two) == steps
         for a, b in zip(one, two, strict=True):
             assert abs(a - b) <= 1e-5, (case, strategy, one, two)
         if "stages.backbone=lora" in overrides:  # the adapters saved from the sharded run are the same weights
@@ -173,3 +191,74 @@ def test_mixed_image_video_and_text_only_batches_keep_every_rank_in_step(mixed_v
         assert len(one) == len(two) == 3
         for a, b in zip(one, two, strict=True):
             assert abs(a - b) <= 1e-5, (strategy, one, two)
+
+
+RANK_SCRIPT = '''
+import os, sys
+from mmadapt.cli import main
+from mmadapt.train.trainer import Trainer
+
+rank = int(os.environ.get("RANK", "0"))
+fail = os.environ.get("FAIL_AT")  # "RANK:STEP": that rank raises in that step
+if fail:
+    fail_rank, fail_step = (int(v) for v in fail.split(":"))
+    train_step = Trainer.train_step
+
+    def failing(self, micro, clock=None):
+        if self.dist.rank == fail_rank and self.step + 1 == fail_step:
+            raise ValueError(f"rank {fail_rank} cannot go on at step {fail_step}")
+        return train_step(self, micro, clock)
+
+    Trainer.train_step = failing
+sys.exit(main([a.replace("{rank}", str(rank)) for a in sys.argv[1:]]))
+'''
+
+
+def launch_ranks(root, *args, env=None, timeout=240):
+    """`mmadapt ARGS` under torchrun with 2 processes, `{rank}` in ARGS replaced by each process's rank."""
+    import os
+    import time
+
+    script = root / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), *args]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return result, time.perf_counter() - started
+
+
+def test_a_rank_that_raises_ends_both_processes_promptly_with_its_message(mixed):
+    """Rank 1 raises in step 2 while rank 0 goes on to the step's collectives: both processes end within seconds
+    (the collectives' timeout is 30 minutes), and the output names rank 1 and its error."""
+    base, _ = launch_ranks(mixed, "train", str(mixed / "base.yaml"), f"train.out={mixed / 'ok'}", "train.steps=2",
+                           "data.batch_size=1")  # the same launch without a failure: its time is the baseline
+    assert base.returncode == 0, base.stderr[-3000:]
+    result, seconds = launch_ranks(mixed, "train", str(mixed / "base.yaml"), f"train.out={mixed / 'fails'}",
+                                   "train.steps=4", "data.batch_size=1", env={"FAIL_AT": "1:2"})
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 1 cannot go on at step 2" in output and "rank 1 of 2 failed" in output, output[-3000:]
+    assert seconds < 120, seconds  # never the collectives' 30-minute wait
+
+
+def test_resume_with_different_checkpoints_per_rank_is_refused_on_every_rank(mixed):
+    """A node-local OUT: rank 1's newest checkpoint is older than rank 0's. Rank 0 chooses, rank 1 does not hold
+    that checkpoint: both ranks stop with one message. With the same checkpoint on both, they resume it together."""
+    import shutil
+
+    common = [str(mixed / "base.yaml"), "data.batch_size=1", "checkpoint.every=2"]
+    one = train(mixed, "local-0", *common[1:], "train.grad_accum=2", "train.steps=4")
+    shutil.copytree(mixed / "local-0", mixed / "local-1")
+    shutil.rmtree(mixed / "local-1" / "checkpoints" / "step-0000004")
+    refused, _ = launch_ranks(mixed, "train", *common, "train.out=" + str(mixed / "local-{rank}"), "train.steps=6",
+                              "--resume")
+    assert refused.returncode != 0
+    assert "rank(s) [1] do not hold that checkpoint" in refused.stdout + refused.stderr, refused.stderr[-3000:]
+    shutil.rmtree(mixed / "local-1")
+    shutil.copytree(mixed / "local-0", mixed / "local-1")
+    agreed, _ = launch_ranks(mixed, "train", *common, "train.out=" + str(mixed / "local-{rank}"), "train.steps=6",
+                             "--resume")
+    assert agreed.returncode == 0, agreed.stderr[-3000:]
+    resumed = [json.loads(line) for line in (mixed / "local-0" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in resumed[:4]] == one

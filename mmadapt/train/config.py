@@ -194,6 +194,13 @@ class CheckpointSection:
 @dataclass(kw_only=True)
 class DistributedSection:
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # auto: fsdp when world size > 1
+    # every collective gives up after this long (init_process_group's timeout; NCCL's default is 10 minutes): long
+    # enough for rank 0 to write a checkpoint of a large model while the other ranks wait for it
+    timeout_minutes: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.timeout_minutes > 0:
+            raise ValueError(f"distributed.timeout_minutes must be > 0, got {self.timeout_minutes}")
 
 
 @dataclass(kw_only=True)

@@ -5,19 +5,28 @@ is a no-op for one process. `wrap` applies FSDP2 (`fully_shard` on every decoder
 block, then the root; mixed precision bf16 params with fp32 gradient reduction under the
 bf16 policy) or DDP. Checkpoints always hold full, unsharded, unprefixed state dicts, so a
 checkpoint from any world size loads into any other and into a plain model.
+
+Ranks never wait silently: every collective has the run's `distributed.timeout_minutes` (passed to
+`init_process_group`; NCCL's own default is 10 minutes), and `failing_together` turns an exception on one rank into
+a prompt end of every rank: the failing rank reports its error and aborts the process group, so the others' pending
+collectives fail at once instead of waiting for the timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+log = logging.getLogger(__name__)
 BLOCK_LISTS = ("layers", "blocks")  # ModuleLists whose children are transformer blocks
 
 
@@ -32,14 +41,17 @@ class DistContext:
         return self.world > 1
 
 
-def init() -> DistContext:
+def init(timeout_minutes: float = 30.0) -> DistContext:
+    """The process group when launched by torchrun (every collective gives up after `timeout_minutes`), else one
+    process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=timeout_minutes))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return DistContext(rank=rank, world=world, device=device)
 
@@ -120,6 +132,52 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (any picklable object); `value` itself in one process."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank; `[value]` in one process."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+@contextmanager
+def failing_together() -> Iterator[None]:
+    """An exception raised on this rank ends every rank promptly: it is logged with the rank's number and the process
+    group is aborted (its connections closed), so the other ranks' pending collectives fail within seconds instead
+    of waiting out the timeout; torchrun then stops them and reports this rank as the first failure."""
+    try:
+        yield
+    except BaseException as e:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            log.error("rank %d of %d failed: %s: %s; ending every rank", rank, world, type(e).__name__, e)
+            abort()
+        raise
+
+
+def abort() -> None:
+    """Tear this rank's process group down without waiting for the others (closing its connections)."""
+    try:
+        if dist.get_backend() == "nccl":  # destroying would wait for the pending collectives
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception as e:  # an aborting rank reports its own error, not the teardown's
+        log.debug("process group teardown: %s", e)
+
+
 def grad_norm_and_clip(wrapped: nn.Module, max_norm: float | None) -> float:
     """The global gradient norm (all ranks, all shards), clipping to `max_norm` when given."""
     params = [p for p in wrapped.parameters() if p.grad is not None]
@@ -146,11 +204,11 @@ def full_model_state(wrapped: nn.Module, model: nn.Module) -> dict[str, torch.Te
 
 
 def full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    if is_fsdp(wrapped):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    """The optimizer's full state keyed by parameter names (one process, DDP and FSDP2 alike), so that a checkpoint of
+    any world size and strategy loads into any other."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(wrapped, optimizer, options=_options())
-    return optimizer.state_dict()
+    return get_optimizer_state_dict(wrapped, optimizer, options=_options())
 
 
 def load_full_model_state(wrapped: nn.Module, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -166,9 +224,20 @@ def load_full_model_state(wrapped: nn.Module, model: nn.Module, state: dict[str,
 
 
 def load_full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    if is_fsdp(wrapped):
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    """Load `full_optimizer_state`'s dict; a checkpoint of mmadapt < 0.12 (one process: keyed by parameter position)
+    is converted to names first."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(wrapped, optimizer, state, options=_options())
-        return
-    optimizer.load_state_dict(state)
+    set_optimizer_state_dict(wrapped, optimizer, by_name(wrapped, optimizer, state), options=_options())
+
+
+def by_name(wrapped: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer.state_dict()`'s format (parameters numbered in the order of the optimizer's groups) as
+    `full_optimizer_state`'s (parameter names); a dict already keyed by names is returned as it is."""
+    if not any(isinstance(key, int) for group in state["param_groups"] for key in group["params"]):
+        return state
+    names = {id(p): name.removeprefix("module.") for name, p in wrapped.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**group, "params": [order[k] for k in group["params"]]}
+                             for group in state["param_groups"]]}

@@ -18,6 +18,15 @@ reduction (DDP reduces the fp32 grads; FSDP2 uses `reduce_dtype=float32`).
 
 Data order is a pure function of (seed, step), so `resume` continues exactly: the sampler
 starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
+Rank 0 chooses the checkpoint to resume and every rank checks that it holds the same one (its `COMPLETE` marker,
+which lists every file's checksum), so a node-local `OUT` never starts ranks at different steps.
+
+A step means the same on every world size. When no rank's micro-batches hold an image or a video, the vision side
+(encoder and projector) gets no gradient, as in one process: under torchrun every rank still runs its forward and
+backward (the zero-effect `vision_placeholder`, so that the collectives stay paired), and its exactly-zero gradients
+are dropped before the optimizer step, so AdamW applies neither momentum nor weight decay to it. An exception on one
+rank ends every rank promptly with that rank's message (`distributed.failing_together`); rank 0 writes the final
+model directory after the last collective, so no rank waits for it.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import save_tokenizer, write_config
 from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from mmadapt.train.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
 from mmadapt.train.export import export
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
@@ -142,7 +151,7 @@ class Trainer:
         self.cfg, self.model, self.train_data, self.collate_fn = config, model, train_data, collate_fn
         self.tokenizer = tokenizer
         self.eval_data, self.evaluate = eval_data, evaluate
-        self.dist = dist_utils.init()
+        self.dist = dist_utils.init(config.distributed.timeout_minutes)
         self.device = self.dist.device
         self.out = Path(config.train.out)
         torch.manual_seed(config.train.seed)
@@ -176,7 +185,8 @@ class Trainer:
         self.warned_slow_data = False
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
-            self.resume()
+            with dist_utils.failing_together():
+                self.resume()
 
     # ---- setup -------------------------------------------------------------------------------
     @property
@@ -203,6 +213,11 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train to `train.steps`, checkpointing and evaluating on the way; then OUT/model. Returns the summary."""
+        with dist_utils.failing_together():
+            return self.train_loop()
+
+    def train_loop(self) -> dict[str, Any]:
         t = self.cfg.train
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -244,11 +259,10 @@ class Trainer:
             final_eval = self.run_eval()
         else:
             final_eval = {}
-        final = self.save()
+        final = self.save()  # its barrier is the run's last collective: no rank waits for the export below
         if self.is_main:
             plot_history(self.history, self.out / "loss.png")
             self.export_model(final)
-        dist_utils.barrier()
         return {"steps": self.step, "skipped": self.skipped, "bad_samples": self.bad_samples,
                 "samples_seen": self.samples_seen, "seconds": time.perf_counter() - started,
                 "history": self.history, "speed": speed_summary(self.history), **final_eval}
@@ -273,6 +287,7 @@ class Trainer:
         record = {"loss": loss_value, "grad_norm": grad_norm, **self.learning_rates(),
                   "tokens": total_tokens, "problems": self.count_problems(micro)}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
+            self.drop_unseen_vision_gradients(micro)
             self.optimizer.step()
             self.consecutive_skips = 0
         else:
@@ -290,6 +305,19 @@ class Trainer:
         record["time"] = {"vision": vision, "llm": forward_backward - vision,
                           "optimizer": time.perf_counter() - started - forward_backward}
         return record
+
+    def drop_unseen_vision_gradients(self, micro: list[dict[str, Any]]) -> None:
+        """When no rank's micro-batches hold an image or a video, the vision side's gradients are dropped (`None`),
+        as one process leaves them: the zero gradients of the placeholder forward that kept the ranks' collectives
+        paired must not give AdamW a step (momentum, weight decay) that one process would not take."""
+        if not self.dist.active or not hasattr(self.model, "encoder"):
+            return
+        mine = sum(b.get(key) is not None for b in micro for key in ("pixel_values", "pixel_values_videos"))
+        if int(dist_utils.all_reduce_sum(torch.tensor(mine, device=self.device)).item()):
+            return
+        for part in (self.model.encoder, self.model.projector):
+            for p in part.parameters():
+                p.grad = None
 
     def add_speed(self, record: dict[str, Any], micro: list[dict[str, Any]], waited: float, seconds: float) -> None:
         """The step's time split (data / vision / llm / optimizer, and the whole step), throughput over every rank
@@ -456,7 +484,10 @@ class Trainer:
         return target
 
     def resume(self) -> None:
-        path = latest_checkpoint(self.out, verify=True)
+        """Rank 0 chooses the newest verified checkpoint; every rank loads that one, after checking that its own copy
+        has the same `COMPLETE` marker (the same files, by checksum). A rank without it (a node-local `OUT`) ends the
+        run on every rank with a message that names the ranks."""
+        path = self.agreed_checkpoint()
         if path is None:
             log.info("resume: no complete checkpoint in %s; starting from step 0", self.out)
             return
@@ -466,6 +497,34 @@ class Trainer:
         self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
         set_rng_state(state["rng"])
         self.state = TrainerState.from_dict(state["trainer"])
+        steps = dist_utils.gather_objects(self.step)
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
             (self.out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
+
+    def agreed_checkpoint(self) -> Path | None:
+        """The checkpoint every rank resumes from: rank 0's newest verified one, found with the same marker on every
+        rank; else a `ValueError` on every rank (raised together, so none waits for the others)."""
+        chosen = latest_checkpoint(self.out, verify=True) if self.is_main else None
+        marker = marker_text(chosen) if chosen is not None else None
+        name, marker = dist_utils.broadcast_object((None if chosen is None else chosen.name, marker))
+        if name is None:
+            return None
+        path = self.out / "checkpoints" / name
+        found = dist_utils.gather_objects(marker_text(path) == marker)
+        missing = [rank for rank, same in enumerate(found) if not same]
+        if missing:
+            raise ValueError(f"resume: rank 0 resumes from {path}, but rank(s) {missing} do not hold that checkpoint "
+                             f"(missing, incomplete or different files under their {self.out}). Fix: give every rank "
+                             "the same train.out (shared storage), or copy rank 0's checkpoint to the others.")
+        return path
+
+
+def marker_text(path: Path) -> str | None:
+    """A checkpoint's `COMPLETE` marker (its step and every file's checksum), or None when it has none."""
+    try:
+        return (path / MARKER).read_text()
+    except OSError:
+        return None
