@@ -81,7 +81,7 @@ def main() -> None:
             if args.render:
                 record = draw(model, tokenizer, root, held_out, args.render)
                 if args.save:
-                    model.save_pretrained(Path(args.save) / "model", tokenizer=tokenizer)
+                    model.save_pretrained(Path(args.save) / "model", tokenizer=tokenizer, overwrite=True)
                     shutil.copy(root / record["image"], Path(args.save) / "corner.png")
 
 

@@ -8,6 +8,7 @@ the meta device, loads the renamed weights strictly and calls its `save_pretrain
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +112,8 @@ def _export_target(model: Any) -> tuple[str, Any]:
         config_class = getattr(transformers, QWEN_VLMS[qwen][2])
         return qwen, config_class(
             text_config=hf_options(lm_config), vision_config=vision, image_token_id=tokens.image_token_id,
-            vision_start_token_id=tokens.vision_start_token_id, vision_end_token_id=tokens.vision_end_token_id,
+            video_token_id=tokens.video_token_id, vision_start_token_id=tokens.vision_start_token_id,
+            vision_end_token_id=tokens.vision_end_token_id,
             tie_word_embeddings=lm_config.tie_word_embeddings)
     is_llava_mlp = isinstance(model.projector, MLPProjector) and model.projector.depth == 2
     if enc in LLAVA_ENCODERS.values() and is_llava_mlp and model.backbone_spec.positions == "1d":
@@ -131,7 +133,9 @@ def _export_target(model: Any) -> tuple[str, Any]:
     )
 
 
-def save_transformers(model: Any, directory: str | os.PathLike) -> None:
+def save_transformers(model: Any, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+    """The transformers model equal to `model`, saved by its `save_pretrained` into `directory` (a new directory:
+    `mmadapt.directory.save` stages it and swaps it in), sharded above `max_shard_size`."""
     import transformers
 
     from mmadapt.weights import raise_on_key_mismatch
@@ -144,4 +148,13 @@ def save_transformers(model: Any, directory: str | os.PathLike) -> None:
     missing, unexpected = hf_model.load_state_dict(rename(model.state_dict(), inverse), strict=False, assign=True)
     raise_on_key_mismatch(missing, unexpected, "the mmadapt model", strict=True)
     hf_model.tie_weights()
-    hf_model.save_pretrained(directory)
+    suppress_placeholders(hf_model.generation_config, model.tokens)
+    hf_model.save_pretrained(directory, max_shard_size=max_shard_size)
+
+
+def suppress_placeholders(generation_config: Any, tokens: Any) -> None:
+    """The exported model never generates a placeholder: `suppress_tokens` (transformers' generate gives them -inf)
+    holds every span id of `tokens` (image / video pads, vision start / end), as `model.placeholder_ids` does for
+    mmadapt's own `generate`; ids already suppressed are kept."""
+    ids = {getattr(tokens, f.name) for f in dataclasses.fields(tokens)} - {None}
+    generation_config.suppress_tokens = sorted(ids | set(generation_config.suppress_tokens or ()))

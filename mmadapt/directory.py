@@ -5,9 +5,11 @@ mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoi
   and provenance: path + SHA-256 of the checkpoint it came from), "processor": the encoder's image-processor
   settings, "chat_template": the backbone's template name};
 - the weights: `model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size`
-  (`mmadapt.weights.save_weights`: tied tensors stored once, files replaced atomically);
+  (`mmadapt.weights.save_weights`: tied tensors stored once);
 - the tokenizer's own files, when one is given, with the chat template the model was trained with
   (`save_tokenizer`; read back by `mmadapt.data.load_tokenizer`).
+`save` writes the directory whole into a sibling and swaps it in (`mmadapt.atomic`): a reader sees the old model or
+the new one, never a mix; another model there is replaced only when asked (`overwrite=True`), other files never.
 A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its
 three parts (`mmadapt.convert`). Reading is strict: built on the meta device, every weight from the files
 (`mmadapt.weights.load_pretrained`), a missing weight always an error.
@@ -16,14 +18,28 @@ three parts (`mmadapt.convert`). Reading is strict: built on the meta device, ev
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from mmadapt.atomic import StagedDirectory, recover
 from mmadapt.config import ModelConfig
-from mmadapt.weights import MMADAPT_KEY, Checkpoint, empty_weights, load_pretrained, save_weights
+from mmadapt.weights import (
+    BIN,
+    BIN_INDEX,
+    MMADAPT_KEY,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    Checkpoint,
+    empty_weights,
+    load_pretrained,
+    save_weights,
+)
 
 CONFIG_FILE = "config.json"
+CHECKPOINT_MARKER = "COMPLETE"  # a training checkpoint's (`mmadapt.train.checkpoint.MARKER`): not a model directory
+log = logging.getLogger(__name__)
 
 
 def describe(model: Any) -> dict[str, Any]:
@@ -45,6 +61,8 @@ def write_config(model: Any, directory: str | os.PathLike) -> Path:
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The `config.json` of a model directory (mmadapt or transformers) as a dict."""
     path = Path(directory) / CONFIG_FILE
+    if not path.is_file() and recover(directory):
+        log.warning("%s was restored from the previous version an interrupted write left beside it", directory)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a saved mmadapt or transformers model directory")
     return json.loads(path.read_text())
@@ -58,13 +76,37 @@ def model_config(saved: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict(saved[MMADAPT_KEY])
 
 
-def save(model: Any, directory: str | os.PathLike, *, tokenizer: Any = None, max_shard_size: int | str = "5GB") -> None:
-    """A complete mmadapt model directory: weights, `config.json` and, given one, the tokenizer's files."""
-    os.makedirs(directory, exist_ok=True)
-    save_weights(model.state_dict(), directory, max_shard_size=max_shard_size)
-    write_config(model, directory)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, directory)
+def is_model_directory(path: Path) -> bool:
+    """`path` holds a model directory (mmadapt's or transformers'): a `config.json` beside weights (one file or an
+    index). What `save` may replace when asked to overwrite; a training checkpoint (a `COMPLETE` marker) is not one."""
+    names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    weights = {SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX} & names or any(
+        n.startswith("model-") and n.endswith(".safetensors") for n in names)
+    return CONFIG_FILE in names and bool(weights) and CHECKPOINT_MARKER not in names
+
+
+def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", tokenizer: Any = None,
+         max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
+    """A complete model directory, written atomically: weights, `config.json` and, given one, the tokenizer's files;
+    `format="transformers"` writes the equivalent transformers model (`mmadapt.convert.save_transformers`).
+
+    Everything goes to a sibling temporary directory that is swapped in whole (`mmadapt.atomic.StagedDirectory`): a
+    reader, or a write that fails or is killed, leaves `directory` as it was or as the new model, never a mix. An
+    existing model directory is replaced only with `overwrite=True`; a non-empty directory holding anything else is
+    never written into (`TargetExistsError`). A storage error (a full disk) is a `CheckpointWriteError`."""
+    if format not in ("mmadapt", "transformers"):
+        raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
+    with StagedDirectory(directory, what="model directory", overwrite=overwrite, recognise=is_model_directory) as stage:
+        if format == "transformers":
+            from mmadapt.convert import save_transformers
+
+            save_transformers(model, stage.path, max_shard_size=max_shard_size)
+        else:
+            save_weights(model.state_dict(), stage.path, max_shard_size=max_shard_size, on_file=stage.record)
+            stage.record(write_config(model, stage.path).name)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, stage.path)
+    return Path(directory)
 
 
 def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:

@@ -90,7 +90,9 @@ class Chat:
     (`ask(..., images=, videos=)` or `attach` before it); a turn whose text holds no `<image>` (`<video>`) gets one
     placeholder line per attached image (video) in front. `on_text(piece)` receives the answer as it is decoded,
     in pieces that concatenate to the returned answer (what `mmadapt chat` prints). Generation runs in eval mode
-    (`eval_mode`: the model's modes are restored after).
+    (`eval_mode`: the model's modes are restored after). The model never generates a placeholder token, and an
+    answer's placeholder text (`<image>`, `<|video_pad|>`, ...) is removed from what the later turns see
+    (`Processor.inert`, logged): an answer is never read as visual input.
     """
 
     def __init__(self, model: VisionLanguageModel, processor: Processor, *, sampling: Sampling = Sampling()) -> None:
@@ -135,7 +137,12 @@ class Chat:
                                       generator=self.generator, on_token=stream.token)
         reply = self.processor.decode(out[0])
         stream.text(reply)
-        self.turns.append(ChatTurn("assistant", reply))
+        context = self.processor.inert(reply)
+        if context != reply:
+            log.warning("the answer holds placeholder text (%s); it stays in the answer but is removed from the "
+                        "conversation the next turns see: an answer is never read as visual input",
+                        ", ".join(p for p in self.processor.placeholder_texts if p in reply))
+        self.turns.append(ChatTurn("assistant", context))
         return reply
 
 

@@ -54,7 +54,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mmadapt import contract, deepstack, frames
-from mmadapt.backbones import BACKBONES
+from mmadapt.backbones import BACKBONES, SpanTokens
 from mmadapt.batch import VisionBatch
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
@@ -424,6 +424,8 @@ class VisionLanguageModel(nn.Module):
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
 
+        The placeholder tokens (`placeholder_ids(self.tokens)`: image / video pads, vision start / end) are never
+        generated: their logits are -inf before greedy or sampled choice, so an answer never holds visual input.
         Rows may be padded on either side: they are left-aligned internally.
         """
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
@@ -435,11 +437,13 @@ class VisionLanguageModel(nn.Module):
         next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        suppress = torch.tensor(placeholder_ids(self.tokens), dtype=torch.long, device=input_ids.device)
         with inputs.verified(self.backbone):
             out = self.backbone(**inputs.backbone_kwargs(), use_cache=True)
         new_tokens = []
         for _ in range(max_new_tokens):
-            token = next_token(out.logits[:, -1], temperature, top_p, generator).masked_fill(done, pad_token_id)
+            token = next_token(out.logits[:, -1], temperature, top_p, generator,
+                               suppress=suppress).masked_fill(done, pad_token_id)
             new_tokens.append(token)
             if on_token is not None:
                 on_token(token)
@@ -469,26 +473,20 @@ class VisionLanguageModel(nn.Module):
         return ModelConfig(**parts, check_contract=self.config.check_contract, deepstack=self.config.deepstack)
 
     def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt", *, tokenizer: Any = None,
-                        max_shard_size: int | str = "5GB") -> None:
+                        max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
         """A model directory: everything inference needs (`mmadapt.directory`). `format="transformers"` writes the
         equivalent transformers model instead (LLaVA / Qwen3.5-VL / Qwen3-VL combinations only).
 
         mmadapt's format: `config.json` (the components with their full options and provenance, the image
         processor's settings, the chat template's name), safetensors weights (sharded above `max_shard_size`)
         and, given a `tokenizer`, its files. `from_pretrained(directory)` needs nothing else.
+        Written atomically (a sibling directory swapped in: the old model or the new one, never a mix); a directory
+        that already holds a model is replaced only with `overwrite=True`, one holding other files never.
         """
         from mmadapt import directory as model_directory
 
-        if format == "transformers":
-            from mmadapt.convert import save_transformers
-
-            save_transformers(self, directory)
-            if tokenizer is not None:
-                model_directory.save_tokenizer(tokenizer, directory)
-            return
-        if format != "mmadapt":
-            raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
-        model_directory.save(self, directory, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        model_directory.save(self, directory, format=format, tokenizer=tokenizer, max_shard_size=max_shard_size,
+                             overwrite=overwrite)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:
@@ -529,9 +527,18 @@ def expect_architecture(module: nn.Module, build_preset: Any, what: str, preset:
                          "checkpoint's own architecture is used), or point pretrained at the checkpoint you meant.")
 
 
+def placeholder_ids(tokens: SpanTokens) -> list[int]:
+    """The ids a model must never generate: every span token `tokens` declares (image and video placeholders, vision
+    start / end), sorted; an answer holding one would be read as visual input."""
+    return sorted({getattr(tokens, f.name) for f in dataclasses.fields(tokens)} - {None})
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens: argmax for temperature 0, else a sample from the top-p nucleus."""
+               generator: torch.Generator | None = None, *, suppress: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: argmax for temperature 0, else a sample from the top-p nucleus; the ids in
+    `suppress` (K,) are never chosen (their logits are -inf first)."""
+    if suppress is not None and suppress.numel():
+        logits = logits.index_fill(-1, suppress[suppress < logits.shape[-1]], float("-inf"))
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -22,7 +22,7 @@ from typing import Any
 
 from mmadapt.data import Collator, SampleEncoder
 from mmadapt.data.images import load_image, to_rgb
-from mmadapt.data.samples import Turn, _message_turns
+from mmadapt.data.samples import IMAGE, VIDEO, Turn, _message_turns
 from mmadapt.data.tokenizer import load_tokenizer
 
 
@@ -97,6 +97,24 @@ class Processor:
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens).strip()
+
+    @property
+    def placeholder_texts(self) -> tuple[str, ...]:
+        """The text this processor reads as visual input: `<image>`, `<video>` and the span tokens' own strings
+        (e.g. Qwen's `<|image_pad|>`, `<|video_pad|>`, `<|vision_start|>`, `<|vision_end|>`)."""
+        encoder = self.encoder
+        ids = [encoder.image_token_id, encoder.video_token_id, *(encoder.brackets or ())]
+        tokens = [self.tokenizer.convert_ids_to_tokens(i) for i in ids if i is not None]
+        return tuple(dict.fromkeys(t for t in (IMAGE, VIDEO, *tokens) if t))
+
+    def inert(self, text: str) -> str:
+        """`text` with every placeholder text (`placeholder_texts`) removed, until none is left (a removal may join
+        two pieces into a new one): what a model's answer becomes before it is put back into a prompt, so an answer
+        is never read as visual input."""
+        while any(p in text for p in self.placeholder_texts):
+            for placeholder in self.placeholder_texts:
+                text = text.replace(placeholder, "")
+        return text
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -141,8 +141,7 @@ def _unwrap_state(state: Any, file: Path) -> dict[str, torch.Tensor]:
 def _weight_files(directory: Path, what: str, extra: list[str]) -> list[Path]:
     for index in (SAFETENSORS_INDEX, BIN_INDEX):
         if (directory / index).is_file():
-            shards = json.loads((directory / index).read_text())["weight_map"].values()
-            files = [directory / name for name in dict.fromkeys(shards)]
+            files = [directory / name for name in shard_names(directory / index, what)]
             absent = [f.name for f in files if not f.is_file()]
             if absent:
                 raise FileNotFoundError(f"{what}: {directory / index} lists shards that are missing: {absent}")
@@ -156,6 +155,30 @@ def _weight_files(directory: Path, what: str, extra: list[str]) -> list[Path]:
     looked = ", ".join([SAFETENSORS_INDEX, SAFETENSORS, BIN_INDEX, BIN, *extra])
     raise FileNotFoundError(f"{what}: no weights in {directory} (looked for {looked}"
                             + (f"; found several candidates: {[p.name for p in found]}" if found else "") + ")")
+
+
+def shard_names(index: Path, what: str) -> list[str]:
+    """The weight files an index (`*.index.json`) lists in its `weight_map`, each once, in order. Each must be a plain
+    file name inside the index's directory: a name with a path in it ('/', '..', an absolute path) is an error, so an
+    index never makes mmadapt read (or hash) a file outside the directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what}: {index} is not a weight index (JSON with a 'weight_map' object): {e!r}") from e
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{what}: {index}: 'weight_map' must map tensor names to file names")
+    names = list(dict.fromkeys(weight_map.values()))
+    bad = [name for name in names if not _plain_file_name(name)]
+    if bad:
+        raise ValueError(f"{what}: {index} names weight files that are not plain file names inside its directory: "
+                         f"{_short_list([repr(b) for b in bad])}. An index may only name files beside it "
+                         "(no '/', '..' or absolute path); this one is damaged or was made to read other files.")
+    return names
+
+
+def _plain_file_name(name: object) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and not os.path.isabs(name))
 
 
 # ---- building without initialising ------------------------------------------------------------------
@@ -378,13 +401,15 @@ def without_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return weights, aliases
 
 
-def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *,
-                 max_shard_size: int | str = "5GB") -> list[str]:
+def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                 on_file: Callable[[str], None] | None = None) -> list[str]:
     """safetensors, sharded above `max_shard_size` (`model-0000k-of-0000n.safetensors` + index, as transformers
-    writes them); tied tensors stored once. Each file is written beside and renamed: weights memory-mapped
-    from the old files stay valid. Files of an earlier layout in `directory` are removed. Returns the names."""
+    writes them); tied tensors stored once. `directory` is a new one (a `mmadapt.atomic.StagedDirectory`'s: the
+    directory is swapped in whole, so no reader sees some files of one save and some of another); `on_file(name)` is
+    called after each file. A storage error is an `OSError` naming the file. Returns the names."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+
+    from mmadapt.atomic import save_safetensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -392,17 +417,16 @@ def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *
     split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
     metadata = {"format": "pt", "aliases": json.dumps(aliases)}
     for name, keys in split.filename_to_tensors.items():
-        save_file({k: weights[k] for k in keys}, directory / f"{name}.tmp", metadata=metadata)
-        os.replace(directory / f"{name}.tmp", directory / name)
-    index = directory / SAFETENSORS_INDEX
+        save_safetensors({k: weights[k] for k in keys}, directory / name, metadata=metadata)
+        if on_file is not None:
+            on_file(name)
+    written = sorted(split.filename_to_tensors)
     if split.is_sharded:
         body = {"metadata": {**split.metadata, "aliases": aliases}, "weight_map": split.tensor_to_filename}
-        index.with_suffix(".tmp").write_text(json.dumps(body, indent=2))
-        os.replace(index.with_suffix(".tmp"), index)
-    written = set(split.filename_to_tensors) | ({index.name} if split.is_sharded else set())
-    for stale in [directory / SAFETENSORS, index, *directory.glob("model-*-of-*.safetensors")]:
-        if stale.name not in written:
-            stale.unlink(missing_ok=True)
+        (directory / SAFETENSORS_INDEX).write_text(json.dumps(body, indent=2))
+        if on_file is not None:
+            on_file(SAFETENSORS_INDEX)
+        written.append(SAFETENSORS_INDEX)
     return sorted(written)
 
 
@@ -463,7 +487,16 @@ def hf_config(checkpoint: Checkpoint, what: str) -> Any:
 
     if not checkpoint.config:
         raise ValueError(f"{what}: {checkpoint.path} has no config.json; a pretrained part needs its architecture")
-    return AutoConfig.from_pretrained(checkpoint.directory)
+    try:
+        return AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{what}: {checkpoint.path} describes its architecture with its own Python code (config.json "
+            f"model_type {checkpoint.describe_type()}, 'auto_map' {checkpoint.config.get('auto_map')!r}). mmadapt "
+            "never runs code from a model directory (trust_remote_code=False): use a checkpoint of an architecture "
+            "transformers implements, or register a backbone for it (README, 'A new backbone in a few lines').") from e
 
 
 def wrong_family(what: str, checkpoint: Checkpoint, expected: str) -> ValueError:

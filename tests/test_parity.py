@@ -107,6 +107,9 @@ def test_transformers_export_reloads_with_same_logits(pair, request, tmp_path):
     ours.save_pretrained(tmp_path, format="transformers")
     reloaded, info = getattr(transformers, type(theirs).__name__).from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if ours.uses_mrope:  # every span token is the model's own, the video pad included (not transformers' default)
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            assert getattr(reloaded.config, name) == getattr(ours.tokens, name), name
     batch = qwen_batch(ours) if ours.uses_mrope else synthetic_batch(ours, (2, 1))
     with torch.no_grad():
         assert_same_outputs(ours(**batch), reloaded.eval()(**hf_inputs(batch, ours)), batch["attention_mask"])

@@ -283,7 +283,7 @@ def test_a_model_directory_is_sharded_above_the_limit(tmp_path):
     batch = synthetic_batch(model, (1, 1))
     with torch.no_grad():
         assert torch.equal(VisionLanguageModel.from_pretrained(tmp_path).eval()(**batch).logits, model(**batch).logits)
-    model.save_pretrained(tmp_path)  # back to one file: the shards of the earlier save are removed
+    model.save_pretrained(tmp_path, overwrite=True)  # back to one file: the shards of the earlier save are removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 

@@ -81,7 +81,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
     from mmadapt.train.export import export
 
-    export(args.src, args.dst, format=args.format)
+    export(args.src, args.dst, format=args.format, overwrite=args.overwrite)
     print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")
     return 0
 
@@ -93,5 +93,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     export.add_argument("dst", help="the model directory to write")
     export.add_argument("--format", choices=("mmadapt", "transformers"), default="mmadapt",
                         help="transformers: LlavaForConditionalGeneration / Qwen3_5ForConditionalGeneration layout")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace the model directory already at dst (the old one stays until the new one is "
+                             "complete); a dst holding anything else is never written into")
     export.set_defaults(func=cmd_export)
 

@@ -24,14 +24,31 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+class RemoteCodeError(ValueError):
+    """A directory asks transformers to run its own Python code; mmadapt never does (`trust_remote_code=False`)."""
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Any:
-    """The transformers tokenizer saved in `directory` (a model directory or checkpoint); None when it has none."""
+    """The transformers tokenizer saved in `directory` (a model directory or checkpoint); None when it has none.
+
+    The directory's own code never runs (`trust_remote_code=False`; no prompt): a tokenizer that exists only as
+    code in the directory (`auto_map`) raises `RemoteCodeError`.
+    """
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory)
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise RemoteCodeError(
+            f"the tokenizer in {directory} is custom code in that directory (auto_map in its tokenizer_config.json / "
+            "config.json); mmadapt never runs a checkpoint's own code. Fix: save the tokenizer as a plain "
+            "transformers tokenizer (tokenizer.json) with a class transformers ships, or point data.tokenizer at "
+            "the tokenizer of a registered family (mmadapt list)") from None
 
 
 def char_tokenizer() -> Any:

@@ -9,7 +9,8 @@ Pretrained: a local weights file (`.safetensors` / `.pth` / `.bin`) or a timm hu
 DINOv2, ...). Loading goes through timm's own `pretrained_cfg_overlay=dict(file=...)` path, which
 runs the model's checkpoint converters (`checkpoint_path` would not), strictly; the classifier head
 is dropped after. timm builds and initialises its modules itself, so this is the one family not
-built on the meta device. No weights are ever downloaded.
+built on the meta device. No weights are ever downloaded: a name that points timm at another source
+(`hf-hub:...`, `local-dir:...`, a path) is refused (`refuse_other_sources`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class TimmEncoder(FixedSizeEncoder):
         from mmadapt.weights import Provenance
 
         checkpoint = Checkpoint.open(path, what=what)
+        refuse_other_sources(checkpoint.config, model_name, what, checkpoint.path)
         model_name = model_name or checkpoint.config.get("architecture")
         if not model_name:
             raise ValueError(f"{what}: {checkpoint.path} does not say which timm architecture it holds (no config.json "
@@ -91,6 +93,27 @@ class TimmEncoder(FixedSizeEncoder):
         return VisualTokens(features.reshape(-1, features.shape[-1]), grids)
 
 
+def refuse_other_sources(config: dict[str, Any], model_name: str | None, what: str, path: Any) -> None:
+    """A local checkpoint names a timm registry architecture, never another source: `hf-hub:org/name` or
+    `local-dir:/path` (timm would fetch those weights while the provenance hashes the local file), nor a path or a
+    hub repo id; checked in `options.model_name` and config.json's `architecture`, `model_name` and
+    `pretrained_cfg`."""
+    pretrained_cfg = config.get("pretrained_cfg")
+    named = {"options.model_name": model_name, "architecture": config.get("architecture"),
+             "model_name": config.get("model_name"),
+             **({f"pretrained_cfg.{k}": v for k, v in pretrained_cfg.items()} if isinstance(pretrained_cfg, dict)
+                else {"pretrained_cfg": pretrained_cfg})}
+    for field, value in named.items():
+        if not isinstance(value, str):
+            continue
+        names_source = field in ("options.model_name", "architecture", "model_name") and any(c in value for c in ":/\\")
+        if names_source or value.startswith(TIMM_SOURCES):
+            raise ValueError(f"{what}: {path} names {field} {value!r}, another source of weights than the local file "
+                             "(timm would fetch it); mmadapt loads only the weights in the checkpoint it is given. "
+                             "Fix: name the timm architecture itself (e.g. 'vit_base_patch16_224') in config.json or "
+                             "options.model_name, with the weights saved in the checkpoint")
+
+
 def create_timm_tower(model_name: str, file: Any, what: str, **model_kwargs: Any) -> Any:
     """timm's own pretrained path on a local file, strict; the head is loaded if the file has one, then dropped.
 
@@ -114,6 +137,7 @@ def create_timm_tower(model_name: str, file: Any, what: str, **model_kwargs: Any
                               f"head): {errors[-1]}")
 
 
+TIMM_SOURCES = ("hf-hub:", "local-dir:", "timm:", "http:", "https:", "file:")  # what timm reads as another source
 TIMM_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(model_name="vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2),
     "vit-b-16-224": dict(model_name="vit_base_patch16_224"),

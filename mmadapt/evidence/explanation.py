@@ -13,6 +13,7 @@ formats itself (`lines()`, `summary()`). `explain_records` does it for the singl
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from mmadapt.evidence.maps import MIN_EFFECT, EvidenceMap, completeness, evidenc
 from mmadapt.evidence.measure import CURVE_STEPS, Faithfulness, faithfulness
 from mmadapt.evidence.methods import DEFAULT_METHOD, Method
 from mmadapt.modes import eval_mode
+
+EVIDENCE_INDEX = "index.json"  # beside the maps of `explain_records`: record id -> picture
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,9 @@ def explain_records(model: Any, processor: Any, records: Sequence[Any], out: str
                     image_root: str | os.PathLike | None = None,
                     on_result: Callable[[SampleEvidence], None] | None = None) -> EvidenceReport:
     """Explain the first `limit` records that have one image and one question (LLaVA or messages records, images
-    under `image_root`), drawing each map as `out/NNN-ID.png`; `on_result` sees each as it is done."""
+    under `image_root`), drawing each map as `out/NNN.png` (a counter: file names are never built from data) and
+    listing them in `out/index.json` (`EVIDENCE_INDEX`: each map's record id, picture and summary, rewritten after
+    each map); `on_result` sees each as it is done."""
     from mmadapt.data.samples import IMAGE, parse_record
 
     out = Path(out)
@@ -207,8 +212,18 @@ def explain_records(model: Any, processor: Any, records: Sequence[Any], out: str
         if len(sample.images) != 1 or len(users) != 1:
             continue  # maps are drawn for one image and one question
         prompt = users[0].text.replace(f"{IMAGE}\n", "").replace(IMAGE, "").strip()
-        result = explain(model, processor, sample.images[0], prompt, out=out / f"{len(items):03d}-{sample.id}.png")
+        result = explain(model, processor, sample.images[0], prompt, out=out / f"{len(items):03d}.png")
         items.append(SampleEvidence(sample.id, result))
+        write_index(out, items)
         if on_result is not None:
             on_result(items[-1])
     return EvidenceReport(tuple(items))
+
+
+def write_index(out: Path, items: Sequence[SampleEvidence]) -> Path:
+    """`out/index.json`: the maps drawn so far (`SampleEvidence.summary`: id, png, ...), replaced atomically."""
+    path = out / EVIDENCE_INDEX
+    temporary = path.with_name(f".{EVIDENCE_INDEX}.tmp")
+    temporary.write_text(json.dumps([item.summary() for item in items], indent=2) + "\n")
+    os.replace(temporary, path)
+    return path

@@ -1,7 +1,8 @@
 """One prompt with its answer, and the forwards every method and the faithfulness measure make of it.
 
 Contract: `Prompt.of(model, inputs, answer_ids)` takes the keyword inputs of ONE prompt (`Processor` output, batch
-of one, padding allowed) and appends the answer (teacher forcing); the objective is
+of one, padding allowed) and appends the answer (teacher forcing; an answer holding a placeholder token, which would
+be read as visual input, is refused with `ImageTokenContractError`); the objective is
 F = sum_t log p(answer_t | prompt, answer_<t). Every forward goes through the model's one input path (`prepare`:
 encoder, projector, DeepStack levels, injection, positions), so what is measured is what `model.forward` computes.
 
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 
 from mmadapt.batch import VisionBatch
+from mmadapt.contract import ImageTokenContractError
 from mmadapt.encoders.base import grid_coords
+from mmadapt.model import placeholder_ids
 from mmadapt.packing import as_bool_mask
 
 
@@ -45,6 +48,13 @@ class Prompt:
         answer = torch.as_tensor(answer_ids, device=device).flatten().long()
         if not answer.numel():
             raise ValueError("answer_ids is empty: give at least one answer token (e.g. the end token)")
+        placeholders = torch.tensor(placeholder_ids(model.tokens), dtype=torch.long, device=device)
+        if torch.isin(answer, placeholders).any():
+            found = sorted(set(answer[torch.isin(answer, placeholders)].tolist()))
+            raise ImageTokenContractError(
+                f"answer_ids hold placeholder token(s) {found} (the image / video span tokens {placeholders.tolist()})"
+                ": an answer is never read as visual input. Fix: explain an answer from model.generate (which never "
+                "emits them), or drop those ids from answer_ids")
         grid_thw, counts = inputs.get("image_grid_thw"), inputs.get("images_per_sample")
         return cls(torch.cat([input_ids[0].to(device)[valid], answer])[None], answer,
                    inputs["pixel_values"].to(device), None if grid_thw is None else grid_thw.to(device),

@@ -23,7 +23,8 @@ produce the same rows. Under `torch.compile`, dump the uncompiled module: hooks 
 may not fire.
 
 The file is JSON (gzipped when the path ends in `.gz`): statistics only, no tensors, so a dump of a
-large model is a few hundred kB and can be attached to an issue. `load_dump` reads it back. The
+large model is a few hundred kB and can be attached to an issue. `load_dump` reads it back (at most
+`MAX_DUMP_BYTES` of JSON after decompression, checked while reading; `DumpTooLargeError` beyond). The
 model's `.grad`s are restored to what they were before the call.
 """
 
@@ -37,6 +38,7 @@ import os
 import platform
 import re
 import socket
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -58,6 +60,13 @@ ADAPTER_COMPONENTS = frozenset({"base_layer"})  # PEFT LoRA: the wrapped origina
 # PEFT's adapter-only sub-modules and parameters; they have no counterpart in the plain model.
 ADAPTER_PARTS = re.compile(r"(^|\.)(lora_[A-Za-z_]+|hada_[\w]+|lokr_[\w]+|ia3_l)(\.|$)")
 _SIGNIFICANT = 7  # digits kept per statistic: ample for relative differences, keeps the file small
+# The most JSON text `load_dump` reads (after decompression): a real dump is a few hundred kB (about 1 kB per module
+# and parameter), so this fits models far beyond today's, and a crafted gzip file never expands past it.
+MAX_DUMP_BYTES = 64 << 20
+
+
+class DumpTooLargeError(ValueError):
+    """A numerics dump holds more JSON text than `load_dump`'s `max_bytes`."""
 
 
 def normalize_name(name: str) -> str:
@@ -136,11 +145,16 @@ def dump(model: nn.Module, inputs: Any, path: str | os.PathLike | None = None, *
     return result
 
 
-def load_dump(path_or_dict: str | os.PathLike | Mapping[str, Any] | Dump) -> Dump:
-    """Read a dump written by `dump` (plain or gzipped JSON; detected from the content, not the name)."""
+def load_dump(path_or_dict: str | os.PathLike | Mapping[str, Any] | Dump, *,
+              max_bytes: int = MAX_DUMP_BYTES) -> Dump:
+    """Read a dump written by `dump` (plain or gzipped JSON; detected from the content, not the name).
+
+    At most `max_bytes` of JSON text (`MAX_DUMP_BYTES`, 64 MiB, by default; after decompression), read in chunks and
+    checked while reading: a larger file raises `DumpTooLargeError` before it is expanded in memory.
+    """
     if isinstance(path_or_dict, Dump):
         return path_or_dict
-    data = path_or_dict if isinstance(path_or_dict, Mapping) else _read_json(path_or_dict)
+    data = path_or_dict if isinstance(path_or_dict, Mapping) else _read_json(path_or_dict, max_bytes)
     where = "the dict" if isinstance(path_or_dict, Mapping) else os.fspath(path_or_dict)
     if data.get("format") != FORMAT or "forward" not in data or "grads" not in data:
         raise ValueError(f"{where} is not a numerics dump (expected format {FORMAT!r} with 'forward' and 'grads'). "
@@ -310,19 +324,40 @@ def _version_of(package: str) -> str | None:
         return None
 
 
-def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+def _read_json(path: str | os.PathLike, max_bytes: int = MAX_DUMP_BYTES) -> dict[str, Any]:
+    """The JSON object in `path`, plain or gzipped, read in chunks: at most `max_bytes` of JSON text (after
+    decompression), checked while reading, so a small crafted file never expands in memory."""
+    where = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read numerics dump {os.fspath(path)}: {e.strerror}. Fix: check the path.") from None
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+            gzipped = f.read(2) == b"\x1f\x8b"
+            f.seek(0)
+            raw = _read_capped(gzip.GzipFile(fileobj=f, mode="rb") if gzipped else f, max_bytes, where)
+    except OSError as e:  # gzip.BadGzipFile included
+        raise ValueError(f"cannot read numerics dump {where}: {e.strerror or e}. Fix: check the path, or write the "
+                         "dump again with mmadapt.numerics.dump.") from None
+    except (EOFError, zlib.error) as e:
+        raise ValueError(f"numerics dump {where} is a truncated or corrupt gzip stream ({e}). Fix: write the dump "
+                         "again with mmadapt.numerics.dump.") from None
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{os.fspath(path)} is not JSON ({e}). Fix: pass a file written by "
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{where} is not JSON ({type(e).__name__}: {str(e)[:200]}). Fix: pass a file written by "
                          "mmadapt.numerics.dump.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{os.fspath(path)} holds a JSON {type(data).__name__}, not a numerics dump")
     return data
+
+
+def _read_capped(stream: Any, max_bytes: int, where: str) -> bytes:
+    """`stream` read in 1 MiB chunks; a `DumpTooLargeError` as soon as it holds more than `max_bytes`."""
+    chunks, total = [], 0
+    while chunk := stream.read(min(1 << 20, max_bytes + 1 - total)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            raise DumpTooLargeError(f"numerics dump {where} holds more than {max_bytes} bytes of JSON (after "
+                                    "decompression): a real dump is a few hundred kB, so this is not one (or a crafted "
+                                    "file). Fix: pass a file written by mmadapt.numerics.dump, or raise the limit with "
+                                    "load_dump(path, max_bytes=...)")
+    return b"".join(chunks)

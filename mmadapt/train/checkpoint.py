@@ -1,4 +1,4 @@
-"""Atomic checkpoints that resume exactly.
+"""Atomic checkpoints that resume exactly, and the lock that keeps one run per OUT.
 
 A checkpoint is a directory `OUT/checkpoints/step-000123/`:
 
@@ -8,25 +8,33 @@ A checkpoint is a directory `OUT/checkpoints/step-000123/`:
     rng.pt                torch / CUDA / numpy / Python RNG states (weights_only-safe)
     trainer_state.json    step, data position, counters, log history
     config.yaml           the resolved run config
-    COMPLETE              written last: JSON {step, files: {name: sha256}}; without it a directory is never loaded
+    COMPLETE              JSON {step, files: {name: sha256}} of every other file; without it a directory is never loaded
 
-Writing goes to a temporary sibling directory; every file is fsync'ed, the directory is
-renamed into place, and only then the `COMPLETE` marker is written and fsync'ed. A process
-killed at any point leaves the previous complete checkpoint as the newest loadable one; a write
-that fails (a full disk) removes the temporary directory and raises `CheckpointWriteError`, the
-previous checkpoint intact. `latest_checkpoint(out, verify=True)` (what `--resume` uses) checks
-every file against the marker's checksums and skips a corrupt checkpoint with a warning that names
-the bad file. Only rank 0 writes; every rank loads.
+Writing goes to a temporary sibling directory (`mmadapt.atomic.StagedDirectory`): each file's SHA-256 is taken as it
+is written (the safetensors file right after, from the page cache, while the next file is written), every file is
+fsync'ed, the `COMPLETE` marker is written last, and the directory is renamed into place. A process killed at any
+point leaves the previous complete checkpoint as the newest loadable one; a write that fails (a full disk: an
+`OSError`, or safetensors' `SafetensorError`) removes the temporary directory and raises `CheckpointWriteError`
+naming the checkpoint, the previous one intact. `latest_checkpoint(out, verify=True)` (what `--resume` uses) checks
+every file against the marker's checksums and skips, with a warning that names the problem, a checkpoint with a
+corrupt, missing or unlisted file or a marker that does not parse (unverified is never trusted).
+
+`OutLock.acquire(out)`: the run's exclusive claim on OUT (`flock` on `OUT/.lock`, which names the holder), so a
+second run on the same OUT stops at once with `OutInUseError` naming the first. `prune` deletes only old checkpoints
+and the temporary directories of writers that are gone (their lock is free), never a live writer's. Only rank 0
+writes; every rank loads.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,14 +42,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmadapt.atomic import HOST, StagedDirectory, clean_leftovers, save_safetensors
+from mmadapt.atomic import CheckpointWriteError as CheckpointWriteError  # raised here; defined low for directory.py
 from mmadapt.weights import without_aliases
 
 MARKER = "COMPLETE"
+LOCK_FILE = ".lock"
 log = logging.getLogger(__name__)
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the previous one is intact."""
 
 
 def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
@@ -66,26 +73,35 @@ def file_sha256(path: Path) -> str:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """None when every file matches the marker's checksum, else what is wrong (naming the file)."""
+    """None when the marker parses, lists every file of the checkpoint and each matches its checksum; else what is
+    wrong, naming the file. A marker that does not parse (or lists no checksums) is a problem: unverified, never
+    trusted."""
     try:
-        recorded = json.loads((path / MARKER).read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        return None  # a marker of mmadapt < 0.4 (no checksums): trusted as before
-    for name, digest in recorded.items():
-        file = path / name
-        if not file.is_file():
+        marker = json.loads((path / MARKER).read_text())
+        recorded = marker["files"]
+        if not isinstance(recorded, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in recorded.items()):
+            raise TypeError(f"'files' is {type(recorded).__name__}, not {{name: sha256}}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return (f"its {MARKER} marker does not parse or lists no checksums ({e!r}), so its files cannot be checked: "
+                "unverified")
+    if marker.get("step") != _step_of(path):
+        return f"its {MARKER} marker is for step {marker.get('step')!r}, not for this directory's step"
+    present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MARKER}
+    unlisted = sorted(present - set(recorded))
+    if unlisted:
+        return f"{unlisted[0]} is not in its {MARKER} marker (a file added after the checkpoint was written)"
+    for name, digest in sorted(recorded.items()):
+        if name not in present:
             return f"{name} is missing"
-        if file_sha256(file) != digest:
+        if file_sha256(path / name) != digest:
             return f"{name} is corrupt (its SHA-256 differs from the one recorded when it was written)"
     return None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _step_of(path: Path) -> int | None:
+    number = path.name.removeprefix("step-")
+    return int(number) if number.isdigit() else None
 
 
 def rng_state() -> dict[str, Any]:
@@ -122,51 +138,93 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
                     keep: int = 2, extras: Callable[[Path], None] | None = None) -> Path:
     """Write step `step` atomically (see module docstring); keep the newest `keep` complete ones.
 
-    `extras(directory)` writes more files into the checkpoint (the model config, the tokenizer)."""
-    from safetensors.torch import save_file
-
+    `extras(directory)` writes more files into the checkpoint (the model config, the tokenizer). A checkpoint of the
+    same step already there (a resumed run redoing it) is replaced whole, once the new one is complete."""
     final = checkpoint_dir(out, step)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        weights, aliases = without_aliases(model_state)
-        save_file(weights, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        config.save(tmp / "config.yaml")
-        if extras is not None:
-            extras(tmp)
-        for path in tmp.iterdir():
-            _fsync(path)
-        _fsync(tmp)
-        checksums = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def advice() -> str:
         previous = latest_checkpoint(out)
-        raise CheckpointWriteError(
-            f"could not write checkpoint {final}: {e}. The previous checkpoint "
-            f"{previous.name if previous else '(none)'} is intact. Fix: free disk space (or lower checkpoint.keep), "
-            "then continue with --resume.") from e
-    if final.exists():  # an incomplete leftover of a killed run at the same step
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    (final / MARKER).write_text(json.dumps({"step": step, "files": checksums}, indent=1))
-    _fsync(final / MARKER)
-    _fsync(final)
+        return (f"The previous checkpoint {previous.name if previous else '(none)'} is intact. Fix: free disk space "
+                "(or lower checkpoint.keep), then continue with --resume.")
+
+    with StagedDirectory(final, what="checkpoint", overwrite=True, recognise=lambda _: True, checksums=True,
+                         advice=advice) as stage:
+        weights, aliases = without_aliases(model_state)
+        save_safetensors(weights, stage.path / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+        stage.record("model.safetensors")
+        with stage.open("optimizer.pt") as f:
+            torch.save(optimizer_state, f)
+        with stage.open("rng.pt") as f:
+            torch.save(rng_state(), f)
+        stage.write_bytes("trainer_state.json", json.dumps(trainer_state, indent=1).encode())
+        config.save(stage.path / "config.yaml")
+        stage.record("config.yaml")
+        if extras is not None:
+            extras(stage.path)
+        checksums = stage.settle()
+        stage.write_bytes(MARKER, json.dumps({"step": step, "files": checksums}, indent=1).encode())
     prune(out, keep)
     return final
 
 
 def prune(out: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and the temporary directories of writers that are gone
+    (a live writer's, whose lock is held, is left alone)."""
     root = Path(out) / "checkpoints"
+    if not root.is_dir():
+        return
     done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step-*"):  # temporaries of killed writers
-        shutil.rmtree(stale, ignore_errors=True)
+    clean_leftovers(root)
+
+
+class OutInUseError(ValueError):
+    """Another run (or another trainer in this process) holds the lock on this OUT."""
+
+
+class OutLock:
+    """A run's exclusive claim on its OUT: a non-blocking `flock` on `OUT/.lock`, which says who holds it (pid, host,
+    since when). Held until `release()` or the end of the process (the kernel drops the lock of a killed run, so a
+    stale file never blocks a new one); `with OutLock.acquire(out): ...` releases it at the end of the block."""
+
+    def __init__(self, out: Path, file: Any) -> None:
+        self.out, self._file = out, file
+
+    @classmethod
+    def acquire(cls, out: str | os.PathLike) -> OutLock:
+        """Lock `out` (created if missing), or raise `OutInUseError` naming the run that holds it."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        file = open(out / LOCK_FILE, "a+")  # held open for the run: the lock lives as long as this file
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "(it has not written its name yet)"
+            file.close()
+            raise OutInUseError(f"{out} is in use by another run: {holder}. Two runs writing one OUT would mix their "
+                                "checkpoints and model. Fix: wait until it ends, or give this run another train.out."
+                                ) from None
+        except OSError as e:  # a filesystem without flock (some network filesystems)
+            log.warning("could not lock %s (%s): nothing stops a second run from writing into it", out, e)
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on host {HOST}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+        file.flush()
+        return cls(out, file)
+
+    def release(self) -> None:
+        """Give OUT back (idempotent)."""
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+    def __enter__(self) -> OutLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mmadapt import directory as model_directory
+from mmadapt.atomic import TargetExistsError, check_target
 from mmadapt.data.tokenizer import load_tokenizer
 from mmadapt.model import VisionLanguageModel
 from mmadapt.train.checkpoint import MARKER, latest_checkpoint
@@ -73,9 +74,19 @@ def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
     return model.eval()
 
 
-def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt") -> Path:
-    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`."""
+def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwrite: bool = False) -> Path:
+    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`.
+
+    Atomic (`VisionLanguageModel.save_pretrained`): `dst` ends as it was or as the whole new model, never a mix. A
+    `dst` that already holds a model directory is replaced only with `overwrite=True` (`mmadapt export --overwrite`;
+    the trainer's own `OUT/model`); one that holds anything else (a checkpoint, a run, other files) never. The target
+    is checked before the model is loaded."""
+    dst = Path(dst)
+    if (dst / MARKER).is_file() or (dst / "checkpoints").is_dir():
+        raise TargetExistsError(f"{dst} is a training checkpoint or run directory, not a model directory: export "
+                                "writes a model directory and never replaces a checkpoint. Choose another dst.")
+    check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)
     model, tokenizer = load_trained(src)
-    model.save_pretrained(dst, format=format, tokenizer=tokenizer)
+    model.save_pretrained(dst, format=format, tokenizer=tokenizer, overwrite=overwrite)
     log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
-    return Path(dst)
+    return dst

@@ -113,35 +113,44 @@ ADAPTER_STAGES = "stages.json"
 
 
 def save_adapters(model: Any, directory: str | os.PathLike, modes: dict[str, str] | None = None,
-                  state: dict[str, Any] | None = None) -> list[str]:
+                  state: dict[str, Any] | None = None, *, overwrite: bool = False) -> list[str]:
     """Each LoRA'd component's adapters in peft's format: DIR/<component>/adapter_model.safetensors + config,
     and DIR/stages.json with the run's stages `modes` (what else the run trained, which the adapters lack).
-    `state`: the model's full state dict, when its parameters are sharded (FSDP2: the trainer's gathered copy)."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
+    `state`: the model's full state dict, when its parameters are sharded (FSDP2: the trainer's gathered copy).
 
-    written = []
-    if modes is not None and any(lora_modules(getattr(model, c)) for c in COMPONENTS):
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, ADAPTER_STAGES), "w") as f:
-            json.dump({"stages": {c: modes.get(c, "full") for c in COMPONENTS}}, f, indent=2)
-    for component in COMPONENTS:
-        module = getattr(model, component)
-        if not lora_modules(module):
-            continue
-        target = os.path.join(directory, component)
-        os.makedirs(target, exist_ok=True)
-        own = None if state is None else {k[len(component) + 1:]: v for k, v in state.items()
-                                          if k.startswith(f"{component}.")}
-        adapters = get_peft_model_state_dict(module, state_dict=own)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in adapters.items()},
-                  os.path.join(target, "adapter_model.safetensors"))
-        config = module.lora_config.to_dict()
-        with open(os.path.join(target, "adapter_config.json"), "w") as f:
-            json.dump({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}, f, indent=2,
-                      default=str)
-        written.append(target)
-    return written
+    Written atomically (`mmadapt.atomic.StagedDirectory`): DIR ends as the old adapters or the new ones, never a mix;
+    adapters already there are replaced only with `overwrite=True` (the trainer's own OUT/adapters), other files never.
+    Nothing is written, and [] returned, when the model has no LoRA layers."""
+    from peft import get_peft_model_state_dict
+
+    from mmadapt.atomic import StagedDirectory, save_safetensors
+
+    components = [c for c in COMPONENTS if lora_modules(getattr(model, c))]
+    if not components:
+        return []
+    with StagedDirectory(directory, what="LoRA adapters directory", overwrite=overwrite,
+                         recognise=is_adapters_directory) as stage:
+        if modes is not None:
+            stages = {"stages": {c: modes.get(c, "full") for c in COMPONENTS}}
+            stage.write_bytes(ADAPTER_STAGES, json.dumps(stages, indent=2).encode())
+        for component in components:
+            module = getattr(model, component)
+            os.makedirs(stage.path / component)
+            own = None if state is None else {k[len(component) + 1:]: v for k, v in state.items()
+                                              if k.startswith(f"{component}.")}
+            adapters = get_peft_model_state_dict(module, state_dict=own)
+            save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in adapters.items()},
+                             stage.path / component / "adapter_model.safetensors")
+            stage.record(f"{component}/adapter_model.safetensors")
+            config = module.lora_config.to_dict()
+            body = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+            stage.write_bytes(f"{component}/adapter_config.json", json.dumps(body, indent=2, default=str).encode())
+    return [os.path.join(directory, c) for c in components]
+
+
+def is_adapters_directory(path: os.PathLike) -> bool:
+    """`path` holds what `save_adapters` writes: `stages.json` or a component's `adapter_config.json`."""
+    return os.path.isfile(os.path.join(path, ADAPTER_STAGES)) or bool(adapter_components(path))
 
 
 def adapter_components(directory: str | os.PathLike) -> list[str]:

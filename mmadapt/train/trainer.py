@@ -48,7 +48,7 @@ from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import save_tokenizer, write_config
 from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from mmadapt.train.checkpoint import MARKER, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
 from mmadapt.train.export import export
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
@@ -185,7 +185,7 @@ class Trainer:
         self.warned_slow_data = False
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
-            with dist_utils.failing_together():
+            with dist_utils.failing_together(), self.out_lock():
                 self.resume()
 
     # ---- setup -------------------------------------------------------------------------------
@@ -214,8 +214,13 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to `train.steps`, checkpointing and evaluating on the way; then OUT/model. Returns the summary."""
-        with dist_utils.failing_together():
+        with dist_utils.failing_together(), self.out_lock():
             return self.train_loop()
+
+    def out_lock(self) -> Any:
+        """Rank 0's exclusive claim on OUT for as long as the block runs (`OutLock`): a second run on the same OUT
+        stops at once with `OutInUseError` naming this one, instead of mixing checkpoints with it."""
+        return OutLock.acquire(self.out) if self.is_main else nullcontext()
 
     def train_loop(self) -> dict[str, Any]:
         t = self.cfg.train
@@ -466,7 +471,8 @@ class Trainer:
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
                                    extras=self.write_model_files)
-            save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes(), state=model_state)
+            save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes(), state=model_state,
+                          overwrite=True)  # this run's own adapters, replaced whole at each checkpoint
         dist_utils.barrier()
         return path
 
@@ -479,7 +485,7 @@ class Trainer:
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
         target = self.out / "model"
-        export(checkpoint, target)
+        export(checkpoint, target, overwrite=True)  # this run's own export (a resumed run rewrites it), swapped whole
         log.info("model directory: %s (load it with VisionLanguageModel.from_pretrained)", target)
         return target
 
