@@ -129,7 +129,7 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     print(f"{describe_encoder(args, encoder, run_model)}; supervised tokens in {marks}, images as <image x visual "
           "tokens>")
     shown = 0
-    for i, record in enumerate(read_records(args.data)):
+    for i, record in enumerate(read_records(args.data, errors="report")):  # a bad line: shown as skipped
         if shown == args.n:
             break
         try:

@@ -64,7 +64,7 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     settings = data_settings(args)
     settings["image_root"] = settings.get("image_root") or str(Path(args.data).parent)
     encoder = SampleEncoder.for_model(model, tokenizer, **settings)
-    records = read_records(args.data)
+    records = read_records(args.data, errors="report")  # a bad line is a counted problem, as in training
     if not records:
         raise ValueError(f"{args.data} holds no records")
     return model, encoder, Collator.for_model(model, encoder.pad_token_id), records

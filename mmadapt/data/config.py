@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
 from mmadapt.data.templates import MODES, TEMPLATES
 from mmadapt.data.video import VideoConfig
+
+# Per-sample limits, checked from headers before anything is decoded; sized so that a 24 GiB machine with 4
+# DataLoader workers survives the worst sample each worker may take (docs/data.md, "Limits checked before work").
+DEFAULT_MAX_IMAGES: Final[int] = 64
+DEFAULT_MAX_SAMPLE_PIXELS: Final[int] = 128 * 1024 * 1024
+DEFAULT_MAX_SAMPLE_FRAMES: Final[int] = 1024
+DEFAULT_MAX_VIDEO_BYTES: Final[int] = 1 << 30
 
 Truncation = Literal["drop", "raise", "text"]
 Mismatch = Literal["error", "warn"]
@@ -40,6 +47,17 @@ class DataConfig:
         "put <image> before the first user text of samples whose text has none"))
     max_image_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata=about(
         "larger images are a counted image_too_large problem (checked from the header, before decoding)"))
+    max_images: int = field(default=DEFAULT_MAX_IMAGES, metadata=about(
+        "images per sample; more is a counted sample_too_large problem (checked before any image is opened)"))
+    max_sample_pixels: int = field(default=DEFAULT_MAX_SAMPLE_PIXELS, metadata=about(
+        "pixels of all a sample's images together (from their headers, before decoding); more is a counted "
+        "sample_too_large problem"))
+    max_sample_frames: int = field(default=DEFAULT_MAX_SAMPLE_FRAMES, metadata=about(
+        "video frames per sample: the frames kept of its video files plus its frame lists' frames (from headers, "
+        "frame lists counted before any frame is opened); more is a counted sample_too_large problem"))
+    max_video_bytes: int = field(default=DEFAULT_MAX_VIDEO_BYTES, metadata=about(
+        "bytes of a sample's decoded video frames together (frames x height x width x 3, from headers, before "
+        "decoding); more is a counted sample_too_large problem"))
     chat_template: str = field(default="auto", metadata=about(
         "auto (the tokenizer's own template, else the backbone's built-in), tokenizer (require the tokenizer's), or "
         "a built-in name (mmadapt list shows them)"))
@@ -49,8 +67,8 @@ class DataConfig:
         "warn: accept a built-in template that renders differently from the tokenizer's own"))
     video: VideoConfig | dict[str, Any] | None = field(default=None, metadata=about(
         "videos (Qwen3.5 / Qwen3-VL models): frame sampling (fps, num_frames, min_frames, max_frames), pixel bounds "
-        "over a video's frames (min_pixels, max_pixels), header-checked limits (max_frames_decoded, "
-        "max_pixels_per_frame, max_seconds) and frames_fps; see mmadapt.data.VideoConfig",
+        "over a video's frames (min_pixels, max_pixels), header-checked limits per video (max_frames_decoded, "
+        "max_pixels_per_frame, max_seconds, max_bytes_decoded) and frames_fps; see mmadapt.data.VideoConfig",
         example="{fps: 1, max_frames: 64}"))
 
     def __post_init__(self) -> None:
@@ -66,6 +84,10 @@ class DataConfig:
             raise TypeError(f"template_kwargs must be a mapping, got {type(self.template_kwargs).__name__}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        for name in ("max_image_pixels", "max_images", "max_sample_pixels", "max_sample_frames", "max_video_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     @classmethod
     def of(cls, config: DataConfig | None = None, **changes: Any) -> DataConfig:

@@ -25,6 +25,11 @@ above 255 to white); float F images are read as [0, 1] when all values lie there
 [0, 255] (clipped). Multi-frame files (GIF, TIFF) give their first frame. ICC profiles are not
 applied.
 
+Only the formats in `FORMATS` are opened (PNG, JPEG (its multi-picture MPO variant too), WebP, GIF, BMP, TIFF):
+Pillow is asked for exactly these parsers (`Image.open(..., formats=FORMATS)`), so a file in any other format
+(PSD, EPS, ICO, PCX, ...) never reaches another parser and is an `unreadable_image` naming the allowed formats.
+An allocation failure while decoding (`MemoryError`) is an `out_of_memory` problem.
+
 `image_size` reads only the header (and the EXIF / XMP orientation stored before the pixel data)
 and returns (width, height) as `load_image` would give them, i.e. swapped for orientations 5-8.
 """
@@ -38,7 +43,7 @@ import struct
 from typing import Final
 
 import numpy as np
-from PIL import ExifTags, Image, ImageFile, ImageOps
+from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from mmadapt.data.problems import DataProblem
 
@@ -54,6 +59,8 @@ SWAPPING_ORIENTATIONS: Final[frozenset[int]] = frozenset({5, 6, 7, 8})
 # ValueError, SyntaxError (bad headers), EOFError, and IndexError / KeyError / struct.error from parsers.
 PIL_ERRORS: Final[tuple[type[BaseException], ...]] = (OSError, ValueError, SyntaxError, EOFError, IndexError,
                                                       KeyError, struct.error)
+FORMATS: Final[tuple[str, ...]] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+"""The image formats `load_image` and `image_size` open; Pillow's other parsers are never run on data."""
 BOMB_ERRORS: Final[tuple[type[BaseException], ...]] = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
 
@@ -72,6 +79,10 @@ def load_image(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PI
         except PIL_ERRORS as e:
             raise DataProblem("unreadable_image", f"PIL could not decode it: {type(e).__name__}: {e}. "
                               "Fix: re-encode or drop the file.", path=name) from e
+        except MemoryError as e:
+            raise DataProblem("out_of_memory", f"decoding its {image.size[0]} x {image.size[1]} pixels ran out of "
+                              "memory. Fix: lower max_image_pixels or data.num_workers, or downscale the file",
+                              path=name) from e
 
 
 def image_size(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
@@ -93,7 +104,8 @@ def image_size(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PI
 def to_rgb(image: Image.Image) -> Image.Image:
     """An 8-bit RGB version of a decoded `image` following the colour policy in the module docstring."""
     if image.mode in SIXTEEN_BIT_MODES:
-        return _gray_to_rgb(np.asarray(image).astype(np.int64), scale=257)
+        values = np.asarray(image)  # 16-bit modes widen to int32 (room for the rounding), 32-bit "I" to int64
+        return _gray_to_rgb(values.astype(np.int32 if values.dtype.itemsize <= 2 else np.int64), scale=257)
     if image.mode == "F":
         values = np.nan_to_num(np.asarray(image, dtype=np.float32), nan=0.0, posinf=255.0, neginf=0.0)
         in_unit_range = values.size > 0 and values.min() >= 0.0 and values.max() <= 1.0
@@ -120,12 +132,16 @@ def _open(name: str, max_pixels: int) -> Image.Image:
     if os.path.isdir(name):
         raise DataProblem("unreadable_image", "it is a directory, not an image file", path=name)
     try:
-        image = Image.open(name)
+        image = Image.open(name, formats=FORMATS)
     except FileNotFoundError as e:
         raise DataProblem("missing_image", "no such file. Fix: correct the path or the image root, "
                           "or drop the sample.", path=name) from e
     except BOMB_ERRORS as e:
         raise _too_large(name, f"PIL refused to open it ({e})") from e
+    except UnidentifiedImageError as e:
+        raise DataProblem("unreadable_image", f"not a readable image in a format mmadapt opens ({', '.join(FORMATS)}): "
+                          f"{type(e).__name__}: {e}. Fix: convert it to PNG or JPEG, or drop the file.",
+                          path=name) from e
     except PIL_ERRORS as e:
         raise DataProblem("unreadable_image", f"not a readable image: {type(e).__name__}: {e}. "
                           "Fix: re-encode or drop the file.", path=name) from e

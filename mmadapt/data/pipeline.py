@@ -24,6 +24,13 @@ with other models are a fatal `video_unsupported` (give the frames as images ins
 problems like bad images (`missing_video`, `unreadable_video`, `video_too_large`, `empty_video`,
 `variable_frame_size`, `video_without_placeholder`, `placeholder_mismatch`).
 
+Work is checked before it is done (`encode`): the record's image and frame-list counts before any path is resolved
+(`max_images`, `max_sample_frames`), then the image and video headers (`max_image_pixels`, `max_sample_pixels`,
+`max_sample_frames`, `max_video_bytes`, the per-video `data.video` limits), then the sample's length from the header
+sizes, so an over-long or oversized sample is a counted problem before any pixel is decoded (docs/data.md, "Limits
+checked before work"); images are then decoded and preprocessed one at a time. Any other exception raised while a
+sample is encoded becomes its `DataProblem` too (`mmadapt.data.problems.per_sample`).
+
 `VLMDataset` is the map-style dataset (safe with `DataLoader` workers): a bad sample comes back
 as its `DataProblem`, which the collator drops and reports in the batch, so a run never crashes
 on one. `length_grouped_sampler` batches samples of similar length together.
@@ -34,26 +41,40 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mmadapt.data.config import DataConfig
 from mmadapt.data.images import image_size, load_image
-from mmadapt.data.problems import DataProblem
-from mmadapt.data.samples import IMAGE, VIDEO, EncodedSample, Sample, Turn, parse_record, read_records
+from mmadapt.data.problems import DataProblem, per_sample, problem_of
+from mmadapt.data.processors import ProcessedImages
+from mmadapt.data.samples import (
+    IMAGE,
+    VIDEO,
+    EncodedSample,
+    Sample,
+    Turn,
+    over_limit,
+    parse_record,
+    read_records,
+    record_id,
+)
 from mmadapt.data.templates import (
     IGNORE,
     TEMPLATES,
     ChatTemplate,
     ChatTemplateError,
     JinjaTemplate,
+    TemplateRenderError,
     expand_images,
     resolve_template,
     with_kwargs,
 )
 from mmadapt.data.tokenizer import prepare_tokenizer
-from mmadapt.data.video import load_video, probe_video
+from mmadapt.data.video import VideoHeader, load_video, probe_video
+from mmadapt.data.video.decode import check_bytes
 
 log = logging.getLogger(__name__)
 
@@ -130,22 +151,104 @@ class SampleEncoder:
         return next(i for i in candidates if i is not None and i not in self.span_ids)
 
     def parse(self, record: Any, index: int) -> Sample:
-        return parse_record(record, index, self.config.image_root, self.config.allow_outside_root)
+        return parse_record(record, index, self.config.image_root, self.config.allow_outside_root,
+                            max_images=self.config.max_images, max_frames=self.config.max_sample_frames)
 
     def encode(self, record: Any, index: int) -> EncodedSample:
-        """One record -> `EncodedSample`; raises `DataProblem` (with the sample id) when it cannot."""
-        sample = self.check_placeholders(self.parse(record, index))
-        check_answers(sample)
+        """One record -> `EncodedSample`; raises `DataProblem` (with the sample id) when it cannot, whatever went
+        wrong (`per_sample`).
+
+        Work is checked before it is done: the per-sample limits from the image and video headers, then the token
+        ids rendered from the header sizes (the visual tokens and video timestamps depend on nothing else), so a
+        too-long sample is dropped before any pixel is decoded; images are then decoded and preprocessed one at a
+        time (videos are rendered again from what they decode to, the ids being the same)."""
+        with per_sample(record_id(record, index)):
+            sample = self.check_placeholders(self.parse(record, index))
+            check_answers(sample)
+            headers = self.headers(sample)
+            expected = self.expected_videos(headers)
+            ids, labels = self.render(sample, headers.tokens_per_image, videos=expected)
+            self.check_span_tokens(sample, ids, headers.tokens_per_image, expected)
+            ids, labels = self.fit(sample.id, ids, labels)
+            if not sample.videos:
+                return self.encoded(sample.id, ids, labels, self.load_images(sample, headers), None)
+            processed = self.load_images(sample, headers)
+            videos = self.process_videos(sample)
+            ids, labels = self.render(sample, processed.tokens_per_image, videos=videos)
+            self.check_span_tokens(sample, ids, processed.tokens_per_image, videos)
+            ids, labels = self.fit(sample.id, ids, labels)
+            return self.encoded(sample.id, ids, labels, processed, videos)
+
+    def headers(self, sample: Sample) -> SampleHeaders:
+        """The sample's image and video headers (nothing decoded) with the per-sample limits checked: the pixels, the
+        frames kept and their bytes (the image and frame-list counts were checked by `parse`, before any path was
+        resolved)."""
+        config = self.config
+        if sample.videos and self.video_processor is None:
+            raise DataProblem("video_unsupported", self.video_refusal, sample_id=sample.id, fatal=True)
         try:
-            images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
+            sizes = [image_size(path, max_pixels=config.max_image_pixels) for path in sample.images]
         except DataProblem as problem:
             raise problem.for_sample(sample.id) from None
-        processed = self.processor(images)
-        videos = self.process_videos(sample)
-        ids, labels = self.render(sample, processed.tokens_per_image, videos=videos)
-        self.check_span_tokens(sample, ids, processed.tokens_per_image, videos)
-        ids, labels = self.fit(sample.id, ids, labels)
-        return self.encoded(sample.id, ids, labels, processed, videos)
+        pixels = sum(w * h for w, h in sizes)
+        if pixels > config.max_sample_pixels:
+            raise over_limit(sample.id, f"{pixels} image pixels", "max_sample_pixels", config.max_sample_pixels)
+        videos = [self.video_header(video, sample.id) for video in sample.videos]
+        frames = sum(v.frames for v in videos)
+        if frames > config.max_sample_frames:
+            raise over_limit(sample.id, f"{frames} video frames", "max_sample_frames", config.max_sample_frames)
+        decoded = sum(v.bytes for v in videos)
+        if decoded > config.max_video_bytes:
+            raise over_limit(sample.id, f"{decoded} bytes of decoded video frames", "max_video_bytes",
+                             config.max_video_bytes)
+        return SampleHeaders(sizes, [self.processor.tokens_for_size(w, h) for w, h in sizes], videos)
+
+    def video_header(self, video: Any, sample_id: str) -> VideoPlan:
+        """What one video will cost, from its header (a frame list: its length and first frame's header)."""
+        frame_list = isinstance(video, tuple | list)
+        limits = self.config.video.limits
+        header = probe_video(list(video) if frame_list else video, limits=limits, sample_id=sample_id,
+                             fps=self.config.video.frames_fps if frame_list else None)
+        frames = self.video_processor.sampled_frames(header, frame_list=frame_list)
+        try:
+            check_bytes(video if not frame_list else "frame list", frames, header.height, header.width, limits)
+        except DataProblem as problem:
+            raise problem.for_sample(sample_id) from None
+        tokens, patches = self.video_processor.tokens_for_header(header, frame_list=frame_list)
+        return VideoPlan(header, frame_list, frames, frames * header.height * header.width * 3, tokens, patches)
+
+    def expected_videos(self, headers: SampleHeaders) -> Any:
+        """The sample's `ProcessedVideos` as their headers predict them, pixels aside (None without videos)."""
+        if not headers.videos:
+            return None
+        return self.video_processor.expected([v.header for v in headers.videos],
+                                             [v.frame_list for v in headers.videos])
+
+    def check_visual_length(self, sample_id: str, headers: SampleHeaders) -> None:
+        """`too_long` when the visual tokens alone (with their brackets, from the headers) exceed `max_length`: the
+        sample cannot fit whatever its text, so nothing is decoded (truncation never cuts a span)."""
+        visual = headers.visual_tokens(bracketed=self.brackets is not None)
+        if visual > self.config.max_length:
+            raise DataProblem("too_long", f"its images and videos alone are {visual} tokens > max_length "
+                              f"{self.config.max_length} (from their headers, nothing decoded). Fix: raise "
+                              "max_length, or lower the video's fps / max_pixels", sample_id=sample_id,
+                              fatal=self.config.truncation == "raise")
+
+    def load_images(self, sample: Sample, headers: SampleHeaders) -> ProcessedImages:
+        """The sample's images decoded and preprocessed one at a time (one decoded image in memory at once); each
+        must yield the tokens its header promised."""
+        parts = []
+        for path, size, tokens in zip(sample.images, headers.image_sizes, headers.tokens_per_image, strict=True):
+            try:
+                part = self.processor([load_image(path, max_pixels=self.config.max_image_pixels)])
+            except DataProblem as problem:
+                raise problem.for_sample(sample.id) from None
+            if part.tokens_per_image != [tokens]:
+                raise DataProblem("unreadable_image", f"its header says {size[0]} x {size[1]} ({tokens} visual "
+                                  f"tokens) but it decodes to {part.tokens_per_image[0]} tokens. Fix: re-encode the "
+                                  "file", sample_id=sample.id, path=str(path))
+            parts.append(part)
+        return ProcessedImages.concat(parts) if parts else self.processor([])
 
     def encoded(self, sample_id: str, ids: list[int], labels: list[int], processed: Any,
                 videos: Any) -> EncodedSample:
@@ -159,7 +262,8 @@ class SampleEncoder:
                              tokens_per_video=videos.tokens_per_video if with_videos else [])
 
     def process_videos(self, sample: Sample) -> Any:
-        """The sample's videos decoded, sampled and preprocessed (`ProcessedVideos`), or None when it has none."""
+        """The sample's videos decoded, sampled and preprocessed (`ProcessedVideos`), or None when it has none
+        (their limits are checked from the headers first by `encode`; each video's own by `load_video`)."""
         if not sample.videos:
             return None
         if self.video_processor is None:
@@ -182,13 +286,16 @@ class SampleEncoder:
 
     def encode_prompt(self, record: Any, index: int) -> EncodedSample:
         """The prompt for generation: `encode` without the last assistant turn, plus the template's generation
-        prompt; labels are all -100. Raises `DataProblem` as `encode` does (`too_long` when over `max_length`)."""
-        sample = self.check_placeholders(self.parse(record, index))
-        try:
-            images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
-        except DataProblem as problem:
-            raise problem.for_sample(sample.id) from None
-        return self.prompt_for(sample.id, sample.turns, images, sample.videos)
+        prompt; labels are all -100. Raises `DataProblem` as `encode` does (`too_long` when over `max_length`), the
+        per-sample limits and the visual tokens checked from the headers before anything is decoded."""
+        with per_sample(record_id(record, index)):
+            sample = self.check_placeholders(self.parse(record, index))
+            self.check_visual_length(sample.id, self.headers(sample))
+            try:
+                images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in sample.images]
+            except DataProblem as problem:
+                raise problem.for_sample(sample.id) from None
+            return self.prompt_for(sample.id, sample.turns, images, sample.videos)
 
     def prompt_for(self, sample_id: str, turns: Sequence[Turn], images: Sequence[Any],
                    videos: Sequence[Any] = ()) -> EncodedSample:
@@ -230,6 +337,10 @@ class SampleEncoder:
                 return ids, labels
             per_frame = [n for n, t in zip(videos.tokens_per_frame, videos.frames, strict=True) for _ in range(t)]
             return expand_images(ids, labels, self.video_token_id, per_frame, self.template.name, kind="video frame")
+        except TemplateRenderError as e:
+            raise DataProblem("template_error", f"{str(e).rstrip('.')}. Fix: give the conversation the shape the "
+                              "template takes (a user turn before each answer, images and videos in user turns), or "
+                              "drop the sample", sample_id=sample.id) from None
         except ChatTemplateError as e:
             raise DataProblem("placeholder_mismatch", f"{e}: the text holds an image or video token (or a bracket "
                               f"token) literally, or the template dropped a placeholder. Fix: write images as {IMAGE} "
@@ -325,28 +436,44 @@ class SampleEncoder:
         raise DataProblem("too_long", detail + fix, sample_id=sample_id, fatal=policy == "raise")
 
     def estimated_length(self, record: Any, index: int) -> int:
-        """Token count from the text and image headers only (no decoding): for length-grouped batching."""
+        """Token count from the text and the image and video headers only (no decoding): for length-grouped
+        batching; 1 for a sample that has a problem."""
         try:
-            sample = self.check_placeholders(self.parse(record, index))
-            tokens = [self.processor.tokens_for_size(*image_size(p)) for p in sample.images]
-            length = len(self.render(sample, tokens)[0]) + self.estimated_video_tokens(sample)
-            return min(length, self.config.max_length)
+            with per_sample(record_id(record, index)):
+                sample = self.check_placeholders(self.parse(record, index))
+                headers = self.headers(sample)
+                video_tokens = sum(v.tokens + v.patches * (TIMESTAMP_TOKENS + 2) for v in headers.videos)
+                length = len(self.render(sample, headers.tokens_per_image)[0]) + video_tokens
+                return min(length, self.config.max_length)
         except DataProblem:
             return 1
 
 
-    def estimated_video_tokens(self, sample: Sample) -> int:
-        """The tokens the sample's videos add (visual tokens, timestamps and brackets), from their headers only."""
-        if not sample.videos or self.video_processor is None:
-            return 0
-        total = 0
-        for video in sample.videos:
-            frames = isinstance(video, tuple | list)
-            header = probe_video(list(video) if frames else video, limits=self.config.video.limits,
-                                 sample_id=sample.id)
-            tokens, patches = self.video_processor.tokens_for_header(header, frame_list=frames)
-            total += tokens + patches * (TIMESTAMP_TOKENS + 2)
-        return total
+@dataclass(frozen=True)
+class VideoPlan:
+    """One video as its header says it will be: the header, whether it is a frame list, the frames kept, their
+    decoded bytes, its visual tokens and temporal patches."""
+
+    header: VideoHeader
+    frame_list: bool
+    frames: int
+    bytes: int
+    tokens: int
+    patches: int
+
+
+@dataclass(frozen=True)
+class SampleHeaders:
+    """A sample's headers: per image (width, height) and its visual tokens; per video its `VideoPlan`."""
+
+    image_sizes: list[tuple[int, int]]
+    tokens_per_image: list[int]
+    videos: list[VideoPlan]
+
+    def visual_tokens(self, *, bracketed: bool) -> int:
+        """The image and video tokens, with a start / end bracket pair per image and per temporal patch."""
+        spans = len(self.tokens_per_image) + sum(v.patches for v in self.videos)
+        return sum(self.tokens_per_image) + sum(v.tokens for v in self.videos) + (2 * spans if bracketed else 0)
 
 
 # "<12.5 seconds>" is about 6 tokens for Qwen's tokenizer; only lengths for batching are estimated with it.
@@ -429,12 +556,17 @@ class VLMDataset(torch.utils.data.Dataset):
         return len(self.records)
 
     def __getitem__(self, index: int) -> EncodedSample | DataProblem:
+        """The encoded sample, or its `DataProblem` (any exception while encoding it becomes one, its type and
+        message kept in the detail; fatal problems, Ctrl-C and exit raise)."""
+        record = self.records[index]
         try:
-            return self.encoder.encode(self.records[index], index)
+            return self.encoder.encode(record, index)
         except DataProblem as problem:
             if problem.fatal:
                 raise
             return problem
+        except Exception as e:  # `SampleEncoder.encode` converts these itself; this guards any other encoder
+            return problem_of(e, record_id(record, index))
 
     def lengths(self) -> list[int]:
         return [self.encoder.estimated_length(r, i) for i, r in enumerate(self.records)]

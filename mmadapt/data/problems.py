@@ -2,10 +2,20 @@
 
 Every check in the data pipeline raises `DataProblem` with one of `REASONS`, the sample id
 and the file involved, so a dataset scan can count problems by reason and a training run can
-skip a bad sample (counted and logged) instead of crashing mid-run.
+skip a bad sample (counted and logged) instead of crashing mid-run. `per_sample(sample_id)` turns
+any other exception raised while one sample is worked on into its `DataProblem` (`out_of_memory`
+for allocation failures, else `unexpected_error` with the exception's type and message), so no
+per-sample failure ever leaves the pipeline as a raw exception; `KeyboardInterrupt` and
+`SystemExit` pass through.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
 
 REASONS: dict[str, str] = {
     "bad_format": "the record is not a LLaVA or messages sample (missing or malformed fields)",
@@ -26,6 +36,11 @@ REASONS: dict[str, str] = {
     "video_without_placeholder": "the sample has videos but its text has no <video> placeholder",
     "video_unsupported": "the sample has a video but the model takes none (a fixed-size encoder, or a backbone "
                          "without a video token); fatal: every video sample would be skipped",
+    "template_error": "the chat template refuses the conversation (e.g. no user turn, an image in the system turn)",
+    "sample_too_large": "a sample has more images, image pixels, video frames or decoded video bytes than the "
+                        "per-sample limits (header checked)",
+    "out_of_memory": "decoding the sample's images or videos could not allocate its memory",
+    "unexpected_error": "an exception the pipeline did not foresee (its type and message are in the detail)",
 }
 
 
@@ -60,3 +75,33 @@ class DataProblem(ValueError):
 
 def _rebuild(reason: str, detail: str, sample_id: str | None, path: str | None, fatal: bool) -> DataProblem:
     return DataProblem(reason, detail, sample_id=sample_id, path=path, fatal=fatal)
+
+
+@contextlib.contextmanager
+def per_sample(sample_id: str) -> Iterator[None]:
+    """Any exception but `DataProblem` raised inside becomes the sample's `DataProblem`: a `MemoryError` (or torch's
+    allocation `RuntimeError`) is `out_of_memory`, anything else `unexpected_error` naming its type and message (a
+    bug stays visible: its traceback is logged at debug level). `BaseException`s (Ctrl-C, exit) pass through."""
+    try:
+        yield
+    except DataProblem:
+        raise
+    except Exception as e:
+        raise problem_of(e, sample_id) from e
+
+
+def problem_of(error: Exception, sample_id: str | None = None) -> DataProblem:
+    """The `DataProblem` for an unforeseen exception `error` raised while sample `sample_id` was worked on."""
+    what = f"{type(error).__name__}: {error}"
+    if is_allocation_error(error):
+        return DataProblem("out_of_memory", f"{what}. Fix: lower the data limits (max_image_pixels, "
+                           "max_sample_pixels, max_video_bytes) or data.num_workers, or drop the sample",
+                           sample_id=sample_id)
+    log.debug("sample %r: unforeseen %s", sample_id, what, exc_info=error)
+    return DataProblem("unexpected_error", f"{what}. This is likely a bug in mmadapt or an input it does not "
+                       "handle: please report it with the sample", sample_id=sample_id)
+
+
+def is_allocation_error(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure: a `MemoryError`, or torch's `RuntimeError` "can't allocate memory"."""
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "allocate" in str(error))

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from mmadapt.data.collate import Collator
 from mmadapt.data.pipeline import SampleEncoder
-from mmadapt.data.problems import DataProblem
+from mmadapt.data.problems import DataProblem, problem_of
+from mmadapt.data.samples import record_id
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class DataReport:
             ids = [p["id"] for p in self.problems if p["reason"] == reason]
             shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
             lines.append(f"  {reason:<26} {count:>6}   e.g. {shown}")
+            first = as_problem(next(p for p in self.problems if p["reason"] == reason))
+            lines.append(f"      first: {_clip(str(first))}")
         for title, values in (("tokens per sample", self.token_lengths),
                               ("visual tokens per image", self.visual_tokens),
                               ("visual tokens per video", self.video_tokens)):
@@ -71,6 +74,10 @@ class DataReport:
                 lines.append(f"{title:<24} min {s['min']}  median {s['median']:.0f}  mean {s['mean']:.1f}  "
                              f"p95 {s['p95']}  max {s['max']}")
         return "\n".join(lines)
+
+
+def _clip(text: str, width: int = 300) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def summary(values: Sequence[int]) -> dict[str, float]:
@@ -95,10 +102,8 @@ def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: b
         except DataProblem as problem:
             report.problems.append(problem.to_dict())
             continue
-        except Exception as e:  # a bug or an input we did not foresee: report it, keep scanning
-            sample_id = record.get("id", index) if isinstance(record, dict) else index
-            report.problems.append({"id": str(sample_id), "reason": "unexpected_error",
-                                    "detail": f"{type(e).__name__}: {e}", "path": None})
+        except Exception as e:  # the collator, or an encoder that lets one through: report it, keep scanning
+            report.problems.append(problem_of(e, record_id(record, index)).to_dict())
             continue
         report.token_lengths.append(len(sample))
         report.visual_tokens.extend(sample.tokens_per_image)

@@ -98,28 +98,73 @@ class EncodedSample:
 def read_records(path: str | os.PathLike, errors: str = "raise") -> list[Any]:
     """Records of a `.json` (a list) or `.jsonl` file.
 
-    A broken JSONL line raises, naming the line; with `errors="report"` it becomes a
-    `DataProblem("bad_format")` with id "line N" in its place (`VLMDataset` and `check_dataset`
-    count it like any bad sample).
+    A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
+    line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
+    of more than 4300 digits) raises ValueError naming `file:line`; with `errors="report"` it becomes a
+    `DataProblem("bad_format")` with id "line N" in its place (`VLMDataset` and `check_dataset` count it like any bad
+    sample) and the other lines are read. A `.json` file that does not parse is one ValueError naming its line and
+    column.
     """
+    if errors not in ("raise", "report"):
+        raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        records: list[Any] = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    message = f"{path}:{number}: not valid JSON ({e.msg}). Fix or remove the line."
-                    if errors != "report":
-                        raise ValueError(message) from None
-                    records.append(DataProblem("bad_format", message, sample_id=f"line {number}"))
-        return records
-    data = json.loads(text)
+        return _jsonl_records(path, errors)
+    data = _json_document(path)
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of samples (or use .jsonl), got {type(data).__name__}")
     return data
+
+
+# What parsing one JSON text may raise: JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the refusal of
+# an integer of more than `sys.get_int_max_str_digits()` digits; RecursionError for nesting deeper than the parser's.
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def _jsonl_records(path: Path, errors: str) -> list[Any]:
+    records: list[Any] = []
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                if line.strip():
+                    records.append(json.loads(line))
+            except JSON_ERRORS as e:
+                message = f"{path}:{number}: {json_error(e, raw)}. Fix or remove the line."
+                if errors != "report":
+                    raise ValueError(message) from None
+                records.append(DataProblem("bad_format", message, sample_id=f"line {number}"))
+    return records
+
+
+def _json_document(path: Path) -> Any:
+    raw = path.read_bytes()
+    try:
+        return json.loads(raw.decode("utf-8-sig"))
+    except json.JSONDecodeError as e:
+        message = f"{path}:{e.lineno}:{e.colno}: {json_error(e, raw)}"
+    except UnicodeDecodeError as e:
+        line, line_start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        message = f"{path}:{line}: {json_error(e, raw[line_start:], line_start)}"
+    except JSON_ERRORS as e:
+        message = f"{path}: {json_error(e, raw)}"
+    raise ValueError(f"{message}. Fix the file (a .json file is one list that must parse whole; a .jsonl file is read "
+                     "line by line, a bad line counted and skipped)")
+
+
+def json_error(error: BaseException, raw: bytes, offset: int = 0) -> str:
+    """What is wrong with a JSON text, in words: the parser's message, or the encoding or limit it hit. `raw`: the
+    bytes of the line (`offset`: where they start in what was decoded)."""
+    if isinstance(error, UnicodeDecodeError):
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            return "not UTF-8: it starts with a UTF-16 byte-order mark; save the file as UTF-8"
+        column = error.start - offset
+        return f"not UTF-8: byte 0x{raw[column]:02x} at column {column + 1} is not valid UTF-8; save the file as UTF-8"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON ({error.msg}, column {error.colno})"
+    if isinstance(error, RecursionError):
+        return "nested too deeply to parse (RecursionError)"
+    return f"a value JSON allows but Python refuses ({type(error).__name__}: {error})"
 
 
 def record_id(record: Any, index: int) -> str:
@@ -127,8 +172,11 @@ def record_id(record: Any, index: int) -> str:
 
 
 def parse_record(record: Any, index: int, image_root: str | os.PathLike | None = None,
-                 allow_outside_root: bool = False) -> Sample:
-    """A LLaVA or messages record as a `Sample`; `DataProblem("bad_format" | "path_outside_root")` if it is not."""
+                 allow_outside_root: bool = False, *, max_images: int | None = None,
+                 max_frames: int | None = None) -> Sample:
+    """A LLaVA or messages record as a `Sample`; `DataProblem("bad_format" | "path_outside_root")` if it is not, and
+    `sample_too_large` for more than `max_images` images or `max_frames` frames in its frame lists (counted before
+    any path is resolved, so a record listing 100,000 files costs nothing)."""
     if isinstance(record, DataProblem):  # a line `read_records(errors="report")` could not parse
         raise record
     sample_id = record_id(record, index)
@@ -149,8 +197,13 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
                               "give each video once (either place)", sample_id=sample_id)
         videos = inline
     images = [images] if isinstance(images, str) else images
+    if max_images is not None and isinstance(images, list) and len(images) > max_images:
+        raise over_limit(sample_id, f"{len(images)} images", "max_images", max_images)
+    listed = sum(len(v) for v in videos if isinstance(v, list)) if isinstance(videos, list) else 0
+    if max_frames is not None and listed > max_frames:
+        raise over_limit(sample_id, f"{listed} frames in its frame lists", "max_sample_frames", max_frames)
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise DataProblem("bad_format", f"images must be a path or a list of paths, got {images!r}",
+        raise DataProblem("bad_format", f"images must be a path or a list of paths, got {_clip(images)}",
                           sample_id=sample_id)
     if any(turn.role == "system" for turn in turns[1:]):
         raise DataProblem("bad_format", "a system turn may only come first", sample_id=sample_id)
@@ -239,11 +292,23 @@ def resolve_image_path(path: str, image_root: str | os.PathLike | None, allow_ou
     # Lexical check (no symlink resolution): `root/coco -> /data/coco` links inside the root are fine.
     root = os.path.abspath(image_root or ".")
     resolved = os.path.normpath(os.path.join(root, path))
-    if os.path.commonpath([root, resolved]) != root:
+    if resolved != root and not resolved.startswith(root if root.endswith(os.sep) else root + os.sep):
         raise DataProblem("path_outside_root", f"image path {path!r} escapes the image root {str(root)!r}. Fix: "
                           "move the image under the root, or pass allow_outside_root=True if you trust the dataset",
                           sample_id=sample_id, path=path)
     return resolved
+
+
+def over_limit(sample_id: str, what: str, setting: str, limit: int) -> DataProblem:
+    """`sample_too_large`: the sample's `what` exceeds the data setting `setting` (checked before decoding)."""
+    return DataProblem("sample_too_large", f"{what} > {setting} {limit} (from the record and the headers, nothing "
+                       f"decoded). Fix: split the sample, or raise data.{setting} if the machine has the memory",
+                       sample_id=sample_id)
+
+
+def _clip(value: Any, width: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def iter_samples(records: list[Any], image_root: str | os.PathLike | None = None,

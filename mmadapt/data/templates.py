@@ -37,13 +37,16 @@ exports and uses the built-in again (`resolve_template`).
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from mmadapt.data.problems import is_allocation_error
 from mmadapt.data.samples import IMAGE, Turn
 from mmadapt.registry import Registry
 
@@ -54,6 +57,11 @@ Span = tuple[int, int]
 
 class ChatTemplateError(ValueError):
     """A chat template cannot render what the data needs (images, the conversation's shape)."""
+
+
+class TemplateRenderError(ChatTemplateError):
+    """The chat template itself raised while rendering a conversation (jinja's `raise_exception`: "No user query
+    found in messages", "System message cannot contain images", ...): a per-sample `template_error`."""
 
 
 @dataclass(frozen=True)
@@ -99,10 +107,15 @@ class ChatTemplate:
 
 
 def supervised_labels(ids: Sequence[int], offsets: Sequence[Span], supervised: Sequence[Span]) -> list[int]:
-    """Each token's id where its characters overlap a supervised range, else -100."""
+    """Each token's id where its characters overlap a supervised range, else -100; O(tokens log ranges), so a
+    conversation's labelling stays linear in its turns."""
+    ranges = sorted(supervised)
+    starts, reach = [lo for lo, _ in ranges], list(itertools.accumulate((hi for _, hi in ranges), max))
     labels = []
     for token, (start, end) in zip(ids, offsets, strict=True):
-        hit = any(start < hi and end > lo for lo, hi in supervised) if end > start else False
+        # the ranges starting before `end` overlap the token iff the furthest of them reaches past `start`
+        last = bisect.bisect_left(starts, end) - 1
+        hit = end > start and last >= 0 and reach[last] > start
         labels.append(token if hit else IGNORE)
     return labels
 
@@ -174,7 +187,8 @@ class VicunaTemplate(ChatTemplate):
         for k, chunk in enumerate(chunks):
             if k:
                 span = image_span(tokens_per_image[k - 1])
-                ids, labels = ids + span, labels + [IGNORE] * len(span)
+                ids += span
+                labels += [IGNORE] * len(span)
                 position += len(IMAGE)
             encoded = tokenizer(chunk, return_offsets_mapping=True)
             chunk_ids, offsets = list(encoded["input_ids"]), list(encoded["offset_mapping"])
@@ -267,8 +281,17 @@ class JinjaTemplate(ChatTemplate):
         return self.text(tokenizer)
 
     def apply(self, tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **kwargs: Any) -> str:
-        return tokenizer.apply_chat_template(messages, chat_template=self.text(tokenizer), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        """`apply_chat_template` as text; anything the template raises (its `raise_exception`, a jinja error, a
+        TypeError on content it does not expect) is a `TemplateRenderError` with its message."""
+        template = self.text(tokenizer)
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:
+            if is_allocation_error(e):
+                raise
+            raise TemplateRenderError(f"template {self.name!r} refused the conversation: {type(e).__name__}: {e}"
+                                      ) from e
 
     def specials(self, tokenizer: Any) -> list[str]:
         """The `<|...|>` control tokens the template writes and its end of turn (for tokenizers that lack them)."""

@@ -232,10 +232,9 @@ def geometry_for(processor: ImageProcessor, height: int, width: int) -> Geometry
 def _size_of(image: Any) -> tuple[int, int]:
     """(width, height) of a PIL image, a path or a (width, height) pair."""
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image, ImageOps
+        from mmadapt.data.images import image_size
 
-        with Image.open(image) as opened:  # EXIF rotation, as `load_image` applies it
-            return ImageOps.exif_transpose(opened).size
+        return image_size(image)  # from the header, after EXIF rotation, the allowed formats only (as `load_image`)
     if hasattr(image, "size") and not isinstance(image, (tuple, list, np.ndarray)):
         return tuple(image.size)
     if isinstance(image, np.ndarray):

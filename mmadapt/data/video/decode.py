@@ -12,7 +12,9 @@
 - `probe_video(source, limits=)` -> `VideoHeader`: frame count, fps and frame size, nothing decoded (token counts
   before loading).
 
-`VideoLimits` are checked from the header before any frame is decoded.
+`VideoLimits` are checked from the header before any frame is decoded: the stream's frames (a frame list's length,
+before any frame is opened), pixels per frame, seconds, and the bytes the kept frames take (frames x H x W x 3).
+An allocation that fails anyway is an `out_of_memory` problem.
 
 Deviations from transformers, only where it fails or is inconsistent:
 - duplicate indices (`num_frames` above the frame count, or fewer frames than `min_frames` with fps=None):
@@ -46,7 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmadapt.data.images import load_image, to_rgb
+from mmadapt.data.images import image_size, load_image, to_rgb
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.video.sampling import VideoSampling
 
@@ -60,17 +62,20 @@ FrameSource = str | os.PathLike[str] | Image.Image
 class VideoLimits:
     """Caps checked from the container header before any frame is decoded (None: no cap).
 
-    `max_frames_decoded` bounds the stream's frame count (the header's, else the counted packets);
-    `max_pixels_per_frame` its width * height (rechecked on the first decoded frame, and for frame lists);
-    `max_seconds` its duration (stream duration, else the container's).
+    `max_frames_decoded` bounds the stream's frame count (the header's, else the counted packets; a frame list's
+    length, checked before any frame is opened); `max_pixels_per_frame` its width * height (rechecked on the first
+    decoded frame, and for frame lists); `max_seconds` its duration (stream duration, else the container's);
+    `max_bytes_decoded` the frames kept in memory, sampled frames x height x width x 3 (a frame list: its length x
+    its first frame's header size), before the buffer is allocated.
     """
 
     max_frames_decoded: int | None = 100_000
     max_pixels_per_frame: int | None = 4096 * 4096
     max_seconds: float | None = None
+    max_bytes_decoded: int | None = 1 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_frames_decoded", "max_pixels_per_frame", "max_seconds"):
+        for name in ("max_frames_decoded", "max_pixels_per_frame", "max_seconds", "max_bytes_decoded"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"VideoLimits: {name} must be > 0 (or None), got {value}")
@@ -109,6 +114,9 @@ def load_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, sampli
                 raise ValueError("load_video: fps= is for frame lists; a file's fps comes from its header")
             return _load_file(os.fspath(source), sampling, limits)
         return _load_frames(source, fps, limits)
+    except MemoryError as e:
+        problem = _out_of_memory(os.fspath(source) if isinstance(source, str | os.PathLike) else None, e)
+        raise problem if sample_id is None else problem.for_sample(sample_id) from e
     except DataProblem as problem:
         if sample_id is None:
             raise
@@ -136,6 +144,7 @@ def _load_file(name: str, sampling: VideoSampling, limits: VideoLimits) -> Video
                 raise DataProblem("empty_video", "the video stream has no frames. Fix: re-encode or drop the file.",
                                   path=name)
             indices = sampling.sample_indices(total, source_fps)
+            check_bytes(name, len(indices), int(stream.height or 0), int(stream.width or 0), limits)
             frames = _decode(container, stream, indices, total, name, limits)
         except DataProblem:
             raise
@@ -178,6 +187,13 @@ def _check_frames(name: str, frames: int, limits: VideoLimits, how: str) -> None
         raise _too_large(name, f"{frames} frames ({how}) exceeds max_frames_decoded = {limits.max_frames_decoded}")
 
 
+def check_bytes(name: str, frames: int, height: int, width: int, limits: VideoLimits) -> None:
+    """`video_too_large` when `frames` frames of H x W RGB exceed `limits.max_bytes_decoded`, before decoding."""
+    if limits.max_bytes_decoded is not None and frames * height * width * 3 > limits.max_bytes_decoded:
+        raise _too_large(name, f"{frames} frames of {width} x {height} are {frames * height * width * 3} bytes "
+                         f"decoded, more than max_bytes_decoded = {limits.max_bytes_decoded}")
+
+
 def _decode(container: Any, stream: Any, indices: np.ndarray, total: int, name: str,
             limits: VideoLimits) -> torch.Tensor:
     """The frames at `indices` (in order, repeats repeated), decoding up to the last one and keeping only those."""
@@ -195,6 +211,8 @@ def _decode(container: Any, stream: Any, indices: np.ndarray, total: int, name: 
                 kept += 1
             if i >= last:
                 break
+    except DataProblem:
+        raise
     except AV_ERRORS as e:
         error = f" (decoding stopped with {type(e).__name__}: {e})"
     if kept < len(slots):
@@ -217,8 +235,6 @@ def probe_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, limit
                 fps: float | None = None, sample_id: str | None = None) -> VideoHeader:
     """A video file's (or frame list's) `VideoHeader` with the limits checked, decoding no frame (a frame list's
     size comes from its first frame's image header): for token counts before loading (lengths, `mmadapt plan`)."""
-    from mmadapt.data.images import image_size
-
     limits = VideoLimits() if limits is None else limits
     try:
         if not isinstance(source, str | os.PathLike):
@@ -255,6 +271,12 @@ def _load_frames(frames: Sequence[FrameSource], fps: float | None, limits: Video
     if len(frames) == 0:
         raise DataProblem("empty_video", "the frame list is empty. Fix: give at least one frame or drop the sample.")
     _check_frames("frame list", len(frames), limits, "in the list")
+    first = frames[0]
+    if isinstance(first, str | os.PathLike):
+        width, height = image_size(first, **_pixel_cap(limits))
+    else:
+        width, height = first.size if isinstance(first, Image.Image) else (0, 0)
+    check_bytes("frame list", len(frames), height, width, limits)
     out = _Frames(len(frames), None, limits)
     for position, frame in enumerate(frames):
         out.put([position], np.asarray(_frame_image(frame, limits)))
@@ -265,9 +287,12 @@ def _frame_image(frame: FrameSource, limits: VideoLimits) -> Image.Image:
     if isinstance(frame, Image.Image):
         return to_rgb(frame)
     if isinstance(frame, str | os.PathLike):
-        return load_image(frame, **({} if limits.max_pixels_per_frame is None else
-                                    {"max_pixels": limits.max_pixels_per_frame}))
+        return load_image(frame, **_pixel_cap(limits))
     raise TypeError(f"a frame list holds image paths or PIL images, got {type(frame).__name__}")
+
+
+def _pixel_cap(limits: VideoLimits) -> dict[str, int]:
+    return {} if limits.max_pixels_per_frame is None else {"max_pixels": limits.max_pixels_per_frame}
 
 
 class _Frames:
@@ -284,7 +309,11 @@ class _Frames:
             if cap is not None and height * width > cap:
                 raise _too_large(self.name or "frame list", f"{width} x {height} = {width * height} pixels per "
                                  f"frame exceeds max_pixels_per_frame = {cap}")
-            self.buffer = torch.empty(self.count, height, width, 3, dtype=torch.uint8)
+            check_bytes(self.name or "frame list", self.count, height, width, self.limits)
+            try:
+                self.buffer = torch.empty(self.count, height, width, 3, dtype=torch.uint8)
+            except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation as a RuntimeError
+                raise _out_of_memory(self.name, e) from e
         if array.shape != self.buffer.shape[1:]:
             first, this = tuple(self.buffer.shape[1:3]), array.shape[:2]
             raise DataProblem("variable_frame_size", f"frame {positions[0]} is {this[1]} x {this[0]} (width x "
@@ -302,6 +331,12 @@ class _Frames:
 def _unreadable(name: str, what: str) -> DataProblem:
     return DataProblem("unreadable_video", f"{what}. Fix: re-encode the file (e.g. ffmpeg -i in -c:v libx264 "
                        "out.mp4) or drop the sample.", path=name)
+
+
+def _out_of_memory(name: str | None, error: BaseException) -> DataProblem:
+    return DataProblem("out_of_memory", f"decoding the frames could not allocate memory ({type(error).__name__}: "
+                       f"{error}). Fix: lower data.video's max_bytes_decoded, data.max_video_bytes or "
+                       "data.num_workers, or drop the sample.", path=name)
 
 
 def _too_large(name: str, what: str) -> DataProblem:

@@ -137,11 +137,28 @@ class VideoProcessor(OnPatches):
 
     def timestamps(self, video: Video) -> list[float]:
         """Seconds per temporal patch; an unknown fps counts as 24 (warned once), like transformers."""
-        fps = video.source_fps
+        return self._timestamps(video.indices, video.source_fps)
+
+    def _timestamps(self, indices: Sequence[int], fps: float | None) -> list[float]:
         if fps is None:
             warn_no_fps()
             fps = FALLBACK_FPS
-        return calculate_timestamps(video.indices, fps, self.temporal_patch_size)
+        return calculate_timestamps(indices, fps, self.temporal_patch_size)
+
+    def expected(self, headers: Sequence[VideoHeader], frame_lists: Sequence[bool]) -> ProcessedVideos:
+        """What `__call__` returns for videos with these headers (`frame_lists[v]`: video v is a frame list, all its
+        frames kept), pixels aside (`pixel_values_videos` has no rows): grids, tokens and timestamps, to render and
+        measure a sample before anything is decoded."""
+        indices = [list(range(h.total_frames)) if listed else self.sampling.sample_indices(
+                   h.total_frames, h.source_fps).tolist() for h, listed in zip(headers, frame_lists, strict=True)]
+        grids = [self.grid(len(kept), h.height, h.width) for kept, h in zip(indices, headers, strict=True)]
+        return ProcessedVideos(
+            pixel_values_videos=torch.empty(0, self.patch_dim),
+            video_grid_thw=torch.tensor(grids, dtype=torch.long).view(-1, 3),
+            tokens_per_frame=[self.patches.tokens((1, h, w)) for _, h, w in grids],
+            frames=[t for t, _, _ in grids],
+            timestamps=[self._timestamps(kept, h.source_fps) for kept, h in zip(indices, headers, strict=True)],
+        )
 
     frame_text = staticmethod(frame_text)
 
