@@ -228,17 +228,14 @@ def launch_ranks(root, *args, env=None, timeout=240):
 
 
 def test_a_rank_that_raises_ends_both_processes_promptly_with_its_message(mixed):
-    """Rank 1 raises in step 2 while rank 0 goes on to the step's collectives: both processes end within seconds
-    (the collectives' timeout is 30 minutes), and the output names rank 1 and its error."""
-    base, _ = launch_ranks(mixed, "train", str(mixed / "base.yaml"), f"train.out={mixed / 'ok'}", "train.steps=2",
-                           "data.batch_size=1")  # the same launch without a failure: its time is the baseline
-    assert base.returncode == 0, base.stderr[-3000:]
+    """Rank 1 raises in step 2 while rank 0 goes on to the step's collectives: both processes end as soon as the
+    launch allows (the collectives' timeout is 30 minutes), and the output names rank 1 and its error."""
     result, seconds = launch_ranks(mixed, "train", str(mixed / "base.yaml"), f"train.out={mixed / 'fails'}",
                                    "train.steps=4", "data.batch_size=1", env={"FAIL_AT": "1:2"})
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "rank 1 cannot go on at step 2" in output and "rank 1 of 2 failed" in output, output[-3000:]
-    assert seconds < 120, seconds  # never the collectives' 30-minute wait
+    assert seconds < 180, seconds  # a start and a step (tens of seconds), never the collectives' 30-minute wait
 
 
 def test_resume_with_different_checkpoints_per_rank_is_refused_on_every_rank(mixed):
