@@ -78,7 +78,9 @@ def test_token_normalised_accumulation_uses_num_items_in_batch(names):
     """The trainer divides every micro-batch's token-loss sum by the global batch's supervised tokens."""
     model = tiny(names)
     batch = synthetic_batch(model, (1, 1), seed=2)
-    chunked, _ = assert_same(model, batch, num_items_in_batch=torch.tensor(1000))
+    # per tensor within 1e-4 (the whole gradient within 1e-6): scaled by tokens / 1000, a Gated DeltaNet
+    # projection's gradient is ~1e-5 in norm, where one thread's summation order alone moves it by 1.0014e-5 of it
+    chunked, _ = assert_same(model, batch, grad_tol=1e-4, num_items_in_batch=torch.tensor(1000))
     tokens = int((batch["labels"][:, 1:] != -100).sum())
     mean = model(**batch).loss
     assert chunked.loss.item() == pytest.approx(mean.item() * tokens / 1000, rel=1e-6)
