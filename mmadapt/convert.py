@@ -8,7 +8,6 @@ the meta device, loads the renamed weights strictly and calls its `save_pretrain
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -154,7 +153,6 @@ def save_transformers(model: Any, directory: str | os.PathLike, *, max_shard_siz
 
 def suppress_placeholders(generation_config: Any, tokens: Any) -> None:
     """The exported model never generates a placeholder: `suppress_tokens` (transformers' generate gives them -inf)
-    holds every span id of `tokens` (image / video pads, vision start / end), as `model.placeholder_ids` does for
+    holds every span id of `tokens` (image / video pads, vision start / end), as `SpanTokens.ids` gives them to
     mmadapt's own `generate`; ids already suppressed are kept."""
-    ids = {getattr(tokens, f.name) for f in dataclasses.fields(tokens)} - {None}
-    generation_config.suppress_tokens = sorted(ids | set(generation_config.suppress_tokens or ()))
+    generation_config.suppress_tokens = sorted(set(tokens.ids()) | set(generation_config.suppress_tokens or ()))

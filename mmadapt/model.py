@@ -528,9 +528,8 @@ def expect_architecture(module: nn.Module, build_preset: Any, what: str, preset:
 
 
 def placeholder_ids(tokens: SpanTokens) -> list[int]:
-    """The ids a model must never generate: every span token `tokens` declares (image and video placeholders, vision
-    start / end), sorted; an answer holding one would be read as visual input."""
-    return sorted({getattr(tokens, f.name) for f in dataclasses.fields(tokens)} - {None})
+    """The ids a model must never generate: every span token `tokens` declares (`SpanTokens.ids`)."""
+    return tokens.ids()
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,

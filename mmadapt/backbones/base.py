@@ -16,7 +16,7 @@ follow the top-level `tie_word_embeddings` of a VLM config (text configs often l
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from mmadapt.options import hf_options, resolve_preset
@@ -40,6 +40,11 @@ class SpanTokens:
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     video_token_id: int | None = None  # the video placeholder (Qwen's <|video_pad|>); None: the backbone has none
+
+    def ids(self) -> list[int]:
+        """Every span token id declared (placeholders, vision start / end), sorted: the ids a model must never
+        generate, since an answer holding one would be read as visual input."""
+        return sorted({getattr(self, f.name) for f in fields(self)} - {None})
 
 
 @dataclass(frozen=True, kw_only=True)
