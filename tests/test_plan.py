@@ -221,3 +221,32 @@ def test_a_probe_keeps_fewer_experts_when_they_are_large_with_the_same_plan(monk
     fewer = predict(config, gpus=1, device="cpu", probe=probe)
     assert fewer.per_gpu["parameters"] == every.per_gpu["parameters"]  # counted on the whole model
     assert fewer.per_gpu["total"] == pytest.approx(every.per_gpu["total"], rel=0.05)
+
+
+def test_half_precision_arithmetic_in_float32_counts_the_same_bytes_and_gives_the_same_dtypes():
+    """The probe's `WideArithmetic`: bf16 matmuls, convolutions and attention computed in float32 (fast on CPUs
+    without bf16 instructions) leave every count and every dtype as the bf16 step has them; values within bf16
+    rounding (atol 0.05 on outputs of order 1)."""
+    from mmadapt.train.plan.counting import WideArithmetic
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 16, 4, stride=4, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(16, 48, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.bfloat16)
+
+    def step(wide: bool) -> tuple:
+        conv.zero_grad(set_to_none=True)
+        linear.zero_grad(set_to_none=True)
+        with WideArithmetic() if wide else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with LiveBytes() as live:
+                h = conv(x).flatten(2).transpose(1, 2)
+                q, k, v = linear(h).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.float().square().mean().backward()
+        return live.peak, out.detach(), conv.weight.grad, linear.weight.grad
+
+    narrow, wide = step(False), step(True)
+    assert wide[0] == narrow[0]
+    for a, b in zip(wide[1:], narrow[1:], strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)

@@ -1,5 +1,6 @@
 """Counting bytes while the probe runs: `SavedBytes` (what autograd saves for the backward, by segment, through
-saved-tensor hooks) and `LiveBytes` (a dispatch mode: the peak of tensor storages alive at once)."""
+saved-tensor hooks) and `LiveBytes` (a dispatch mode: the peak of tensor storages alive at once); `WideArithmetic` keeps
+the probe fast where the CPU has no half-precision arithmetic."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from mmadapt.train.plan.segments import LOSS, SegmentKey
 
@@ -85,3 +86,37 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int, size: int) -> None:
         if self.live.pop(key, None) is not None:
             self.current -= size
+
+
+_aten = torch.ops.aten
+_HALF = (torch.bfloat16, torch.float16)
+WIDE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+            _aten.convolution.default, _aten.convolution_backward.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu.default,
+            _aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+
+
+class WideArithmetic(TorchDispatchMode):
+    """Matmuls, convolutions and attention on bfloat16 / float16 CPU tensors computed in float32 and rounded to the
+    dtypes the op would give (read off its meta kernel): the same shapes, dtypes and storage sizes, so the bytes
+    counted are the same. A CPU without bf16 instructions (AVX2 only) runs a bf16 matmul about 200x slower than a
+    float32 one, which made the probe of a 7B run take 15 minutes there. The probe measures bytes, not values.
+    Enter it outside `LiveBytes`, so the float32 temporaries are not counted (a GPU computes in half precision)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func not in WIDE_OPS or not any(t.dtype in _HALF and t.device.type == "cpu" for t in leaves):
+            return func(*args, **kwargs)
+        meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        out = func(*tree_map(_widened, args), **tree_map(_widened, kwargs))
+        return tree_map(lambda t, m: t.to(m.dtype) if isinstance(t, torch.Tensor) and t.dtype != m.dtype else t,
+                        out, meta)
+
+
+def _to_meta(t: Any) -> Any:
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def _widened(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF else t

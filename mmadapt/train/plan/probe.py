@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmadapt.train.config import RunConfig
-from mmadapt.train.plan.counting import LiveBytes, SavedBytes
+from mmadapt.train.plan.counting import LiveBytes, SavedBytes, WideArithmetic
 from mmadapt.train.plan.model import (
     available_parts,
     block_kinds,
@@ -141,7 +141,7 @@ def run_probe(config: RunConfig) -> dict[str, Any]:
         batch = _probe_batch(model, text, side, config.data.packing)
         model.zero_grad(set_to_none=True)
         saved = SavedBytes(model, tracked(model))
-        with LiveBytes() as live:
+        with WideArithmetic(), LiveBytes() as live:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), autocast:
                 loss = model(**batch).loss
             saved.close()
