@@ -3,13 +3,20 @@
 Loading a transformers directory is loading its three parts from it: each family reads its own
 weights (`ComponentConfig(pretrained=directory)`, see `mmadapt.weights`), built on the meta device,
 strictly, recording the directory as each part's source. Exporting builds the transformers model on
-the meta device, loads the renamed weights strictly and calls its `save_pretrained`.
+the meta device, loads the renamed weights strictly and calls its `save_pretrained`; the files then hold what the
+hub's checkpoints of the family hold, so that the loaders written for those (vLLM, SGLang) read them:
+`config.json` names the architecture the hub's checkpoints name (`Qwen3_5MoeForConditionalGeneration`, ...), and
+Qwen3-VL-MoE's experts are stored as the hub stores them, (E, hidden, 2 x intermediate) and (E, intermediate,
+hidden), where transformers 5 would write its own in-memory layout. The processor side of an export (image / video
+processor, chat template) is `mmadapt.processor.export_processor`'s; `mmadapt.directory.save` writes both.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +34,9 @@ QWEN3_5_KEYS = (("model.visual.merger.", "projector."), ("model.visual.", "encod
 # Qwen3-VL: the ViT's DeepStack level mergers are the projector's level projections.
 QWEN3_VL_KEYS = (("model.visual.deepstack_merger_list.", "projector.deepstack."), *QWEN3_5_KEYS)
 LLAVA_ENCODERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+# Qwen3-VL-MoE's fused experts: the module holds (E, 2I, H) / (E, H, I), the hub's files (E, H, 2I) / (E, I, H)
+HUB_TRANSPOSED = {"qwen3_vl_moe": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,12 @@ def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, 
     return cls(ModelConfig(**parts))
 
 
+def export_architecture(model: Any) -> str:
+    """The transformers `model_type` `model` exports as ("llava", "qwen3_5", ...); ValueError when none is
+    equivalent (nothing is built: the check is cheap, so an export checks it before writing anything)."""
+    return _export_target(model)[0]
+
+
 def _export_target(model: Any) -> tuple[str, Any]:
     """Which transformers architecture this component combination is, with its config."""
     import transformers
@@ -132,9 +148,12 @@ def _export_target(model: Any) -> tuple[str, Any]:
     )
 
 
-def save_transformers(model: Any, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+def save_transformers(model: Any, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                      eos_token_ids: list[int] | None = None) -> str:
     """The transformers model equal to `model`, saved by its `save_pretrained` into `directory` (a new directory:
-    `mmadapt.directory.save` stages it and swaps it in), sharded above `max_shard_size`."""
+    `mmadapt.directory.save` stages it and swaps it in), sharded above `max_shard_size`; returns its `model_type`.
+    `eos_token_ids` (the tokenizer's end of answer) join the generation config's, so transformers' `generate` and
+    the servers that read `generation_config.json` stop where `mmadapt chat` stops."""
     import transformers
 
     from mmadapt.weights import raise_on_key_mismatch
@@ -148,7 +167,41 @@ def save_transformers(model: Any, directory: str | os.PathLike, *, max_shard_siz
     raise_on_key_mismatch(missing, unexpected, "the mmadapt model", strict=True)
     hf_model.tie_weights()
     suppress_placeholders(hf_model.generation_config, model.tokens)
+    if eos_token_ids:
+        ids = hf_model.generation_config.eos_token_id
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        hf_model.generation_config.eos_token_id = sorted(set(ids) | set(eos_token_ids))
     hf_model.save_pretrained(directory, max_shard_size=max_shard_size)
+    if model_type in HUB_TRANSPOSED:
+        store_as_the_hub(Path(directory), HUB_TRANSPOSED[model_type])
+    return model_type
+
+
+def store_as_the_hub(directory: Path, suffixes: tuple[str, ...]) -> None:
+    """Rewrite the saved tensors whose names end in `suffixes` transposed in their last two dimensions: the layout of
+    the hub's files, which vLLM and SGLang read (they transpose at load) and transformers reads too (it transposes a
+    tensor whose shape is not its module's). A square tensor would read the same both ways, so transformers could not
+    tell the layouts apart: it is left in transformers' own layout, with a warning that servers reading the hub's
+    layout would read it transposed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as reader:
+            metadata, keys = reader.metadata(), list(reader.keys())
+            if not any(key.endswith(suffixes) for key in keys):
+                continue
+            tensors = {key: reader.get_tensor(key) for key in keys}
+        for key, tensor in tensors.items():
+            if not key.endswith(suffixes):
+                continue
+            if tensor.shape[-1] == tensor.shape[-2]:
+                log.warning("%s: %s is square (%s), so the hub's layout and transformers' own read the same; it is "
+                            "kept in transformers' layout, which vLLM / SGLang (written for the hub's) would read "
+                            "transposed", file.name, key, tuple(tensor.shape))
+                continue
+            tensors[key] = tensor.transpose(-1, -2).contiguous()
+        save_file(tensors, str(file), metadata=metadata)
 
 
 def suppress_placeholders(generation_config: Any, tokens: Any) -> None:

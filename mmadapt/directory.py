@@ -13,13 +13,30 @@ the new one, never a mix; another model there is replaced only when asked (`over
 A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its
 three parts (`mmadapt.convert`). Reading is strict: built on the meta device, every weight from the files
 (`mmadapt.weights.load_pretrained`), a missing weight always an error.
+
+What the model was trained with travels with it: `config.json`'s "data" holds the data settings that decide how a
+prompt is rendered and a video sampled (`DataConfig.preprocessing()`: the chat template, its `template_kwargs`, the
+video settings); `load` and `structure` attach them to the model (`data_settings(model)`), and `Processor.for_model`
+defaults to them, so chat, eval and serving build inputs as training did. A model that never saw a run has none
+(the defaults then apply).
+
+`save(..., format="transformers")` writes a directory that transformers' `AutoProcessor` and
+`AutoModelForImageTextToText` load, and that vLLM and SGLang serve as they serve the family's hub checkpoints
+(docs/export.md): the model (`mmadapt.convert.save_transformers`), its processor side (image and video processor
+configs, processor config, the tokenizer with the training chat template: `mmadapt.processor.export_processor`,
+installed here with `register_processor_export` because that layer knows the data pipeline, which this one may not
+import) and `mmadapt_export.json`: mmadapt's version, the data settings, the SHA-256 of every file written and of the
+checkpoint the weights were read from, and what transformers' processor cannot express.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +49,125 @@ from mmadapt.weights import (
     SAFETENSORS,
     SAFETENSORS_INDEX,
     Checkpoint,
+    Provenance,
     empty_weights,
     load_pretrained,
     save_weights,
 )
 
 CONFIG_FILE = "config.json"
+EXPORT_RECORD = "mmadapt_export.json"  # beside a transformers export: its version, data settings, checksums, notes
+DATA_KEY = "data"  # in config.json (mmadapt's format) and in the export record: the data settings
 CHECKPOINT_MARKER = "COMPLETE"  # a training checkpoint's (`mmadapt.train.checkpoint.MARKER`): not a model directory
 log = logging.getLogger(__name__)
 
 
 def describe(model: Any) -> dict[str, Any]:
-    """The `config.json` of `model`: its rebuildable config, its image processor's settings, its chat template."""
-    return {MMADAPT_KEY: model.resolved_config().to_dict(), "processor": model.encoder.processor_defaults(),
-            "chat_template": model.backbone_spec.chat_template}
+    """The `config.json` of `model`: its rebuildable config, its image processor's settings, its chat template and,
+    when known, the data settings it was trained with."""
+    described = {MMADAPT_KEY: model.resolved_config().to_dict(), "processor": model.encoder.processor_defaults(),
+                 "chat_template": model.backbone_spec.chat_template}
+    settings = data_settings(model)
+    return {**described, DATA_KEY: settings} if settings else described
+
+
+# ---- what a model remembers of where it came from -----------------------------------------------------------------
+def data_settings(model: Any) -> dict[str, Any]:
+    """A copy of the data settings `model` was trained with (`DataConfig.preprocessing()`), {} when unknown."""
+    return copy.deepcopy(getattr(model, "data_settings", None) or {})
+
+
+def set_data_settings(model: Any, settings: Mapping[str, Any] | None) -> Any:
+    """Remember `settings` (`DataConfig.preprocessing()`, or None for none) as the data settings `model` was trained
+    with: saved in its directories and exports, the defaults of `Processor.for_model`. Returns `model`."""
+    if settings is not None and not isinstance(settings, Mapping):
+        raise TypeError(f"data settings must be a mapping (DataConfig.preprocessing()), got {type(settings).__name__}")
+    model.data_settings = copy.deepcopy(dict(settings or {}))
+    return model
+
+
+@dataclass(frozen=True)
+class Source:
+    """The weight files a model was read from, as they were then (name, size, modification time): an export
+    records their SHA-256 while they are unchanged (`record`), without hashing anything at load."""
+
+    path: str
+    stamps: tuple[tuple[str, int, int], ...] = field(repr=False)
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> Source:
+        return cls(str(checkpoint.path.resolve()), _stamps(checkpoint))
+
+    def record(self) -> dict[str, Any]:
+        """{"path", "files", "sha256"} (`mmadapt.weights.Provenance`) of the files, or {"path", "sha256": None,
+        "note"} when they changed or went away since the model was read."""
+        try:
+            checkpoint = Checkpoint.open(self.path, what="source")
+            if _stamps(checkpoint) == self.stamps:
+                return Provenance(checkpoint).to_dict()
+            note = "its weight files changed after the model was read from it"
+        except (OSError, ValueError) as e:
+            note = f"it cannot be read any more ({e})"
+        return {"path": self.path, "sha256": None, "note": note}
+
+
+def _stamps(checkpoint: Checkpoint) -> tuple[tuple[str, int, int], ...]:
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)
+
+
+def set_source(model: Any, checkpoint: Checkpoint) -> Any:
+    """Remember that `model`'s weights were read from `checkpoint` (an export records its checksum). Returns
+    `model`."""
+    model.source = Source.of(checkpoint)
+    return model
+
+
+def source_record(model: Any) -> dict[str, Any] | None:
+    """Where `model`'s weights were read from, with their SHA-256 (`Source.record`); None for a model built in
+    code. A model changed in memory after loading (trained further) still names the files it started from: the
+    export's own files carry their checksums beside it."""
+    source = getattr(model, "source", None)
+    return source.record() if isinstance(source, Source) else None
+
+
+# ---- the processor side of a transformers export, installed by the layer above -------------------------------------
+@dataclass(frozen=True)
+class ProcessorExport:
+    """What the processor side of a transformers export wrote: its `files`, the ids that end an answer (for the
+    generation config) and its part of the export record (`mmadapt_version`, "data", "processor", "notes")."""
+
+    files: tuple[str, ...]
+    eos_token_ids: tuple[int, ...]
+    record: dict[str, Any]
+
+
+ProcessorWriter = Callable[[Any, Any, str, Path], ProcessorExport]
+_processor_writer: list[ProcessorWriter] = []
+
+
+def register_processor_export(writer: ProcessorWriter) -> None:
+    """Install `writer(model, tokenizer or None, architecture, directory)`, which writes a transformers export's
+    processor side. `mmadapt.processor` installs `export_processor` when it is imported, which `import mmadapt`
+    always does; a second writer replaces the first."""
+    _processor_writer[:] = [writer]
+
+
+def processor_writer() -> ProcessorWriter:
+    if not _processor_writer:
+        raise RuntimeError("no writer for a transformers export's processor is installed: import mmadapt (it installs "
+                           "mmadapt.processor.export_processor) before saving with format='transformers'")
+    return _processor_writer[0]
+
+
+def export_record(directory: str | os.PathLike) -> dict[str, Any]:
+    """The `mmadapt_export.json` of a transformers export mmadapt wrote; {} for any other directory."""
+    path = Path(directory) / EXPORT_RECORD
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is not a JSON object; it is not a record mmadapt wrote")
+    return record
 
 
 def write_config(model: Any, directory: str | os.PathLike) -> Path:
@@ -88,7 +210,9 @@ def is_model_directory(path: Path) -> bool:
 def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", tokenizer: Any = None,
          max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
     """A complete model directory, written atomically: weights, `config.json` and, given one, the tokenizer's files;
-    `format="transformers"` writes the equivalent transformers model (`mmadapt.convert.save_transformers`).
+    `format="transformers"` writes the equivalent transformers model with its processor and record (module
+    docstring). An export checks that the combination has a transformers equivalent and that the tokenizer fits the
+    model before it writes anything.
 
     Everything goes to a sibling temporary directory that is swapped in whole (`mmadapt.atomic.StagedDirectory`): a
     reader, or a write that fails or is killed, leaves `directory` as it was or as the new model, never a mix. An
@@ -96,17 +220,35 @@ def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", t
     never written into (`TargetExistsError`). A storage error (a full disk) is a `CheckpointWriteError`."""
     if format not in ("mmadapt", "transformers"):
         raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
-    with StagedDirectory(directory, what="model directory", overwrite=overwrite, recognise=is_model_directory) as stage:
-        if format == "transformers":
-            from mmadapt.convert import save_transformers
+    exporting = format == "transformers"
+    if exporting:
+        from mmadapt.convert import export_architecture
 
-            save_transformers(model, stage.path, max_shard_size=max_shard_size)
+        architecture, writer = export_architecture(model), processor_writer()  # before anything is written
+    with StagedDirectory(directory, what="model directory", overwrite=overwrite, recognise=is_model_directory,
+                         checksums=exporting) as stage:
+        if exporting:
+            _save_transformers(model, stage, architecture, writer(model, tokenizer, architecture, stage.path),
+                               max_shard_size)
         else:
             save_weights(model.state_dict(), stage.path, max_shard_size=max_shard_size, on_file=stage.record)
             stage.record(write_config(model, stage.path).name)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, stage.path)
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, stage.path)
     return Path(directory)
+
+
+def _save_transformers(model: Any, stage: StagedDirectory, architecture: str, processor: ProcessorExport,
+                       max_shard_size: int | str) -> None:
+    """The transformers model beside its processor files (written by `processor`), then the export record with the
+    SHA-256 of every file."""
+    from mmadapt.convert import save_transformers
+
+    save_transformers(model, stage.path, max_shard_size=max_shard_size, eos_token_ids=list(processor.eos_token_ids))
+    parts = {part: getattr(model.config, part).name for part in ("encoder", "projector", "backbone")}
+    record = {**processor.record, "format": "transformers", "architecture": architecture, "components": parts,
+              "loaded_from": source_record(model), "files": stage.settle()}
+    stage.write_bytes(EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
 
 
 def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
@@ -126,22 +268,29 @@ def save_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> None:
 
 
 def load(cls: type, directory: str | os.PathLike, *, strict: bool = True) -> Any:
-    """`cls` (the model class) from an mmadapt or transformers model directory; see the module docstring."""
+    """`cls` (the model class) from an mmadapt or transformers model directory, with the data settings it was
+    trained with and where it was read from attached (module docstring)."""
     saved = read_config(directory)
     if not is_mmadapt(saved):
         from mmadapt.convert import load_transformers
 
-        return load_transformers(cls, directory, saved)
-    checkpoint = Checkpoint.open(directory, what="model")
-    return load_pretrained(lambda: cls(model_config(saved)), checkpoint, what=f"model {directory}",
-                           tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False)
+        model = load_transformers(cls, directory, saved)  # an unsupported model_type is refused before any weight
+        checkpoint = Checkpoint.open(directory, what="model")
+        settings = export_record(directory).get(DATA_KEY)
+    else:
+        checkpoint = Checkpoint.open(directory, what="model")
+        model = load_pretrained(lambda: cls(model_config(saved)), checkpoint, what=f"model {directory}",
+                                tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False)
+        settings = saved.get(DATA_KEY)
+    return set_source(set_data_settings(model, settings), checkpoint)
 
 
 def structure(cls: type, directory: str | os.PathLike) -> Any:
     """The model of `directory` with its parameters on the meta device (its structure, no weights read), for what
-    needs only the parts' settings (the processor); a transformers directory is loaded as it comes."""
+    needs only the parts' settings (the processor), with its data settings attached; a transformers directory is
+    loaded as it comes."""
     saved = read_config(directory)
     if not is_mmadapt(saved):
         return load(cls, directory)
     with empty_weights():
-        return cls(model_config(saved))
+        return set_data_settings(cls(model_config(saved)), saved.get(DATA_KEY))

@@ -81,3 +81,9 @@ def test_gpu_check_runs_every_check_on_the_cpu(tmp_path, monkeypatch):
     for backbone in ("llama", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"):
         assert f"+{backbone} tiny" in out, backbone
     assert "FAIL" not in out
+
+
+@pytest.mark.slow
+def test_bench_serve_quick_run_prints_its_table():
+    out = run("bench_serve.py", "--quick", timeout=600)
+    assert "### Generation:" in out and "| mmadapt serve (HTTP, streamed, openai client) |" in out

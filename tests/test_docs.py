@@ -44,6 +44,7 @@ RUN_BY = {
     "data show": "tests/test_templates.py::test_data_show_prints_the_samples_with_supervised_tokens_marked",
     "numerics dump": "tests/test_numerics.py::test_cli_dump",
     "numerics compare": "tests/test_numerics.py::test_cli_compare_writes_json_and_plot",
+    "serve": "tests/test_lmms_eval.py::test_lmms_eval_model_openai_against_mmadapt_serve_gives_the_same_score",
     "demo": "tests/test_demo.py::test_a_short_demo_run_passes_its_verdict_and_writes_every_output",
 }
 

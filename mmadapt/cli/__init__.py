@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mmadapt.cli import data, explain, inference, tools, train
+from mmadapt.cli import data, explain, inference, serve, tools, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_chat_command(sub)
     inference.add_eval_command(sub)
     inference.add_sees_command(sub)
+    serve.add_serve_command(sub)
     explain.add_explain_command(sub)
     tools.add_numerics_commands(sub)
     tools.add_demo_command(sub)

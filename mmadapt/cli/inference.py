@@ -59,9 +59,10 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     from mmadapt.data import Collator, SampleEncoder
     from mmadapt.data.samples import read_records
     from mmadapt.inference import load_for_inference
+    from mmadapt.processor import trained_settings
 
     model, tokenizer = load_for_inference(args.model, args.adapters)
-    settings = data_settings(args)
+    settings = {**trained_settings(model), **data_settings(args)}  # as trained, but for what the flags give
     settings["image_root"] = settings.get("image_root") or str(Path(args.data).parent)
     encoder = SampleEncoder.for_model(model, tokenizer, **settings)
     records = read_records(args.data, errors="report")  # a bad line is a counted problem, as in training

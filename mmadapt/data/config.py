@@ -23,6 +23,10 @@ DEFAULT_MAX_SAMPLE_PIXELS: Final[int] = 128 * 1024 * 1024
 DEFAULT_MAX_SAMPLE_FRAMES: Final[int] = 1024
 DEFAULT_MAX_VIDEO_BYTES: Final[int] = 1 << 30
 
+PREPROCESSING: Final[tuple[str, ...]] = ("chat_template", "template_kwargs", "chat_template_mismatch", "video")
+"""The `DataConfig` fields a model directory records (`DataConfig.preprocessing`); the others (paths, limits, lengths)
+belong to a dataset, not to the model."""
+
 Truncation = Literal["drop", "raise", "text"]
 Mismatch = Literal["error", "warn"]
 
@@ -94,6 +98,14 @@ class DataConfig:
         """The data settings of `config` (a `DataConfig` or a run's `DataSection`) with `changes`."""
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)} if config is not None else {}
         return cls(**{**values, **changes})
+
+    def preprocessing(self) -> dict[str, Any]:
+        """The settings that decide how a prompt is rendered and its videos sampled (`PREPROCESSING`), as plain
+        JSON values: what a model directory remembers of its training data (`mmadapt.directory.set_data_settings`),
+        so that `Processor.for_model` builds inference inputs as training built them. `DataConfig(**settings)` reads
+        them back."""
+        values = {name: getattr(self, name) for name in PREPROCESSING}
+        return {**values, "template_kwargs": dict(self.template_kwargs), "video": self.video.to_dict()}
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,10 @@ class TrainSection:
     clip_grad_norm: float | None = 1.0
     seed: int = 0
     eval_every: int = 0
+    # lmms-eval tasks (task names, or task YAML files) the model is evaluated on at each eval step and at the end, in
+    # this process, as `mmadapt chat` would answer (`mmadapt.train.lmms`; `pip install 'mmadapt[lmms]'`): scores
+    # logged as lmms/TASK/METRIC, each step's answers and record in OUT/lmms_eval/
+    eval_tasks: list[str] = field(default_factory=list)
     log_every: int = 10
     max_consecutive_skips: int = 5
     # recompute activations in the backward instead of keeping them (non-reentrant, per decoder layer / vision
@@ -128,6 +132,9 @@ class TrainSection:
         if unknown:
             raise ValueError(f"train.report_to: unknown {unknown}; known: {list(REPORTERS)}")
         self.report_to = ["jsonl", *[n for n in REPORTERS[1:] if n in names]]
+        if not all(isinstance(t, str) and t for t in self.eval_tasks):
+            raise ValueError(f"train.eval_tasks must be a list of lmms-eval task names or task YAML files, got "
+                             f"{self.eval_tasks!r}")
         if self.steps < 1 or self.grad_accum < 1:
             raise ValueError(f"train.steps ({self.steps}) and train.grad_accum ({self.grad_accum}) must be >= 1")
         if self.epochs is not None and self.epochs <= 0:

@@ -18,6 +18,7 @@ from typing import Any
 
 from mmadapt import directory as model_directory
 from mmadapt.atomic import TargetExistsError, check_target
+from mmadapt.data.config import DataConfig
 from mmadapt.data.tokenizer import load_tokenizer
 from mmadapt.model import VisionLanguageModel
 from mmadapt.train.checkpoint import MARKER, latest_checkpoint
@@ -55,7 +56,9 @@ def load_trained(src: str | Path) -> tuple[Any, Any]:
 
 def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
     """The model of checkpoint `path` of `run`: built with the run's LoRA layers (so the state's keys match), loaded
-    strictly, LoRA merged, frozen and in eval mode."""
+    strictly, LoRA merged, frozen and in eval mode, with the data settings it was trained with (its `config.json`'s,
+    else - a checkpoint written before they were saved there - its run's `data` section) and its source attached
+    (`mmadapt.directory`)."""
     saved = model_directory.read_config(path)
     config = model_directory.model_config(saved)
     lora = "lora" in run.stages.modes().values()
@@ -66,16 +69,22 @@ def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
             apply_stages(model, run.stages, run.lora)
         return model
 
-    model = load_pretrained(build, Checkpoint.open(path, what="checkpoint"), what=f"checkpoint {path}",
-                            tied=lambda m: m.backbone_tied_keys(), provenance=False)
+    checkpoint = Checkpoint.open(path, what="checkpoint")
+    model = load_pretrained(build, checkpoint, what=f"checkpoint {path}", tied=lambda m: m.backbone_tied_keys(),
+                            provenance=False)
     if lora_modules(model):
         merge_lora(model)
     model.requires_grad_(False)
+    settings = saved.get(model_directory.DATA_KEY) or DataConfig.of(run.data).preprocessing()
+    model_directory.set_source(model_directory.set_data_settings(model, settings), checkpoint)
     return model.eval()
 
 
 def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwrite: bool = False) -> Path:
-    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`.
+    """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`. `format="transformers"`
+    writes what transformers, vLLM and SGLang load, with the processor settings and chat template the model was
+    trained with and a record of mmadapt's version and of the checksums of `src` and of every file written
+    (`mmadapt.directory.save`, docs/export.md).
 
     Atomic (`VisionLanguageModel.save_pretrained`): `dst` ends as it was or as the whole new model, never a mix. A
     `dst` that already holds a model directory is replaced only with `overwrite=True` (`mmadapt export --overwrite`;

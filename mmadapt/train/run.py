@@ -84,10 +84,16 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
 
     if config.data.train is None:
         raise ValueError("data.train is not set: give a LLaVA or messages .json/.jsonl file (data.train=PATH)")
+    from mmadapt import directory as model_directory
+    from mmadapt.data.config import DataConfig
+
     torch.manual_seed(config.train.seed)
     model = model if model is not None else build_model_from(config)
     tokenizer = load_tokenizer(tokenizer_source(config))
     d = config.data
+    # what this run renders and samples is what the model remembers: saved with its checkpoints, OUT/model and
+    # exports, the defaults of Processor.for_model (chat, eval, serving)
+    model_directory.set_data_settings(model, DataConfig.of(d).preprocessing())
     encoder = SampleEncoder.for_model(model, tokenizer, config=d)
     collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
     train = VLMDataset(d.train, encoder)

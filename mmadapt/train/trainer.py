@@ -152,6 +152,10 @@ class Trainer:
         self.tokenizer = tokenizer
         self.eval_data, self.evaluate = eval_data, evaluate
         self.dist = dist_utils.init(config.distributed.timeout_minutes)
+        if config.train.eval_tasks:  # lmms-eval (mmadapt.train.lmms): checked before training starts
+            from mmadapt.train.lmms import check_eval_tasks
+
+            check_eval_tasks(config.train.eval_tasks, world=self.dist.world, tokenizer=tokenizer)
         self.device = self.dist.device
         self.out = Path(config.train.out)
         torch.manual_seed(config.train.seed)
@@ -260,7 +264,7 @@ class Trainer:
             self.tracker.close()
         if last_eval is not None:  # the last step was just evaluated
             final_eval = last_eval
-        elif self.eval_data is not None or self.evaluate is not None:
+        elif self.eval_data is not None or self.evaluate is not None or t.eval_tasks:
             final_eval = self.run_eval()
         else:
             final_eval = {}
@@ -439,6 +443,10 @@ class Trainer:
             out["eval_loss"] = total / max(tokens, 1)
         if self.evaluate is not None:
             out.update(self.evaluate(self.model, self.step))
+        if self.cfg.train.eval_tasks:
+            from mmadapt.train.lmms import evaluate_tasks
+
+            out.update(evaluate_tasks(self.model, self.tokenizer, self.cfg, step=self.step, out=self.out))
         self.wrapped.train()
         return out
 

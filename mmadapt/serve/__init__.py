@@ -1,0 +1,20 @@
+"""`mmadapt serve`: an OpenAI-compatible HTTP API over a trained model (FastAPI + uvicorn; extra `serve`).
+
+    from mmadapt.serve import BackgroundServer, ServeSettings, create_app, load_app
+    app = load_app("runs/colours", settings=ServeSettings(name="colours", api_key="secret"))
+    with BackgroundServer(app) as server:                       # or mmadapt.serve.run(app, port=8000)
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret").chat.completions.create(...)
+
+`create_app` (app.py) builds the API over a model and its Processor, testable without a socket; each request is
+answered by `mmadapt.inference.respond` (the code `mmadapt chat` runs) on one worker thread (worker.py);
+protocol.py is the request, its checks and the response bodies; media.py loads what `image_url` / `video_url` parts
+name; errors.py is OpenAI's error shape; runner.py runs uvicorn. The surface, limits and errors: docs/serving.md.
+"""
+
+from mmadapt.serve.app import ServeSettings, create_app
+from mmadapt.serve.errors import APIError
+from mmadapt.serve.media import MediaPolicy
+from mmadapt.serve.runner import BackgroundServer, default_name, load_app, run
+
+__all__ = ["APIError", "BackgroundServer", "MediaPolicy", "ServeSettings", "create_app", "default_name", "load_app",
+           "run"]

@@ -1,0 +1,287 @@
+"""`mmadapt serve` through the official `openai` client against a real uvicorn server on 127.0.0.1 (a free port, on a
+thread, stopped at the end): a tiny Qwen3.5 model saved with Qwen's real tokenizer and its template answers as `mmadapt
+chat` does, token for token; the parameters behave as OpenAI documents; every refusal has OpenAI's error shape and the
+server goes on answering; a full queue is a 429; a client that leaves mid-stream frees the model."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from helpers import noise_image
+from real_tokenizers import real_tokenizer
+
+import mmadapt
+from mmadapt import Processor
+from mmadapt.cli import main
+from mmadapt.inference import Chat
+from mmadapt.serve import BackgroundServer, MediaPolicy, ServeSettings, load_app
+from mmadapt.serve.errors import APIError
+from mmadapt.serve.media import load_image_url
+
+KEY = "test-key"
+PROMPT = "Describe the picture."
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    torch.manual_seed(0)
+    model = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5").eval()
+    tokenizer = real_tokenizer("qwen3")
+    Processor.for_model(model, tokenizer, chat_template="qwen3_5")  # Qwen3.5's official template, thinking on
+    model.save_pretrained(root / "model", tokenizer=tokenizer)
+    images = root / "images"
+    images.mkdir()
+    (images / "link.png").symlink_to(noise_image(root / "outside.png", seed=1))
+    settings = ServeSettings(name="tiny", api_key=KEY, media=MediaPolicy(image_root=images), max_queue=1)
+    app = load_app(root / "model", settings=settings)
+    with BackgroundServer(app) as server:
+        yield SimpleNamespace(url=server.url, service=app.state.service, model_dir=root / "model", root=root,
+                              png=noise_image(images / "noise.png", seed=0, size=48))
+
+
+def client(served, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def question(url: str, text: str = PROMPT) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def create(served, messages=None, **params):
+    params = {"temperature": 0, "max_tokens": 2, **params}
+    return client(served).chat.completions.create(model="tiny", messages=messages or question(
+        data_url(served.png.read_bytes())), **params)
+
+
+def health(served) -> dict:
+    return httpx.get(f"{served.url}/health", timeout=10).json()
+
+
+# ---- the answer ----------------------------------------------------------------------------------------------------
+def test_whole_and_streamed_answers_equal_mmadapt_chat_token_for_token(served, capsys, monkeypatch):
+    chats = []
+
+    def load(src, adapters=None, *, sampling):  # `mmadapt chat`'s own code, on the model the server loaded
+        assert Path(src) == served.model_dir and adapters is None
+        chats.append(Chat(served.service.model, served.service.processor, sampling=sampling))
+        return chats[-1]
+
+    monkeypatch.setattr(Chat, "load", load)
+    assert main(["chat", str(served.model_dir), "--image", str(served.png), "--max-new-tokens", "12",
+                 f"<image>{PROMPT}"]) == 0
+    printed = capsys.readouterr().out
+    expected = chats[0].last
+    assert expected.text + "\n" == printed
+    assert len(expected.token_ids) == 12 and expected.usage.image_tokens > 0
+
+    whole = create(served, max_tokens=12, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.message.content + "\n" == printed and choice.token_ids == list(expected.token_ids)
+    assert choice.finish_reason == "length" and choice.logprobs is None and whole.model == "tiny"
+    usage = whole.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        expected.usage.prompt_tokens, 12, expected.usage.prompt_tokens + 12)
+    assert usage.prompt_tokens_details.image_tokens == expected.usage.image_tokens
+
+    chunks = list(create(served, max_tokens=12, stream=True, stream_options={"include_usage": True},
+                         extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump() == usage.model_dump()
+    body = [c.choices[0] for c in chunks[:-1]]
+    assert "".join(c.delta.content or "" for c in body) + "\n" == printed
+    assert [t for c in body for t in (c.token_ids or [])] == list(expected.token_ids)
+    assert body[-1].finish_reason == "length" and all(c.finish_reason is None for c in body[:-1])
+    assert len({c.id for c in chunks}) == 1 and all(c.usage is None for c in chunks[:-1])
+
+
+def test_an_image_under_the_image_root_answers_as_its_data_url(served):
+    by_url = create(served, max_tokens=4, extra_body={"return_token_ids": True})
+    for path in ("noise.png", f"file://{served.png}"):
+        by_path = create(served, question(path), max_tokens=4, extra_body={"return_token_ids": True})
+        assert by_path.choices[0].token_ids == by_url.choices[0].token_ids
+
+
+def test_max_tokens_stop_logprobs_and_seed_behave_as_openai_documents(served):
+    assert create(served, max_tokens=5).usage.completion_tokens == 5
+    assert create(served, max_completion_tokens=3, max_tokens=None).usage.completion_tokens == 3
+
+    full = create(served, max_tokens=12).choices[0].message.content
+    start, stop = next((k, full[k:k + n]) for n in (2, 1) for k in range(1, len(full) - n)  # first seen at k, whole
+                       if full.find(full[k:k + n]) == k and "\ufffd" not in full[k:k + n])
+    stop = [stop, "never there"]
+    cut = create(served, max_tokens=12, stop=stop)
+    assert cut.choices[0].message.content == full[:start] and cut.choices[0].finish_reason == "stop"
+    streamed = list(create(served, max_tokens=12, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:start]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+    scored = create(served, max_tokens=6, logprobs=True, top_logprobs=3)
+    entries = scored.choices[0].logprobs.content
+    assert len(entries) == scored.usage.completion_tokens == 6 and scored.choices[0].finish_reason == "length"
+    for entry in entries:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, tops[0])  # greedy takes the likeliest
+    text = bytes(b for entry in entries for b in entry.bytes).decode("utf-8", errors="replace")
+    assert text.strip() == scored.choices[0].message.content  # the tokens' bytes make the answer
+
+    def sampled(seed: int) -> list[int]:
+        answer = create(served, max_tokens=8, temperature=1.0, seed=seed, extra_body={"return_token_ids": True})
+        return answer.choices[0].token_ids
+
+    assert sampled(11) == sampled(11) and sampled(11) != sampled(12)
+
+
+def test_a_video_url_reaches_a_qwen_model(served, tmp_path):
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for k in range(4):
+            frame = np.full((32, 32, 3), 60 * k, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(
+        path.read_bytes(), "video/mp4")}}, {"type": "text", "text": "What moves?"}]}]
+    answer = create(served, messages)
+    details = answer.usage.prompt_tokens_details
+    assert details.video_tokens > 0 and details.image_tokens == 0 and answer.usage.completion_tokens == 2
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+def refusals(served) -> dict:
+    png = served.png.read_bytes()
+    return {  # case: (request, expected exception, status, code)
+        "not an image": (dict(messages=question(data_url(b"GIF? no: plain text"))), openai.BadRequestError, 400,
+                         "invalid_image_format"),
+        "truncated image": (dict(messages=question(data_url(png[: len(png) // 2]))), openai.BadRequestError, 400,
+                            "invalid_image"),
+        "path outside the root": (dict(messages=question("../outside.png")), openai.BadRequestError, 400,
+                                  "path_outside_root"),
+        "symlink out of the root": (dict(messages=question("link.png")), openai.BadRequestError, 400,
+                                    "path_outside_root"),
+        "http url": (dict(messages=question("http://127.0.0.1:9/cat.png")), openai.BadRequestError, 400,
+                     "remote_media_disabled"),
+        "unsupported parameter": (dict(tools=[{"type": "function", "function": {"name": "f"}}]),
+                                  openai.BadRequestError, 400, "unsupported_parameter"),
+        "unimplemented penalty": (dict(frequency_penalty=0.5), openai.BadRequestError, 400, "unsupported_parameter"),
+        "n > 1": (dict(n=2), openai.BadRequestError, 400, "invalid_value"),
+        "placeholder text": (dict(messages=[{"role": "user", "content": "<|image_pad|> hi"}]), openai.BadRequestError,
+                             400, "placeholder_in_text"),
+        "unknown model": (dict(model="gpt-4o"), openai.NotFoundError, 404, "model_not_found"),
+        "wrong key": (dict(api_key="wrong"), openai.AuthenticationError, 401, "invalid_api_key"),
+    }
+
+
+@pytest.mark.parametrize("case", ["not an image", "truncated image", "path outside the root",
+                                  "symlink out of the root", "http url", "unsupported parameter",
+                                  "unimplemented penalty", "n > 1", "placeholder text", "unknown model", "wrong key"])
+def test_a_refused_request_gets_openais_error_shape_and_the_server_answers_the_next(served, case):
+    request, error, status, code = refusals(served)[case]
+    request = {"model": "tiny", "messages": question(data_url(served.png.read_bytes())), "max_tokens": 2, **request}
+    api = client(served, request.pop("api_key", KEY))
+    with pytest.raises(error) as raised:
+        api.chat.completions.create(**request)
+    body = raised.value.response.json()["error"]
+    assert raised.value.status_code == status and body["code"] == code and body["message"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert create(served).choices[0].message.content is not None  # the next request is answered
+
+
+def test_a_full_queue_answers_429_with_retry_after_then_serves_again(served):
+    gate, worker = threading.Event(), served.service.worker
+    busy = [worker.submit(lambda: gate.wait(30)) for _ in range(2)]  # a long generation and one waiting (max_queue 1)
+    try:
+        with pytest.raises(openai.RateLimitError) as raised:
+            create(served)
+        assert int(raised.value.response.headers["retry-after"]) >= 1
+        assert raised.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert health(served)["waiting"] == 1
+    finally:
+        gate.set()
+        for job in busy:
+            job.result(timeout=30)
+    assert create(served).usage.completion_tokens == 2
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_model(served):
+    before = health(served)["cancelled"]
+    stream = create(served, max_tokens=4000, stream=True)  # minutes of generation if nobody stopped it
+    pieces = [next(stream) for _ in range(3)]
+    assert pieces[0].choices[0].delta.role == "assistant"
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 20
+    while (state := health(served))["running"] or state["waiting"]:
+        assert time.monotonic() < deadline, f"the model is still busy 20 s after the client left: {state}"
+        time.sleep(0.1)
+    assert state["cancelled"] == before + 1
+    assert create(served).usage.completion_tokens == 2
+
+
+# ---- the rest of the surface ---------------------------------------------------------------------------------------
+def test_models_and_health(served):
+    assert [m.id for m in client(served).models.list().data] == ["tiny"]
+    assert client(served).models.retrieve("tiny").owned_by == "mmadapt"
+    assert health(served)["status"] == "ok" and health(served)["model"] == "tiny"
+    missing = httpx.get(f"{served.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_remote_images_load_only_when_allowed(served):
+    png = served.png.read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server calls it by this name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/noise.png"
+    try:
+        image = load_image_url(url, MediaPolicy(allow_remote=True), "p")
+        assert image.size == (48, 48) and image.tobytes() == load_image_url(data_url(png), MediaPolicy(), "p").tobytes()
+        with pytest.raises(APIError, match="over the limit"):
+            load_image_url(url, MediaPolicy(allow_remote=True, max_image_bytes=100), "p")
+        with pytest.raises(APIError, match="remote image URLs are off"):
+            load_image_url(url, MediaPolicy(), "p")
+    finally:
+        server.shutdown()
+
+
+def test_mmadapt_serve_builds_its_settings_from_the_command_line(served, monkeypatch):
+    import mmadapt.serve as serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "load_app", lambda src, adapters, *, settings, device: seen.update(
+        src=src, settings=settings) or "app")
+    monkeypatch.setattr(serve, "run", lambda app, **options: seen.update(app=app, **options))
+    monkeypatch.setenv("MMADAPT_API_KEY", "from-env")
+    images = str(Path(served.png).parent)
+    assert main(["serve", str(served.model_dir), "--image-root", images, "--port", "8123", "--max-queue", "3"]) == 0
+    settings = seen["settings"]
+    assert (seen["app"], seen["host"], seen["port"]) == ("app", "127.0.0.1", 8123)
+    assert (settings.name, settings.api_key, settings.max_queue) == ("model", "from-env", 3)
+    assert settings.media.image_root == Path(images) and not settings.media.allow_remote
