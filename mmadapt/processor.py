@@ -19,6 +19,12 @@ inputs as this processor - the image processor (`Qwen2VLImageProcessor`, or `Lla
 pad-to-square in the mean colour), Qwen's video processor (`Qwen3VLVideoProcessor` with the training sampling), the
 processor config (`Qwen3VLProcessor`, or `LlavaProcessor` with its token arithmetic) and the tokenizer with the
 training chat template and its `template_kwargs`.
+
+Videos: mmadapt (as Qwen's reference processor, transformers 4.57) replaces a video's
+`<|vision_start|><|video_pad|><|vision_end|>` whole by its per-frame `<t seconds><|vision_start|>...<|vision_end|>`
+blocks; transformers >= 5.10 replaces only the `<|video_pad|>`, keeping two more tokens around them. The exported
+template therefore writes a video part as the bare `<|video_pad|>`, which every one of those processors expands to
+exactly the training stream.
 """
 
 from __future__ import annotations
@@ -169,11 +175,12 @@ PIL_RESAMPLE: Final[dict[str, int]] = {"nearest": 0, "lanczos": 1, "bilinear": 2
                                        "hamming": 5}  # PIL.Image.Resampling, as preprocessor configs write it
 QWEN_PROCESSOR: Final[str] = "Qwen3VLProcessor"  # what transformers maps qwen3_5(_moe) and qwen3_vl(_moe) to
 PARTS_MARK: Final[str] = "{#- mmadapt: OpenAI-style content parts read as the training template's text -#}"
-VIDEO_WRAPPER_NOTE: Final[str] = (
-    "videos: transformers >= 5's Qwen3VLProcessor keeps the chat template's <|vision_start|> / <|vision_end|> around "
-    "a video's per-frame blocks (two tokens per video that training did not have); Qwen's reference processor, "
-    "transformers 4.57, vLLM and mmadapt replace the whole <|vision_start|><|video_pad|><|vision_end|>. Images are "
-    "exact. With transformers >= 5, render video prompts with mmadapt (Processor) or serve with vLLM")
+VIDEO_PART_NOTE: Final[str] = (
+    "videos: the exported template writes a video part as a bare <|video_pad|>, which transformers' "
+    "Qwen3VLProcessor (4.57 and >= 5) and vLLM with vllm-project/vllm#41359 on transformers >= 5.10 expand to "
+    "exactly training's per-frame blocks; a vLLM that looks for the whole <|vision_start|><|video_pad|><|vision_end|> "
+    "string (before that change, or on transformers < 5.10) refuses the video ('found 0 prompt updates'): upgrade "
+    "vLLM and transformers")
 
 
 def export_processor(model: Any, tokenizer: Any, architecture: str,
@@ -273,7 +280,7 @@ def expression_notes(images: Any, data: DataConfig) -> list[tuple[str, bool]]:
               f"short side to {ratio}:1 in the mean colour first, transformers {unlike}", False)]
     if images.dynamic:
         frames = "24 fps" if data.video.frames_fps is None else f"{data.video.frames_fps:g} fps (data.video.frames_fps)"
-        notes += [(VIDEO_WRAPPER_NOTE, True),
+        notes += [(VIDEO_PART_NOTE, True),
                   (f"videos given as lists of frames: mmadapt takes them as sampled already, at {frames}; "
                    "transformers' video processor samples them again unless called with do_sample_frames=False and "
                    "their metadata", True)]
@@ -294,11 +301,12 @@ def save_trained_tokenizer(model: Any, tokenizer: Any, data: DataConfig,
         encoder = SampleEncoder.for_model(model, tokenizer, config=data)
         eos = tuple(Processor(encoder, Collator.for_model(model, encoder.pad_token_id)).eos_token_ids)
         tokens, note = model.tokens, None
-        video = None
-        if encoder.video_token_id is not None:
-            video = "".join(tokenizer.convert_ids_to_tokens([tokens.vision_start_token_id, tokens.video_token_id,
-                                                             tokens.vision_end_token_id]))
-        if not renders_parts(tokenizer, encoder.image_text, video):
+        video = wrapped = None
+        if encoder.video_token_id is not None:  # a video part is the bare pad: module docstring, "Videos"
+            start, video, end = tokenizer.convert_ids_to_tokens([tokens.vision_start_token_id, tokens.video_token_id,
+                                                                 tokens.vision_end_token_id])
+            wrapped = start + video + end
+        if not renders_parts(tokenizer, encoder.image_text, video, wrapped):
             tokenizer.chat_template = reading_parts(tokenizer.chat_template, encoder.image_text, video)
             note = ("the training chat template renders string content only: the exported one reads OpenAI-style "
                     f"content parts through a prelude in front of it, an image part written {encoder.image_text!r}"
@@ -330,16 +338,17 @@ def check_fits(model: Any, tokenizer: Any, data: DataConfig) -> None:
                          "the embeddings, as training does), or pass the tokenizer the model was trained with")
 
 
-def renders_parts(tokenizer: Any, image_text: str, video_text: str | None) -> bool:
-    """Whether `tokenizer`'s chat template writes `image_text` for an image part (and `video_text` for a video part)
-    of a message's content list, as transformers' processors pass them."""
+def renders_parts(tokenizer: Any, image_text: str, video_text: str | None, video_wrapped: str | None = None) -> bool:
+    """Whether `tokenizer`'s chat template writes `image_text` for an image part (and `video_text`, not inside
+    `video_wrapped`, for a video part) of a message's content list, as transformers' processors pass them."""
     parts = [{"type": "image"}, *([{"type": "video"}] if video_text else []), {"type": "text", "text": "?"}]
     try:
         text = JinjaTemplate(name="export", description="").apply(
             tokenizer, [{"role": "user", "content": parts}], add_generation_prompt=True)
     except TemplateRenderError:
         return False
-    return text.count(image_text) == 1 and (video_text is None or text.count(video_text) == 1)
+    return text.count(image_text) == 1 and (video_text is None or (
+        text.count(video_text) == 1 and not (video_wrapped and video_wrapped in text)))
 
 
 def reading_parts(jinja: str, image_text: str, video_text: str | None) -> str:

@@ -9,8 +9,8 @@ using transformers alone on that directory:
 - `AutoProcessor.apply_chat_template` on a two-turn conversation with two images of different sizes gives mmadapt
   `Processor`'s `input_ids`, `pixel_values` and `image_grid_thw` exactly;
 - a video file (Qwen families; frames as transformers' pyav reader decodes them, its own fps sampling) gives the same
-  `pixel_values_videos` and `video_grid_thw`, and mmadapt's ids with the one documented difference: transformers 5
-  keeps the template's `<|vision_start|>` / `<|vision_end|>` around the per-frame blocks (docs/export.md);
+  `pixel_values_videos`, `video_grid_thw` and ids (the exported template writes a video part as the bare
+  `<|video_pad|>`: docs/export.md);
 - `AutoModelForImageTextToText` gives mmadapt's logits (fp32, <= 1e-5) on the image prompt and on the video prompt
   as mmadapt renders it, and transformers' `generate` gives mmadapt's greedy continuation.
 Also: the export record (version, data settings, every file's SHA-256, the source's), the architectures the hub
@@ -144,6 +144,11 @@ def test_autoprocessor_builds_mmadapts_inputs_for_images(export, auto):
     text = export.processor.tokenizer.decode(ours["input_ids"][0])
     if export.family.settings.get("template_kwargs"):  # the trained non-thinking prompt, with nothing passed again
         assert text.endswith("<think>\n\n</think>\n\n")
+        assert processor.apply_chat_template(conversation(images()), add_generation_prompt=True,
+                                             tokenize=False).endswith("<think>\n\n</think>\n\n")
+        thinking = processor.apply_chat_template(conversation(images()), add_generation_prompt=True, tokenize=False,
+                                                 enable_thinking=True)  # a default: a caller (a server) may change it
+        assert thinking.endswith("<|im_start|>assistant\n<think>\n")
 
 
 def test_the_models_logits_and_greedy_answer_equal_mmadapts(export, auto):
@@ -173,10 +178,10 @@ def video_conversation(part: dict) -> list[dict]:
     return [{"role": "user", "content": [part, {"type": "text", "text": "Which way does it move?"}]}]
 
 
-def test_autoprocessor_samples_and_preprocesses_a_video_as_mmadapt_and_keeps_one_wrapper_pair(export, auto, video):
-    """Same frames, pixels and grid; the ids are mmadapt's (Qwen's reference stream) with the outer
-    <|vision_start|> / <|vision_end|> transformers 5 leaves around the per-frame blocks: the documented difference.
-    On mmadapt's stream the exported model gives mmadapt's logits (what vLLM feeds it)."""
+def test_autoprocessor_samples_preprocesses_and_writes_a_video_as_mmadapt(export, auto, video):
+    """Same frames, pixels, grid and ids: the exported template writes a video part as the bare <|video_pad|>, which
+    transformers' processor expands to mmadapt's per-frame blocks with no outer <|vision_start|> / <|vision_end|>
+    (Qwen's reference stream); the exported model gives mmadapt's logits on it."""
     if not export.qwen:
         pytest.skip("LLaVA takes no video")
     from transformers.video_utils import read_video_pyav
@@ -191,13 +196,11 @@ def test_autoprocessor_samples_and_preprocesses_a_video_as_mmadapt_and_keeps_one
     assert torch.equal(theirs["pixel_values_videos"], ours["pixel_values_videos"])
     assert torch.equal(theirs["video_grid_thw"], ours["video_grid_thw"])
     assert int(ours["video_grid_thw"][0, 0]) == 3  # 12 frames at 8 fps sampled at 4 fps: 6 frames, 3 patches
+    assert theirs["input_ids"].tolist() == ours["input_ids"].tolist()
     tokens = export.model.tokens
-    ids = theirs["input_ids"][0].tolist()
-    first = ids.index(tokens.vision_start_token_id)  # the template's, before the first frame's timestamp
-    last = len(ids) - 1 - ids[::-1].index(tokens.vision_end_token_id)  # the template's, after the last frame's
-    assert ids[first + 1] not in (tokens.vision_start_token_id, tokens.video_token_id)
-    assert ids[last - 1] == tokens.vision_end_token_id  # the last frame's own <|vision_end|>, then the wrapper's
-    assert ids[:first] + ids[first + 1 : last] + ids[last + 1 :] == ours["input_ids"][0].tolist()
+    ids = ours["input_ids"][0].tolist()
+    assert ids.count(tokens.vision_start_token_id) == ids.count(tokens.vision_end_token_id) == 3  # one per patch
+    assert torch.equal(theirs["mm_token_type_ids"].bool(), ours["mm_token_type_ids"].bool())
     inputs = {k: v for k, v in ours.items() if k not in ("images_per_sample", "videos_per_sample")}
     inputs["attention_mask"] = inputs["attention_mask"].long()
     inputs["mm_token_type_ids"] = inputs["mm_token_type_ids"].long()
@@ -228,7 +231,7 @@ def test_the_export_holds_what_autoprocessor_and_the_servers_read(export):
         video = json.loads((path / "video_preprocessor_config.json").read_text())
         assert (video["fps"], video["size"], video["cap_pixels_per_frame"]) == \
             (4, {"shortest_edge": 256, "longest_edge": 8 * 48 * 48}, False)
-        assert any("<|vision_start|>" in note for note in record["notes"])  # the video difference, stated
+        assert any("bare <|video_pad|>" in note for note in record["notes"])  # what a video part becomes, stated
 
 
 def test_mmadapt_reads_the_export_back_with_its_settings(export):

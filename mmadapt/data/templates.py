@@ -464,8 +464,10 @@ TEMPLATES.register("llava_hf", JinjaTemplate(
 
 
 def with_kwargs(jinja: str, template_kwargs: dict[str, Any]) -> str:
-    """`jinja` with `template_kwargs` set inside it (`{%- set enable_thinking = false -%}`), so that a tokenizer saved
-    with it renders as in training without being told them again."""
+    """`jinja` with `template_kwargs` as its defaults (`{%- if enable_thinking is not defined -%}{%- set
+    enable_thinking = false -%}{%- endif -%}`), so that a tokenizer saved with it renders as in training without being
+    told them again, and a caller that passes one (`apply_chat_template(..., enable_thinking=True)`, a server's
+    `chat_template_kwargs`) still chooses it."""
     import json
 
     def literal(value: Any) -> str:
@@ -474,7 +476,8 @@ def with_kwargs(jinja: str, template_kwargs: dict[str, Any]) -> str:
     for key in template_kwargs:
         if not key.isidentifier():
             raise ValueError(f"template_kwargs key {key!r} is not a template variable name")
-    sets = "".join(f"{{%- set {k} = {literal(v)} -%}}" for k, v in template_kwargs.items())
+    sets = "".join(f"{{%- if {k} is not defined -%}}{{%- set {k} = {literal(v)} -%}}{{%- endif -%}}"
+                   for k, v in template_kwargs.items())
     head = next((JINJA_MARK.format(name=n) for n in TEMPLATES.names() if jinja.startswith(JINJA_MARK.format(name=n))),
                 "")
     return head + sets + jinja[len(head):]
