@@ -249,8 +249,11 @@ def test_qwen3_5_non_thinking_form_is_the_official_rendering_and_its_think_block
     assert tokenizer.decode(thinking).endswith("<|im_start|>assistant\n<think>\n")
 
 
-def test_a_text_only_template_is_refused_for_images_naming_it(qwen_model):
-    tokenizer = real_tokenizer("qwen3")  # Qwen3's own template writes no image placeholder
+def test_a_template_that_writes_no_image_either_way_is_refused_for_images_naming_it(qwen_model):
+    """Neither as a part nor as placeholder text in string content (tests/test_ports.py: text templates that do)."""
+    tokenizer = real_tokenizer("qwen3")
+    tokenizer.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content if m.role == "
+                               "'assistant' else 'redacted') + '<|im_end|>\\n' }}{%- endfor %}")
     with pytest.raises(ChatTemplateError, match=r"chat template 'tokenizer' cannot take images"):
         SampleEncoder.for_model(qwen_model, tokenizer)
 

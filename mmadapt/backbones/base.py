@@ -107,6 +107,13 @@ class BackboneSpec:
     hybrid: Hybrid | None = None
 
     @property
+    def image_text(self) -> str:
+        """How an image is written in a chat's text: the image token inside the vision start / end tokens when the
+        backbone brackets images (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), else the image token alone
+        (LLaVA's `<image>`). A text LLM's own template gets images as this text (`JinjaTemplate.image_mode`)."""
+        return f"{self.vision_start_token or ''}{self.image_token}{self.vision_end_token or ''}"
+
+    @property
     def weight_layouts(self) -> tuple[Any, ...]:
         return self.moe.weight_layouts if self.moe is not None else ()
 

@@ -78,7 +78,9 @@ def describe_encoder(args: argparse.Namespace, encoder: Any, run_model: bool) ->
     files = [a for a in args.run if "=" not in a]
     model = args.model or (f"the model of {files[0] if files else 'the model.* settings'}" if run_model else
                            f"{args.encoder} + {args.projector} + {args.backbone} (preset {args.preset})")
-    own = " (the tokenizer's own)" if encoder.template.name == "tokenizer" else ""
+    how = [*(["the tokenizer's own"] if encoder.template.name == "tokenizer" else []),
+           *([encoder.image_mode] if encoder.image_mode else [])]
+    own = f" ({'; '.join(how)})" if how else ""
     return (f"{args.data}: {model}, chat template {encoder.template.name!r}{own}, max_length "
             f"{encoder.config.max_length}, truncation {encoder.config.truncation!r}")
 

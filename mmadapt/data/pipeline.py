@@ -140,6 +140,14 @@ class SampleEncoder:
         return encoder
 
     @property
+    def image_mode(self) -> str | None:
+        """How images enter the chat template, in words (`JinjaTemplate.image_mode`); None for a built-in, which
+        places them itself, or a model without images."""
+        if not isinstance(self.template, JinjaTemplate) or self.image_token_id is None:
+            return None
+        return self.template.image_mode(self.tokenizer, self.image_text)
+
+    @property
     def span_ids(self) -> set[int]:
         return {t for t in (self.image_token_id, self.video_token_id, *(self.brackets or ())) if t is not None}
 

@@ -19,9 +19,13 @@ labelled when its characters overlap a supervised range (everything else is -100
   an answer is supervised (the model learns to close its empty think block), and with `enable_thinking: false`
   the whole `<think>\\n\\n</think>\\n\\n` is in the prompt and is not. The end-of-turn token the template writes right
   after the content (`<|im_end|>`) is supervised; headers, system, user and image tokens never are. Messages are
-  passed with string content, or with OpenAI-style parts (`{"type": "image"}`, `{"type": "text"}`) when the
-  template reads parts (found by a probe); a template that writes no image placeholder for an image part cannot
-  take images (`ChatTemplateError`, at start).
+  passed with OpenAI-style parts (`{"type": "image"}`, `{"type": "text"}`) when the template writes an image part
+  as the backbone's image placeholder text (found by a probe: Qwen's, llava-hf's templates); otherwise - a text
+  LLM's own template, as in a LLaVA-style port onto Qwen3, Llama or Mistral - with string content holding that
+  placeholder text where each image is (`<image>` for Llama-style backbones, `<|vision_start|><|image_pad|>
+  <|vision_end|>` for Qwen's), so the text is the checkpoint's own template's and the placeholders are expanded as
+  for any template. A template that then still writes no placeholder cannot take images (`ChatTemplateError`, at
+  start).
 - `VicunaTemplate` (`vicuna_v1`, LLaVA-1.5): LLaVA's own `conv_vicuna_v1` prompt and its tokenization
   (`tokenizer_image_token`: the text around each `<image>` tokenized as its own string), labels as its
   `preprocess_v1` gives them (each answer and its `</s>`): equal to LLaVA-1.5's training ids token for token with
@@ -310,14 +314,31 @@ class JinjaTemplate(ChatTemplate):
         """Whether the template reads OpenAI-style content parts (else message content must be a string)."""
         return self._probe(tokenizer, "parts") == "yes"
 
-    def _probe(self, tokenizer: Any, what: str) -> str:
+    def places_images(self, tokenizer: Any, image_text: str) -> bool:
+        """Whether the template writes an image part of a message's content as `image_text` (the backbone's image
+        placeholder text): then messages carry parts. Otherwise - a text LLM's own template, which knows nothing of
+        images - each content is a string with `image_text` in place of each image (`image_mode`)."""
+        return self._probe(tokenizer, ("images", image_text)) == "yes"
+
+    def image_mode(self, tokenizer: Any, image_text: str) -> str:
+        """How images enter this template, in words (what `mmadapt data show` prints)."""
+        if self.places_images(tokenizer, image_text):
+            return f"image parts, which it writes as {image_text!r}"
+        return f"text only: each image enters a message's content as {image_text!r}"
+
+    def _probe(self, tokenizer: Any, what: str | tuple[str, ...]) -> str:
         return _probe(self, tokenizer, self.text(tokenizer), what)
 
-    def messages(self, turns: Sequence[Turn], tokenizer: Any, contents: Sequence[str]) -> list[dict]:
-        parts = self.reads_parts(tokenizer)
+    def messages(self, turns: Sequence[Turn], tokenizer: Any, contents: Sequence[str],
+                 image_text: str | None = None) -> list[dict]:
+        """The messages `apply_chat_template` takes: parts when the template places images (`places_images`;
+        without `image_text`, when it reads parts), else strings, `image_text` in place of each `<image>`."""
+        parts = self.reads_parts(tokenizer) if image_text is None else self.places_images(tokenizer, image_text)
         out = []
         for turn, content in zip(turns, contents, strict=True):
-            if parts:
+            if not parts and image_text is not None:
+                out.append({"role": turn.role, "content": content.replace(IMAGE, image_text)})
+            elif parts:
                 pieces: list[dict] = []
                 for k, chunk in enumerate(content.split(IMAGE)):
                     if k:
@@ -332,10 +353,10 @@ class JinjaTemplate(ChatTemplate):
     def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
                **template_kwargs: Any) -> Rendered:
         turns = list(turns)
-        real = self.apply(tokenizer, self.messages(turns, tokenizer, [t.text for t in turns]), add_generation_prompt,
-                          **template_kwargs)
+        real = self.apply(tokenizer, self.messages(turns, tokenizer, [t.text for t in turns], image_text),
+                          add_generation_prompt, **template_kwargs)
         marks = [MARK.format(k) if t.role == "assistant" else t.text for k, t in enumerate(turns)]
-        marked = self.apply(tokenizer, self.messages(turns, tokenizer, marks), add_generation_prompt,
+        marked = self.apply(tokenizer, self.messages(turns, tokenizer, marks, image_text), add_generation_prompt,
                             **template_kwargs)
         prompt = self._generation_prompt(tokenizer, template_kwargs)
         end = self.end_of_turn(tokenizer)
@@ -354,8 +375,9 @@ class JinjaTemplate(ChatTemplate):
             if stop < 0:
                 raise ChatTemplateError(f"template {self.name!r}: the text after assistant turn {k} was not found")
             position = stop
-            if end and real.startswith(end, stop):
-                stop += len(end)
+            spaces = len(real[stop:]) - len(real[stop:].lstrip(" "))  # Llama-2-chat: answer + ' ' + eos_token
+            if end and real.startswith(end, stop + spaces):
+                stop += spaces + len(end)
             supervised.append((start, stop))
         return Rendered(real, supervised)
 
@@ -413,7 +435,7 @@ def _answer_start(scaffold: str, prompt: str) -> int:
     return len(scaffold)
 
 
-def _probe(template: JinjaTemplate, tokenizer: Any, text: str, what: str) -> str:
+def _probe(template: JinjaTemplate, tokenizer: Any, text: str, what: str | tuple[str, ...]) -> str:
     """Facts about a jinja template, found by rendering probes (cached per tokenizer and template)."""
     cache = tokenizer.__dict__.setdefault("_mmadapt_template_probes", {})
     key = (text, what)
@@ -422,7 +444,16 @@ def _probe(template: JinjaTemplate, tokenizer: Any, text: str, what: str) -> str
     return cache[key]
 
 
-def _run_probe(template: JinjaTemplate, tokenizer: Any, what: str) -> str:
+def _run_probe(template: JinjaTemplate, tokenizer: Any, what: str | tuple[str, ...]) -> str:
+    if isinstance(what, tuple):  # ("images", image_text): an image part written as image_text, once
+        if not template.reads_parts(tokenizer):
+            return "no"
+        parts = [{"type": "image"}, {"type": "text", "text": PROBE_TEXT}]
+        try:
+            out = template.apply(tokenizer, [{"role": "user", "content": parts}], False)
+        except TemplateRenderError:
+            return "no"
+        return "yes" if out.count(what[1]) == 1 and PROBE_TEXT in out else "no"
     if what == "parts":
         try:
             out = template.apply(tokenizer, [{"role": "user", "content": [{"type": "text", "text": PROBE_TEXT}]}],
