@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +49,15 @@ def noise_image(path: str | os.PathLike, seed: int | np.random.Generator = 0, si
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
     return Path(path)
+
+
+def supervised_text(tokenizer: Any, ids: Sequence[int], labels: Sequence[int]) -> list[str]:
+    """The supervised stretches of a sample (labels other than -100), each decoded."""
+    out, run = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != -100:
+            run.append(token)
+        elif run:
+            out.append(tokenizer.decode(run))
+            run = []
+    return out + ([tokenizer.decode(run)] if run else [])

@@ -22,7 +22,7 @@ import json
 
 import pytest
 import torch
-from helpers import write_jsonl, write_run
+from helpers import supervised_text, write_jsonl, write_run
 from PIL import Image
 from real_tokenizers import real_tokenizer, unpacked
 
@@ -30,7 +30,6 @@ import mmadapt
 from mmadapt import Processor
 from mmadapt.data import SampleEncoder
 from mmadapt.data.pipeline import ChatTemplateMismatch
-from mmadapt.data.templates import IGNORE
 
 # Llama-2-chat's template as meta-llama/Llama-2-7b-chat-hf ships it (text only: `content.strip()` fails on parts).
 LLAMA2_CHAT = (
@@ -111,17 +110,6 @@ def expected_ids(encoder, tokenizer, rec: dict, tokens_per_image, **kwargs) -> l
     return out
 
 
-def supervised_runs(tokenizer, ids, labels) -> list[str]:
-    runs, current = [], []
-    for t, label in zip(ids, labels, strict=True):
-        if label != IGNORE:
-            current.append(t)
-        elif current:
-            runs.append(current)
-            current = []
-    return [tokenizer.decode(r) for r in [*runs, *([current] if current else [])]]
-
-
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_a_text_template_renders_the_conversation_as_its_own_text_with_placeholders_expanded(port, name, root):
     port_name, model = port
@@ -137,7 +125,7 @@ def test_a_text_template_renders_the_conversation_as_its_own_text_with_placehold
     assert ids == expected_ids(encoder, tokenizer, rec, sample.tokens_per_image)
     assert len(sample.tokens_per_image) == CONVERSATIONS[name][1]
     answers = [t for r, t in CONVERSATIONS[name][0] if r == "assistant"]
-    runs = supervised_runs(tokenizer, ids, labels)
+    runs = supervised_text(tokenizer, ids, labels)
     if port_name == "llama2":  # ' ' + answer + ' ' + eos: the answer, the space before </s>, and </s>
         assert runs == [f"{a} </s>" for a in answers]
     else:  # Qwen3's thinking default writes the empty think block after its generation prompt: part of the answer
@@ -153,7 +141,7 @@ def test_qwen3s_non_thinking_form_supervises_exactly_the_answers(root):
     sample = encoder.encode(rec, 0)
     ids = sample.input_ids.tolist()
     assert ids == expected_ids(encoder, tokenizer, rec, sample.tokens_per_image, enable_thinking=False)
-    assert supervised_runs(tokenizer, ids, sample.labels.tolist()) == ["The first is red.<|im_end|>",
+    assert supervised_text(tokenizer, ids, sample.labels.tolist()) == ["The first is red.<|im_end|>",
                                                                        "Both are squares.<|im_end|>"]
     prompt = encoder.prompt_for("q", [mmadapt.data.samples.Turn("user", "<image>Shape?")],
                                 [Image.new("RGB", (64, 64))])

@@ -14,6 +14,7 @@ import logging
 
 import pytest
 import torch
+from helpers import supervised_text
 from real_tokenizers import real_tokenizer
 
 import mmadapt
@@ -193,18 +194,6 @@ def encode_jinja(encoder, turns, tokens_per_image, **kwargs):
     return encoder.template.encode([Turn(r, t) for r, t in turns], encoder.tokenizer,
                                    image_token_id=encoder.image_token_id, image_span=encoder.image_span,
                                    image_text=encoder.image_text, tokens_per_image=tokens_per_image, **kwargs)
-
-
-def supervised_text(tokenizer, ids, labels) -> list[str]:
-    """The supervised stretches, decoded."""
-    out, run = [], []
-    for token, label in zip(ids, labels, strict=True):
-        if label != IGNORE:
-            run.append(token)
-        elif run:
-            out.append(tokenizer.decode(run))
-            run = []
-    return out + ([tokenizer.decode(run)] if run else [])
 
 
 @pytest.mark.parametrize("template", ["qwen3_5", "qwen3_vl", "qwen2_vl_style"])

@@ -336,18 +336,16 @@ class JinjaTemplate(ChatTemplate):
         parts = self.reads_parts(tokenizer) if image_text is None else self.places_images(tokenizer, image_text)
         out = []
         for turn, content in zip(turns, contents, strict=True):
-            if not parts and image_text is not None:
-                out.append({"role": turn.role, "content": content.replace(IMAGE, image_text)})
-            elif parts:
-                pieces: list[dict] = []
-                for k, chunk in enumerate(content.split(IMAGE)):
-                    if k:
-                        pieces.append({"type": "image"})
-                    if chunk:
-                        pieces.append({"type": "text", "text": chunk})
-                out.append({"role": turn.role, "content": pieces})
-            else:
-                out.append({"role": turn.role, "content": content})
+            if not parts:
+                out.append({"role": turn.role, "content": content.replace(IMAGE, image_text or IMAGE)})
+                continue
+            pieces: list[dict] = []
+            for k, chunk in enumerate(content.split(IMAGE)):
+                if k:
+                    pieces.append({"type": "image"})
+                if chunk:
+                    pieces.append({"type": "text", "text": chunk})
+            out.append({"role": turn.role, "content": pieces})
         return out
 
     def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
