@@ -103,8 +103,9 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     optimizer = torch.optim.AdamW(parameter_groups(model, model, lr=1e-5, weight_decay=0.0, lr_by_part={}), lr=1e-5)
     d = config.data
     text = d.max_length - queue_visual(model, side) - 2
+    texts = [text - spec.get("spread", 0) * b for b in range(d.batch_size)]  # spread: rows of unequal lengths
     batch = synthetic_batch(model, [1] * d.batch_size, image_sides=None if side is None else [side] * d.batch_size,
-                            text_lengths=[text] * d.batch_size)
+                            text_lengths=texts)
     if d.packing:
         from mmadapt.data import Collator
         from mmadapt.testing import synthetic_samples

@@ -315,13 +315,46 @@ def varlen_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     return packed.scatter(parts, groups), None
 
 
+def right_padded(valid: torch.Tensor) -> bool:
+    """Whether every row of a (B, L) bool mask is its tokens then its padding (no token after a padded position)."""
+    return bool((valid[:, 1:] <= valid[:, :-1]).all())
+
+
+def causal_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+                     mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                     local_size: int | None = None, allow_is_causal_skip: bool = True,
+                     **kwargs: Any) -> torch.Tensor | None:
+    """transformers' `sdpa_mask`, and None for the right-padded rows of a causal forward over the whole sequence (a
+    training step, a prefill from an empty cache): SDPA then runs `is_causal` with no (B, 1, L, L) mask, so it may
+    take its linear-memory kernels (flash on CUDA and the CPU; transformers' own skip covers rows without padding
+    only). Exact for every real token: a causal query attends to earlier positions, and in a right-padded row those
+    are all real tokens. A padded position's output is not masked then (it attends to the row before it: finite,
+    never read: labels, the loss and every later real position ignore it)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    if (allow_is_causal_skip and mask_function is causal_mask_function and local_size is None
+            and attention_mask is not None and attention_mask.dtype == torch.bool
+            and q_length == kv_length == attention_mask.shape[-1] and _is_zero(q_offset) and _is_zero(kv_offset)
+            and not torch.compiler.is_compiling() and right_padded(attention_mask)):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                     **kwargs)
+
+
+def _is_zero(offset: Any) -> bool:
+    return int(offset) == 0 if not isinstance(offset, torch.Tensor) or offset.numel() == 1 else False
+
+
 def use_varlen_attention(lm: Any) -> None:
-    """Switch an SDPA transformers model to `varlen_sdpa` (identical unless a forward passes `packed_segments`)."""
+    """Switch an SDPA transformers model to `varlen_sdpa` (identical unless a forward passes `packed_segments`) and
+    its masks to `causal_sdpa_mask`."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     if VARLEN not in AttentionInterface._global_mapping:
         AttentionInterface.register(VARLEN, varlen_sdpa)
-        AttentionMaskInterface.register(VARLEN, sdpa_mask)
+        AttentionMaskInterface.register(VARLEN, causal_sdpa_mask)
     if lm.config._attn_implementation == "sdpa":
         lm.set_attn_implementation(VARLEN)

@@ -264,3 +264,61 @@ def test_the_varlen_path_with_reference_kernels_equals_padded(names, monkeypatch
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     assert calls["flash"] == layer_types.count("full_attention")  # one call per layer and forward
     assert calls["conv"] == layer_types.count("linear_attention")
+
+
+# ---- right-padded rows: SDPA's is_causal, no (B, 1, L, L) mask ---------------------------------------------------
+@pytest.mark.parametrize("names", COMBOS, ids=lambda n: "-".join(n))
+def test_right_padded_rows_attend_without_a_mask_and_equal_the_masked_path(names, monkeypatch):
+    """A padded training batch (rows of unequal lengths) reaches SDPA with is_causal and no mask (linear memory; the
+    flash kernels), and its loss, real-token logits and gradients equal transformers' masked SDPA (fp32, 1e-5)."""
+    model = build(names).train()
+    batch = Collator.for_model(model, pad_token_id=0)(synthetic_samples(model, IMAGES, text_lengths=TEXT, seed=1))
+    real = batch["attention_mask"]
+    assert not bool(real.all())  # there is padding
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        if q.shape[-2] == real.shape[1]:  # the LLM's attention, not the vision tower's
+            calls.append((attn_mask, kwargs.get("is_causal")))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    runs = {}
+    for implementation in ("mmadapt_sdpa", "sdpa"):
+        model.backbone.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = model(**batch).loss
+        loss.backward()
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        runs[implementation] = (loss.detach(), logits[real],
+                                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        masks = {type(m).__name__ if m is None else tuple(m.shape) for m, _ in calls}
+        assert calls and masks == ({"NoneType"} if implementation == "mmadapt_sdpa" else {(len(real), 1) + (
+            real.shape[1],) * 2}), masks
+    (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = runs.values()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_mask_is_skipped_only_for_right_padding_over_the_whole_sequence():
+    from transformers.masking_utils import causal_mask_function
+
+    from mmadapt.packing import causal_sdpa_mask
+
+    right = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    left = right.flip(-1)
+    assert causal_sdpa_mask(2, 4, 4, attention_mask=right) is None
+    for args, kwargs in [((2, 4, 4), {"attention_mask": left}),  # left padding: real queries must not see padding
+                         ((2, 1, 4), {"attention_mask": right, "q_offset": 3}),  # decoding with a cache
+                         ((2, 4, 4), {"attention_mask": right, "local_size": 2}),  # sliding window
+                         ((2, 4, 4), {"attention_mask": right, "allow_is_causal_skip": False}),
+                         ((2, 4, 4), {"attention_mask": right,
+                                      "mask_function": lambda b, h, q, k: causal_mask_function(b, h, q, k)})]:
+        mask = causal_sdpa_mask(*args, **kwargs)
+        assert isinstance(mask, torch.Tensor) and mask.shape[0] == 2, (args, kwargs)

@@ -50,6 +50,7 @@ from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.checkpoint import MARKER, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
+from mmadapt.train.cpu_memory import return_freed_memory
 from mmadapt.train.export import export
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
 from mmadapt.train.plots import plot_history
@@ -157,6 +158,8 @@ class Trainer:
 
             check_eval_tasks(config.train.eval_tasks, world=self.dist.world, tokenizer=tokenizer)
         self.device = self.dist.device
+        if self.device.type == "cpu" and (done := return_freed_memory()) is not None:
+            log.info(done)
         self.out = Path(config.train.out)
         torch.manual_seed(config.train.seed)
         if apply_stage_modes:
