@@ -26,6 +26,9 @@ from mmadapt.train.trainer import upcast_trainable
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 QWEN = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
+LONG_LLAMA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": {"name": "llama", "preset": "tiny", "options": {
+    "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 688}}}
+LONG = {"max_length": 1024, "batch_size": 4, "spread": 24}  # spread: each row 24 tokens shorter than the one before
 RUNS = {
     "qwen3_5 full": ({"model": QWEN}),
     "qwen3_5 LoRA": ({"model": QWEN, "stages": {"backbone": "lora"}}),
@@ -39,6 +42,13 @@ RUNS = {
     "qwen3_5_moe": ({"model": {**QWEN, "backbone": "qwen3_5_moe"}}),
     "llava bf16-autocast": ({"model": {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama"},
                              "precision": {"policy": "bf16-autocast"}}),
+    # long samples on attention-heavy backbones (issue 33), rows of unequal lengths (padding): the LLM at width 256
+    # with 4 heads (attention's share of a layer's bytes at 1,024 tokens as at width 2,048 with 32 heads)
+    "llama 4 x 1024, LoRA, checkpointing": ({"model": LONG_LLAMA, "stages": {"preset": "lora"},
+                                             "train": {"activation_checkpointing": ["backbone"]}, "data": LONG}),
+    "qwen3_vl 2 x 1024, LoRA": ({"model": {**QWEN, "encoder": "qwen3_vl_vit", "backbone": {
+        "name": "qwen3_vl", "preset": "tiny", "options": {"hidden_size": 256, "intermediate_size": 688}}},
+        "stages": {"backbone": "lora"}, "data": {"max_length": 1024, "batch_size": 2, "spread": 24}}),
 }
 
 
@@ -49,6 +59,7 @@ def probe_cache(tmp_path_factory, monkeypatch):
 
 def run_config(spec: dict) -> RunConfig:
     data = {"max_length": 128, "batch_size": 2, **spec.get("data", {})}
+    data.pop("spread", None)
     stages = spec.get("stages", {})
     if "preset" not in stages:
         stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **stages}
@@ -68,9 +79,10 @@ def unique_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
 
 
-def measured_peak(config: RunConfig, plan) -> int:
+def measured_peak(config: RunConfig, plan, spread: int = 0) -> int:
     """Parameters + AdamW's state + the live-tensor peak of a training step after the first, on the plan's
-    micro-batch: `batch_size` samples, one image each at the plan's size, text filling `max_length`."""
+    micro-batch: `batch_size` samples, one image each at the plan's size, text filling `max_length` (`spread`: each
+    sample that many tokens shorter than the one before, so that rows are padded)."""
     from mmadapt.data import Collator
     from mmadapt.data.processors import processor_for
     from mmadapt.testing import synthetic_samples
@@ -87,7 +99,8 @@ def measured_peak(config: RunConfig, plan) -> int:
         samples = synthetic_samples(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
         batch = Collator.for_model(model, 0, max_tokens=d.max_tokens)(samples)
     else:
-        batch = synthetic_batch(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
+        batch = synthetic_batch(model, [1] * d.batch_size, image_sides=sides,
+                                text_lengths=[text - spread * b for b in range(d.batch_size)])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.precision.policy == "bf16-autocast"):
         loss = model(**batch).loss
     loss.backward()
@@ -113,9 +126,23 @@ def test_the_prediction_equals_the_measured_tensor_peak_of_a_training_step(name)
     assert plan.per_gpu["parameters"] == unique_bytes(model.parameters())
     assert plan.per_gpu["gradients"] == unique_bytes(trained)  # fp32 master weights: 4 bytes each
     assert plan.per_gpu["optimizer"] == 2 * unique_bytes(trained) + 2 * max(p.numel() * 4 for p in trained)
-    measured = measured_peak(config, plan)
-    # measured at its own length; the plan extrapolates from its two short probe lengths and sweeps the real depth
+    measured = measured_peak(config, plan, RUNS[name].get("data", {}).get("spread", 0))
+    # measured at its own length; the plan extrapolates from its three short probe lengths and sweeps the real depth
     assert plan.per_gpu["total"] == pytest.approx(measured, rel=0.15), (plan.table(), measured)
+
+
+def test_eager_attention_is_planned_quadratic_and_sdpa_linear():
+    """Eager attention keeps (B, H, L, L) probabilities per layer: the probe's three lengths show the quadratic term
+    and the plan says so, sized as the tensors are; SDPA (no mask for right-padded rows) is linear."""
+    eager = {**LONG_LLAMA, "backbone": {**LONG_LLAMA["backbone"], "options": {
+        **LONG_LLAMA["backbone"]["options"], "attn_implementation": "eager"}}}
+    quadratic = predict(run_config({"model": eager, "data": LONG}), gpus=1, device="cpu")
+    linear = predict(run_config({"model": LONG_LLAMA, "data": LONG}), gpus=1, device="cpu")
+    assert "linear in length" in linear.attention["backbone"] and "eager" not in linear.attention["backbone"]
+    assert "eager" in quadratic.attention["backbone"] and "quadratic in length" in quadratic.attention["backbone"]
+    probabilities = 4 * 4 * 1024 * 1024 * 4  # B x H x L x L fp32, the softmax's output each of the 2 layers keeps
+    extra = quadratic.activations_without_checkpointing - linear.activations_without_checkpointing
+    assert extra == pytest.approx(2 * probabilities, rel=0.1), (extra / probabilities, quadratic.table())
 
 
 def test_sharding_divides_what_fsdp2_shards_and_ddp_adds_its_buckets():

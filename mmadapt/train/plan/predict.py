@@ -15,8 +15,8 @@ from mmadapt.loss import chunk_rows
 from mmadapt.train.config import RunConfig
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
-from mmadapt.train.plan.report import GIB, Plan
-from mmadapt.train.plan.segments import LOSS, Segment, at, fit, probe_sweep_segments, segments, sweep
+from mmadapt.train.plan.report import GIB, Plan, gib
+from mmadapt.train.plan.segments import LOSS, Line, Segment, at, fit, probe_sweep_segments, segments, sweep
 from mmadapt.train.plan.workloads import workload
 
 CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
@@ -35,13 +35,13 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     strategy = "single" if gpus == 1 else ("ddp" if config.distributed.strategy == "ddp" else "fsdp2")
     forward = segments(model, probe)
     checkpointed = set(checkpointed_parts(config.train.activation_checkpointing))
-    load = {"encoder": work.images * work.patches_per_image, "projector": work.images * work.patches_per_image,
-            "backbone": work.tokens}
+    vision = (work.images * work.patches_per_image, work.patches_per_image)
+    load = {"encoder": vision, "projector": vision, "backbone": (work.tokens, work.tokens / work.rows)}
     shard = gpus if strategy == "fsdp2" else 1
     peak, acts = sweep(forward, load, checkpointed, shard)
     _, acts_off = sweep(forward, load, set(), shard)
     _, acts_all = sweep(forward, load, {"encoder", "backbone"}, shard)
-    transient = at(_transient(probe, config.precision.policy), work.tokens)
+    transient = at(_transient(probe, config.precision.policy), load["backbone"])
     recompute = max((at(s.acts, load[s.part]) for s in forward if s.part in checkpointed), default=0.0)
 
     params = list(unique_parameters(model))
@@ -71,10 +71,44 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
-                gpu_memory=gpu_memory, notes=notes)
+                gpu_memory=gpu_memory, notes=notes, attention=attention_paths(model, forward, load))
     if plan.fits is False:
         plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe)
     return plan
+
+
+ATTENTION = {  # the backbone's; a vision tower attends within each image, without a mask
+    "mmadapt_sdpa": "SDPA, causal without a mask (right-padded rows; packed rows sample by sample): the flash / "
+                    "memory-efficient kernels",
+    "sdpa": "SDPA with a (B, 1, L, L) mask for padded rows",
+    "eager": "eager: (B, H, L, L) scores and probabilities kept for the backward",
+    "flash_attention_2": "flash-attn (varlen)", "flash_attention_3": "flash-attn 3 (varlen)",
+}
+VISION_ATTENTION = {"sdpa": "SDPA within each image, without a mask",
+                    "eager": "eager: (H, P, P) scores and probabilities per image kept for the backward"}
+LENGTH = {"backbone": ("tokens", "row"), "encoder": ("patches", "image")}
+
+
+def attention_paths(model: Any, forward: list[Segment], load: dict[str, tuple[float, float]]) -> dict[str, str]:
+    """{part: its attention implementation and how its blocks' activations grow with length}, as measured: linear
+    where the probe's three lengths show no quadratic term; else the quadratic bytes of this micro-batch and the
+    length above which they pass the linear part."""
+    out = {}
+    for part, (unit, sequence) in LENGTH.items():
+        blocks = [s for s in forward if s.part == part and s.key.is_block]
+        implementation = next((m.config._attn_implementation for m in getattr(model, part).modules()
+                               if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+        path = (ATTENTION if part == "backbone" else VISION_ATTENTION).get(implementation,
+                                                                         implementation or "no attention")
+        linear, quadratic = sum(s.acts[1] for s in blocks), sum(s.acts[2] for s in blocks)
+        x, length = load[part]
+        if quadratic > 0:
+            out[part] = (f"{path}; quadratic in length: {gib(quadratic * x * length)} of the activations at "
+                         f"{length:,.0f} {unit} per {sequence}, more than the linear part above "
+                         f"{linear / quadratic:,.0f} {unit} per {sequence}")
+        else:
+            out[part] = f"{path}; linear in length (no quadratic term at the probe's three lengths)"
+    return out
 
 
 def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: str) -> int:
@@ -98,18 +132,20 @@ def _chunk_bytes(rows: int, vocab: int, precision: str) -> int:
     return min(rows, chunk_rows(vocab)) * vocab * (8 if precision == "bf16-autocast" else 4)
 
 
-def _transient(probe: dict[str, Any], precision: str) -> tuple[float, float]:
+def _transient(probe: dict[str, Any], precision: str) -> Line:
     """The probe's measured dynamic peak minus its own sweep and loss, fitted in tokens: the backward's
     temporaries (of one block at a time, so counted once)."""
     excess = []
     probed = probe_sweep_segments(probe)
     for point in probe["points"]:
-        load = {"encoder": point["patches"], "projector": point["patches"], "backbone": point["tokens"]}
-        exact = [replace(s, acts=(float(point["saved"].get(str(s.key), 0)), 0.0)) for s in probed]
+        vision = (point["patches"], point["patches"] / point["images"])
+        load = {"encoder": vision, "projector": vision, "backbone": (point["tokens"], point["tokens"] / point["rows"])}
+        exact = [replace(s, acts=(float(point["saved"].get(str(s.key), 0)), 0.0, 0.0)) for s in probed]
         peak, _ = sweep(exact, load, set())
         loss = point["saved"].get(str(LOSS), 0) + _chunk_bytes(point["supervised"], PROBE_VOCAB, precision)
-        excess.append({"tokens": point["tokens"], "excess": max(point["dynamic"] - peak - loss, 0)})
-    return fit(excess, "tokens", lambda p: p["excess"])
+        excess.append({"tokens": point["tokens"], "rows": point["rows"],
+                       "excess": max(point["dynamic"] - peak - loss, 0)})
+    return fit(excess, "tokens", lambda p: p["excess"], "rows")
 
 
 def _optimizer_temporaries(trained: list[nn.Parameter], device: str) -> int:

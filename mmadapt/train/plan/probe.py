@@ -1,5 +1,5 @@
 """The probe: the run's model at its real widths, cut to the first block of each kind of every block list, with a
-1,024-row vocabulary (and fewer experts where they would pass 4 GiB), runs a training step on the CPU at two short
+1,024-row vocabulary (and fewer experts where they would pass 4 GiB), runs a training step on the CPU at three short
 lengths with the run's stages, precision and packing, measuring each segment's saved bytes, the blocks' input bytes
 and the step's peak. Results are cached per shape (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan) as JSON, whose
 segments are keyed by `SegmentKey` text."""
@@ -32,9 +32,10 @@ from mmadapt.train.plan.report import GIB
 from mmadapt.train.plan.segments import HEAD, PARTS, SegmentKey, gradient_bytes, parameter_bytes
 
 PROBE_VOCAB = 1024
-PROBE_TEXT = (48, 160)  # text tokens of the two probe samples
+PROBE_TEXT = (48, 160, 384)  # text tokens of the probe samples: three lengths, so a quadratic term shows
+PROBE_SIDES = (4, 8, 12)  # dynamic encoders: the probe images' sides, in steps of patch x merge
 PROBE_EXPERT_BYTES = 4 * GIB
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 
 
 class _ModuloEmbedding(nn.Module):
@@ -127,13 +128,13 @@ def _probe_batch(model: Any, text: int, side: int | None, packed: bool) -> dict[
 
 
 def run_probe(config: RunConfig) -> dict[str, Any]:
-    """Measure the probe at two lengths: saved bytes per tracked module, block inputs, the step's dynamic peak."""
+    """Measure the probe at three lengths: saved bytes per tracked module, block inputs, the step's dynamic peak."""
     torch.manual_seed(0)
     model = trained_as_in_run(probe_model(config), config)
     model.train()
     step = model.encoder.patch_size * getattr(model.projector, "merge_size", 1) * getattr(model.encoder,
                                                                                           "merge_size", 1)
-    sides = (step * 4, step * 8) if model.encoder.dynamic else (None, None)
+    sides = [step * k if model.encoder.dynamic else None for k in PROBE_SIDES]
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if config.precision.policy == "bf16-autocast"
                 else nullcontext())
     points = []
@@ -151,7 +152,9 @@ def run_probe(config: RunConfig) -> dict[str, Any]:
         grids = batch.get("image_grid_thw")
         patches = (int(grids.prod(-1).sum()) if grids is not None
                    else int(torch.tensor(model.encoder.grid).prod()) * len(batch["pixel_values"]))
-        points.append({"tokens": int(batch["input_ids"].numel()), "patches": patches,
+        images = len(grids) if grids is not None else len(batch["pixel_values"])
+        points.append({"tokens": int(batch["input_ids"].numel()), "rows": int(batch["input_ids"].shape[0]),
+                       "patches": patches, "images": images,
                        "supervised": int((batch["labels"] >= 0).sum()), "saved": as_json(saved.bytes),
                        "inputs": as_json(saved.inputs), "dynamic": live.peak})
     return {"points": points, "segments": _probe_segments(model)}
@@ -200,6 +203,5 @@ def probe_key(config: RunConfig) -> str:
     shape = {"model": model_config.to_dict() if model_config is not None else config.model.pretrained,
              "stages": config.stages.modes(), "router": config.stages.router, "lora": asdict(config.lora),
              "precision": config.precision.policy, "packed": config.data.packing, "torch": torch.__version__,
-             "version": PROBE_VERSION,
-             "text": PROBE_TEXT}
+             "version": PROBE_VERSION, "text": PROBE_TEXT, "sides": PROBE_SIDES}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:24]

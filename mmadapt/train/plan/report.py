@@ -25,6 +25,7 @@ class Plan:
     margin: int
     gpu_memory: int | None
     notes: list[str] = field(default_factory=list)
+    attention: dict[str, str] = field(default_factory=dict)  # {part: its attention path, how it grows with length}
     suggestions: list[tuple[str, int]] = field(default_factory=list)
 
     @property
@@ -37,7 +38,8 @@ class Plan:
                 "workload": asdict(self.workload), "parameters_by_dtype": self.parameters_by_dtype,
                 "activations": {"without_checkpointing": self.activations_without_checkpointing,
                                 "with_checkpointing": self.activations_with_checkpointing},
-                "notes": self.notes, "suggestions": [{"change": c, "total": t} for c, t in self.suggestions]}
+                "attention": self.attention, "notes": self.notes,
+                "suggestions": [{"change": c, "total": t} for c, t in self.suggestions]}
 
     def table(self) -> str:
         rows = [("parameters", self.per_gpu["parameters"],
@@ -62,6 +64,7 @@ class Plan:
                 lines += [f"  would fit: {change} ({gib(total + self.margin)})" for change, total in self.suggestions
                           if total + self.margin <= self.gpu_memory] or ["  none of: " + ", ".join(
                               c for c, _ in self.suggestions)]
+        lines += [f"attention, {part}: {path}" for part, path in self.attention.items()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

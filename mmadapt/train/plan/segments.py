@@ -1,5 +1,6 @@
 """The forward pass as segments: each part's modules outside its blocks, each block, the output layer; each with
-its saved activations fitted in its load (a + b x: tokens for the backbone, patches for the vision side), its
+its saved activations fitted in its load (a + b x + c x s: tokens for the backbone, in rows of s tokens; patches for
+the vision side, in images of s patches; c > 0 where attention keeps (s, s) scores), its
 parameter and trained bytes; and the backward's sweep over them (the peak of saved activations plus gradients).
 
 A segment is found by a `SegmentKey` (part, block kind, index). The probe's JSON keys segments by the key's text
@@ -16,6 +17,7 @@ from torch import nn
 from mmadapt.train.plan.model import block_kinds, block_lists, own_parameters
 
 PARTS = ("encoder", "projector", "backbone")
+SEQUENCES = {"tokens": "rows", "patches": "images"}  # a probe point's count of the sequences its load is cut into
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,12 @@ def gradient_bytes(params: list[nn.Parameter]) -> int:
 
 @dataclass
 class Segment:
-    """One step of the forward pass: its saved activations (fit a + b x), parameter bytes, trained bytes."""
+    """One step of the forward pass: its saved activations and block inputs (fit a + b x + c x s), parameter bytes,
+    trained bytes."""
 
     key: SegmentKey
-    acts: tuple[float, float] = (0.0, 0.0)
-    inputs: tuple[float, float] = (0.0, 0.0)
+    acts: Line = (0.0, 0.0, 0.0)
+    inputs: Line = (0.0, 0.0, 0.0)
     param_bytes: int = 0
     trained_bytes: int = 0
 
@@ -85,21 +88,56 @@ class Segment:
         return self.key.load
 
 
-def fit(points: list[dict[str, Any]], x: str, value: Any) -> tuple[float, float]:
-    """a + b x through the two probe points (b >= 0); through the origin when both have the same x (a fixed-size
-    encoder's images: its bytes are per image)."""
-    (x0, y0), (x1, y1) = ((p[x], value(p)) for p in points)
-    if x1 == x0:
-        return 0.0, (y0 + y1) / 2 / max(x0, 1)
+Line = tuple[float, float, float]  # (a, b, c): a + b x + c x s bytes at load x in sequences of s
+Load = tuple[float, float]  # (x, s): the load (tokens, patches) and its sequences' length (a row, an image)
+SIGNIFICANT = 0.01  # a quadratic term under 1% of the longest probe's bytes is rounding, not attention
+
+
+def fit(points: list[dict[str, Any]], x: str, value: Any, sequences: str) -> Line:
+    """a + b x + c x s through the probe points, s = x / p[sequences] the length of one sequence (attention
+    that keeps (L, L) scores per row or image grows as the sum of the sequences' squared lengths, x s). The
+    quadratic term is kept where the points show one (c > 0 and at least `SIGNIFICANT` of the longest point's bytes);
+    else a line through the two longest points (b >= 0). Through the origin when every point has the same x (a
+    fixed-size encoder's images: its bytes are per image)."""
+    xs = [float(p[x]) for p in points]
+    ys = [float(value(p)) for p in points]
+    if len(set(xs)) == 1:
+        return 0.0, sum(y / max(x0, 1.0) for x0, y in zip(xs, ys, strict=True)) / len(ys), 0.0
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    if len(points) >= 3:
+        rows = [[1.0, xs[i], xs[i] * xs[i] / max(float(points[i][sequences]), 1.0)] for i in order[-3:]]
+        solved = _solve(rows, [ys[i] for i in order[-3:]])
+        if solved is not None:
+            a, b, c = solved
+            if c > 0 and b >= 0 and c * rows[-1][2] >= SIGNIFICANT * max(ys[order[-1]], 1.0):
+                return a, b, c
+    (x0, y0), (x1, y1) = ((xs[i], ys[i]) for i in order[-2:])
     slope = max((y1 - y0) / (x1 - x0), 0.0)
-    return y0 - slope * x0, slope
+    return y0 - slope * x0, slope, 0.0
 
 
-def at(line: tuple[float, float], x: float) -> float:
-    return max(line[0] + line[1] * x, 0.0)
+def _solve(rows: list[list[float]], ys: list[float]) -> tuple[float, float, float] | None:
+    """The 3 x 3 system rows . (a, b, c) = ys by Cramer's rule; None when it is singular."""
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    d = det(rows)
+    if abs(d) < 1e-9 * max(abs(v) for r in rows for v in r) ** 3:
+        return None
+    out = []
+    for k in range(3):
+        m = [[ys[i] if j == k else rows[i][j] for j in range(3)] for i in range(3)]
+        out.append(det(m) / d)
+    return out[0], out[1], out[2]
 
 
-def sweep(segments: list[Segment], load: dict[str, float], checkpointed: set[str],
+def at(line: Line, load: Load) -> float:
+    x, s = load
+    return max(line[0] + line[1] * x + line[2] * x * s, 0.0)
+
+
+def sweep(segments: list[Segment], load: dict[str, Load], checkpointed: set[str],
           shard: int = 1) -> tuple[float, float]:
     """(peak of saved activations + gradients over the backward, saved activations at the end of the forward);
     gradients are sharded / `shard` (FSDP2 reduce-scatters each unit's as its backward ends)."""
@@ -124,10 +162,10 @@ def segments(model: Any, probe: dict[str, Any]) -> list[Segment]:
     the output layer) with the probe's fitted activations and the full model's parameter bytes."""
     points = probe["points"]
 
-    def fitted(name: str, x: str, what: str = "saved") -> tuple[float, float]:
-        return fit(points, x, lambda p: p[what].get(name, 0))
+    def fitted(name: str, x: str, what: str = "saved") -> Line:
+        return fit(points, x, lambda p: p[what].get(name, 0), SEQUENCES[x])
 
-    def by_kind(part: str, x: str) -> dict[str, tuple[tuple[float, float], tuple[float, float]]]:
+    def by_kind(part: str, x: str) -> dict[str, tuple[Line, Line]]:
         """{kind: (saved, inputs)} fitted for the first probed block of each kind of `part`."""
         kinds = {}
         for name in points[0]["saved"] | points[0]["inputs"]:
@@ -150,7 +188,7 @@ def segments(model: Any, probe: dict[str, Any]) -> list[Segment]:
             if not key.startswith(part):
                 continue
             for i, (block, kind) in enumerate(zip(blocks, block_kinds(model, key, blocks), strict=True)):
-                acts, inputs = kinds.get(kind, ((0.0, 0.0), (0.0, 0.0)))
+                acts, inputs = kinds.get(kind, ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)))
                 params = list(block.parameters())
                 out.append(Segment(key=SegmentKey(part, kind, i), acts=acts, inputs=inputs,
                                    param_bytes=parameter_bytes(params), trained_bytes=gradient_bytes(params)))
