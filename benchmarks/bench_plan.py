@@ -1,6 +1,7 @@
 """`mmadapt plan`'s prediction against the measured peak of a real training step, at real widths.
 
     python benchmarks/bench_plan.py [--quick] [--only NAME ...]
+    python benchmarks/bench_plan.py --long [--quick]    # long samples through `mmadapt train` (issue 33)
 
 For each config (real widths and vocabularies, depth cut as the table says), in its own process: the idle process's
 RSS (after one step of a tiny model of the same families, so that libraries and kernels are loaded), then the model
@@ -11,6 +12,10 @@ mark reset after the model is built, through `/proc/self/clear_refs`) minus the 
 --gpus 1 --device cpu` on the same config (its probe runs in the parent). Target (issue 20): within +-15%. Each
 config is measured twice: with glibc's default malloc settings and with a fixed mmap threshold (`MMAP` below), which
 tells the allocator's retention apart from the plan's error.
+`--long`: long samples on attention-heavy backbones, measured as a user would: `mmadapt train` on real files (the
+vendored Mistral / Qwen3 tokenizers, PNG images, LLaVA-format records filling 88-95% of `max_length`, so rows are
+padded) in a fresh process, VmHWM when the trainer first saves (after its first step) above the RSS of the same
+process after importing the libraries; the plan is `mmadapt plan --gpus 1 --device cpu` on the same run.yaml.
 `--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing).
 """
 
@@ -61,6 +66,33 @@ CONFIGS = {
     "Qwen3-VL-2B DeepStack": dict(model=QWEN3_VL, data=DATA, depth="ViT 3/24, LLM 3/28"),
     "Qwen3-VL-30B-A3B MoE, LoRA": dict(model=QWEN3_VL_MOE, data={"max_length": 512, "batch_size": 1},
                                        stages={"backbone": "lora"}, depth="ViT 1/27, LLM 1/48"),
+}
+# issue 33: long samples on attention-heavy backbones, measured through `mmadapt train` on real files (a real
+# tokenizer, PNG images, LLaVA-format records of unequal lengths, so rows are padded): VmHWM when the trainer first
+# saves (after one step), above an idle process that imported the same libraries
+LLAMA_2048 = {"encoder": {"name": "clip", "preset": "tiny"}, "projector": "mlp2x_gelu",
+              "backbone": {"name": "llama", "preset": "vicuna-7b", "options": {
+                  "num_hidden_layers": 3, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "intermediate_size": 5504, "vocab_size": 32064}}}
+LLAMA_7B = {"encoder": {"name": "clip", "preset": "tiny"}, "projector": "mlp2x_gelu",
+            "backbone": {"name": "llama", "preset": "vicuna-7b", "options": {"num_hidden_layers": 1}}}
+QWEN3_VL_8B = {"encoder": {"name": "qwen3_vl_vit", "preset": "qwen3-vl-8b",
+                           "options": {"depth": 2, "deepstack_visual_indexes": [0, 1]}},
+               "projector": "qwen_merger",
+               "backbone": {"name": "qwen3_vl", "preset": "qwen3-vl-8b", "options": {"num_hidden_layers": 2}}}
+LONG = {
+    "LLaMA-width LoRA, checkpointing, 4 x 1024 (issue 33)": dict(
+        model=LLAMA_2048, tokenizer="llama2", template="vicuna_v1", image=64,
+        data={"max_length": 1024, "batch_size": 4}, stages={"preset": "lora"},
+        train={"activation_checkpointing": ["backbone"]}, depth="LLM 3 layers of width 2048"),
+    "LLaMA-7B-width full, 2 x 2048": dict(
+        model=LLAMA_7B, tokenizer="llama2", template="vicuna_v1", image=64,
+        data={"max_length": 2048, "batch_size": 2}, stages={"encoder": "frozen", "projector": "full",
+                                                            "backbone": "full"}, depth="LLM 1/32"),
+    "Qwen3-VL-8B-width LoRA, 1 x 2048": dict(
+        model=QWEN3_VL_8B, tokenizer="qwen3", template="auto", image=896,
+        data={"max_length": 2048, "batch_size": 1}, stages={"encoder": "frozen", "projector": "full",
+                                                            "backbone": "lora"}, depth="ViT 2/27, LLM 2/36"),
 }
 QUICK = {"encoder": {"name": "qwen3_5_vit", "preset": "tiny"}, "projector": "qwen_merger",
          "backbone": {"name": "qwen3_5", "preset": "tiny"}}
@@ -146,10 +178,114 @@ def queue_visual(model, side: int | None) -> int:
     return processor.tokens_for_size(side or 0, side or 0)
 
 
+def write_run(name: str, spec: dict, root: Path, quick: bool) -> Path:
+    """A run directory: the vendored tokenizer, 16 PNG images, LLaVA-format records whose answers fill the sample to
+    between 92% and 99% of `max_length` (so rows are padded), and run.yaml."""
+    import json
+    import random
+    import shutil
+
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from real_tokenizers import unpacked
+
+    shutil.copytree(unpacked(spec["tokenizer"]), root / "tokenizer", dirs_exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
+    data = {"max_length": 320, "batch_size": 2} if quick else spec["data"]
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    words = "the a cat dog image shows red blue green house tree car road sky person table chair window".split()
+    rng, records = random.Random(0), []
+    for i in range(16):
+        side = 64 if quick else spec["image"]
+        pixels = (np.random.RandomState(i).rand(side, side, 3) * 255).astype("uint8")
+        Image.fromarray(pixels).save(root / "images" / f"{i}.png")
+        budget = int(data["max_length"] * rng.uniform(0.92, 0.99)) - (0 if quick else _visual(spec))
+        answer = []
+        while len(tokenizer(" ".join(answer)).input_ids) < budget - 80:  # the template, the question
+            answer += [rng.choice(words) for _ in range(32)]
+        records.append({"id": f"s{i}", "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nDescribe the picture in detail."},
+            {"from": "gpt", "value": " ".join(answer)}]})
+    (root / "train.json").write_text(json.dumps(records))
+    stages = spec["stages"]
+    tiny = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"}
+    config = {"model": tiny if quick else spec["model"],
+              "data": {"train": str(root / "train.json"), "image_root": str(root / "images"),
+                       "tokenizer": str(root / "tokenizer"), "chat_template": spec["template"],
+                       **data},
+              "stages": stages, "train": {"steps": 1, "out": str(root / "out"), **spec.get("train", {})}}
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _visual(spec: dict) -> int:
+    """The visual tokens of the spec's image (its side is a multiple of patch x merge for the Qwen encoders)."""
+    if spec["model"]["encoder"]["name"].startswith("qwen"):
+        return (spec["image"] // 32) ** 2
+    return 16
+
+
+TRAIN_MEASURE = """
+import os, sys
+from pathlib import Path
+def kib(field):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1])
+import torch, transformers, peft, mmadapt.cli, mmadapt.train.trainer as trainer
+idle = kib("VmRSS")
+def save(self):
+    print("MEASURED", (kib("VmHWM") - idle) / 1024, flush=True)
+    os._exit(0)
+trainer.Trainer.save = save
+sys.exit(mmadapt.cli.main(["train", sys.argv[1]]))
+"""
+
+
+def measure_train(path: Path) -> float:
+    """`mmadapt train path` in a fresh process: VmHWM when the trainer first saves, above its idle RSS (MiB)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", TRAIN_MEASURE, str(path)], capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("MEASURED")]
+    if not lines:
+        raise RuntimeError(f"mmadapt train {path} did not reach its first save:\n{out.stderr[-3000:]}")
+    return float(lines[-1].split()[1])
+
+
+def long_table(quick: bool, only: list[str] | None) -> None:
+    import tempfile
+
+    from mmadapt.train.config import RunConfig
+    from mmadapt.train.plan import predict
+
+    print("| config (long samples, `mmadapt train`) | depth (of real) | micro-batch | attention (as planned) | "
+          "predicted MiB | VmHWM MiB | error |")
+    print("|---|---|---|---|---:|---:|---:|")
+    names = [n for n in LONG if only is None or n in only][: 1 if quick else None]
+    for name in names:
+        spec = LONG[name]
+        with tempfile.TemporaryDirectory() as root:
+            path = write_run(name, spec, Path(root), quick)
+            plan = predict(RunConfig.load(str(path)), gpus=1, device="cpu")
+            predicted = plan.per_gpu["total"] / MIB
+            measured = measure_train(path)
+        attention = plan.attention["backbone"].rsplit("; ", 1)[1]
+        print(f"| {name} | {'tiny' if quick else spec['depth']} | {plan.workload.describe()} | {attention} | "
+              f"{predicted:,.0f} | {measured:,.0f} | {100 * (predicted / measured - 1):+.1f}% |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--long", action="store_true", help="the long-sample configs through `mmadapt train` "
+                        "(issue 33) instead")
     parser.add_argument("--examples", action="store_true", help="print the plan of every examples/*.yaml on 8 x 80 GiB "
                         "(the table in benchmarks/README.md) instead")
     args = parser.parse_args()
@@ -157,6 +293,8 @@ def main() -> None:
 
     if args.examples:
         return examples_table()
+    if args.long:
+        return long_table(args.quick, args.only)
 
     names = [n for n in CONFIGS if args.only is None or n in args.only][: 1 if args.quick else None]
     print(f"# `mmadapt plan` vs a real training step, fp32, CPU ({platform.processor() or platform.machine()}, "

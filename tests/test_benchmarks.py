@@ -71,6 +71,16 @@ def test_bench_plan_quick_run_prints_its_table(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_bench_plan_long_quick_run_trains_through_mmadapt_train(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
+    out = run("bench_plan.py", "--long", "--quick")
+    assert "| config (long samples, `mmadapt train`) |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| LLaMA-width LoRA"))
+    assert "| tiny | 2 x 320 tokens" in row and "linear in length" in row
+    assert float(row.split("|")[-3].replace(",", "")) > 0  # a VmHWM was read at the trainer's first save
+
+
+@pytest.mark.slow
 def test_gpu_check_runs_every_check_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
     out = run("gpu_check.py", "--device", "cpu", "--quick", timeout=900)  # check=True: it exits 0 (every check passed)

@@ -6,10 +6,12 @@ AdamW's two fp32 moments for what the stages train (LoRA: the adapters); sharded
 plus the unsharded units it gathers; DDP: full, plus its gradient buckets).
 
 **Measured**: activations. A probe (the run's model at its real widths, the first block of each kind of every block
-list, a 1,024-row vocabulary, fewer experts where they would pass 4 GiB) runs a training step on the CPU at two
+list, a 1,024-row vocabulary, fewer experts where they would pass 4 GiB) runs a training step on the CPU at three
 short lengths, with the run's stages, precision and packing. Autograd's saved-tensor hooks give each block's saved
-bytes, fitted linearly in tokens (vision blocks: in patches); `LiveBytes` (a dispatch mode counting live tensor
-storages) gives the step's peak. The run's step is then a backward sweep over its real depth (saved activations
+bytes, fitted as a + b x + c x s in tokens x in rows of s tokens (vision blocks: patches in images of s patches; the
+quadratic term where the three lengths show one: attention that keeps (L, L) scores); `LiveBytes` (a dispatch mode
+counting live tensor storages) gives the step's peak. The plan says each part's attention path and how it grows
+(`Plan.attention`). The run's step is then a backward sweep over its real depth (saved activations
 freed block by block while gradients appear), plus the probe's measured excess over its own sweep (the backward's
 temporaries), plus the loss (the supervised rows' gradients and one chunk of logits), for the run's longest
 micro-batch: `batch_size` samples of `max_length` tokens (packed: whole rows of `max_tokens`), each with one image
