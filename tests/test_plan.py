@@ -46,9 +46,10 @@ RUNS = {
     # with 4 heads (attention's share of a layer's bytes at 1,024 tokens as at width 2,048 with 32 heads)
     "llama 4 x 1024, LoRA, checkpointing": ({"model": LONG_LLAMA, "stages": {"preset": "lora"},
                                              "train": {"activation_checkpointing": ["backbone"]}, "data": LONG}),
-    "qwen3_vl 2 x 1024, LoRA": ({"model": {**QWEN, "encoder": "qwen3_vl_vit", "backbone": {
+    "llama 2 x 2048, full": ({"model": LONG_LLAMA, "data": {"max_length": 2048, "batch_size": 2, "spread": 24}}),
+    "qwen3_vl 2 x 2048, LoRA": ({"model": {**QWEN, "encoder": "qwen3_vl_vit", "backbone": {
         "name": "qwen3_vl", "preset": "tiny", "options": {"hidden_size": 256, "intermediate_size": 688}}},
-        "stages": {"backbone": "lora"}, "data": {"max_length": 1024, "batch_size": 2, "spread": 24}}),
+        "stages": {"backbone": "lora"}, "data": {"max_length": 2048, "batch_size": 2, "spread": 24}}),
 }
 
 
