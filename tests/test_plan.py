@@ -278,3 +278,18 @@ def test_half_precision_arithmetic_in_float32_counts_the_same_bytes_and_gives_th
     for a, b in zip(wide[1:], narrow[1:], strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)
+
+
+def test_the_fit_recovers_a_quadratic_term_and_keeps_lines_linear():
+    from mmadapt.train.plan.segments import at, fit
+
+    # a vision tower's images (64, 256, 576 patches, one each) and rows of tokens, packed two samples per row
+    images = [{"patches": p, "images": 1, "y": 100 + 50 * p + 3 * p * p} for p in (64, 256, 576)]
+    assert fit(images, "patches", lambda p: p["y"], "images") == pytest.approx((100, 50, 3))
+    rows = [{"tokens": t, "rows": 1, "y": 7 + 20 * t + 0.5 * t * t} for t in (66, 178, 402)]
+    line = fit(rows, "tokens", lambda p: p["y"], "rows")
+    assert at(line, (4 * 1024, 1024)) == pytest.approx(7 + 20 * 4096 + 0.5 * 4096 * 1024)  # 4 rows of 1,024
+    linear = [{"tokens": t, "rows": 1, "y": 7 + 20 * t + (t % 3)} for t in (66, 178, 402)]  # rounding, not attention
+    assert fit(linear, "tokens", lambda p: p["y"], "rows")[2] == 0
+    fixed = [{"patches": 576, "images": 1, "y": 576 * 9} for _ in range(3)]  # a fixed-size encoder: per image
+    assert fit(fixed, "patches", lambda p: p["y"], "images") == (0.0, 9.0, 0.0)

@@ -117,19 +117,14 @@ def fit(points: list[dict[str, Any]], x: str, value: Any, sequences: str) -> Lin
 
 
 def _solve(rows: list[list[float]], ys: list[float]) -> tuple[float, float, float] | None:
-    """The 3 x 3 system rows . (a, b, c) = ys by Cramer's rule; None when it is singular."""
-    def det(m: list[list[float]]) -> float:
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    """The 3 x 3 system rows . (a, b, c) = ys (LU with pivoting, float64); None when it is singular."""
+    import numpy as np
 
-    d = det(rows)
-    if abs(d) < 1e-9 * max(abs(v) for r in rows for v in r) ** 3:
+    try:
+        a, b, c = np.linalg.solve(np.array(rows, dtype=np.float64), np.array(ys, dtype=np.float64)).tolist()
+    except np.linalg.LinAlgError:
         return None
-    out = []
-    for k in range(3):
-        m = [[ys[i] if j == k else rows[i][j] for j in range(3)] for i in range(3)]
-        out.append(det(m) / d)
-    return out[0], out[1], out[2]
+    return a, b, c
 
 
 def at(line: Line, load: Load) -> float:
