@@ -178,7 +178,7 @@ def queue_visual(model, side: int | None) -> int:
     return processor.tokens_for_size(side or 0, side or 0)
 
 
-def write_run(name: str, spec: dict, root: Path, quick: bool) -> Path:
+def write_run(spec: dict, root: Path, quick: bool) -> Path:
     """A run directory: the vendored tokenizer, 16 PNG images, LLaVA-format records whose answers fill the sample to
     between 92% and 99% of `max_length` (so rows are padded), and run.yaml."""
     import json
@@ -271,7 +271,7 @@ def long_table(quick: bool, only: list[str] | None) -> None:
     for name in names:
         spec = LONG[name]
         with tempfile.TemporaryDirectory() as root:
-            path = write_run(name, spec, Path(root), quick)
+            path = write_run(spec, Path(root), quick)
             plan = predict(RunConfig.load(str(path)), gpus=1, device="cpu")
             predicted = plan.per_gpu["total"] / MIB
             measured = measure_train(path)
