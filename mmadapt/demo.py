@@ -209,7 +209,11 @@ def run_config(out: Path, *, steps: int, lr: float, batch_size: int, warmup_step
                  f"data.batch_size={batch_size}", f"train.seed={seed}", f"train.out={out}",
                  f"train.progress={str(progress).lower()}", f"train.log_every={max(steps // 10, 1)}",
                  "stages.encoder=full", "stages.projector=full", "stages.backbone=full",
-                 "train.schedule=cosine", "checkpoint.keep=1"]
+                 "train.schedule=cosine", "checkpoint.keep=1",
+                 # the files the demo trained and evaluated on, recorded with the run (`mmadapt serve --ui` takes
+                 # its example questions from data.eval)
+                 f"data.train={out / 'data' / 'train.jsonl'}", f"data.eval={out / 'data' / 'eval.jsonl'}",
+                 f"data.image_root={out / 'data'}"]
     return RunConfig.load(None, overrides)
 
 
@@ -249,7 +253,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
 
     config = run_config(out, steps=hp["steps"], lr=hp["lr"], batch_size=hp["batch_size"],
                         warmup_steps=hp["warmup_steps"], seed=seed, progress=progress)
-    summary = Trainer(model, config, train_data, collate).fit()
+    summary = Trainer(model, config, train_data, collate, tokenizer=tokenizer).fit()  # OUT/model: chat-ready
 
     scored = evaluate_records(model, sample_encoder, collate, eval_records, margin=margin, classes=10)
     predictions = {name: scored.answers(name) for name in VARIANTS}

@@ -404,19 +404,44 @@ class Chat:
         self.videos += list(videos)
 
     def ask(self, text: str, images: Sequence[Any] = (), videos: Sequence[Any] = (),
-            on_text: Callable[[str], None] | None = None) -> str:
-        """The model's answer to `text` (with `images` / `videos` and those attached), after the earlier turns."""
+            on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None) -> str:
+        """The model's answer to `text` (with `images` / `videos` and those attached), after the earlier turns.
+        `cancelled()`, asked after each token, ends the answer early (what was said so far stays in the chat)."""
         self.attach(images=images, videos=videos)
         placeholders = ("" if "<video>" in text else "<video>\n" * len(self.videos)) + (
             "" if "<image>" in text else "<image>\n" * len(self.images))
         self.turns.append(ChatTurn("user", placeholders + text, tuple(self.images), tuple(self.videos)))
         self.images, self.videos = [], []
+        return self._answer(on_text, cancelled)
+
+    def regenerate(self, on_text: Callable[[str], None] | None = None,
+                   cancelled: Callable[[], bool] | None = None) -> str:
+        """Answer the last question again, in place of its answer (sampled anew from the chat's generator; a greedy
+        chat gives the same answer)."""
+        if len(self.turns) < 2 or self.turns[-1].role != "assistant":
+            raise ValueError("there is no answer to regenerate: ask a question first")
+        question, answer = self.turns[-2], self.turns.pop()
         try:
-            self.last = respond(self.model, self.processor, [{"role": t.role, "content": t.content}
-                                                             for t in self.turns],
-                                images=[i for t in self.turns for i in t.images],
-                                videos=[v for t in self.turns for v in t.videos], sampling=self.sampling,
-                                generator=self.generator, on_text=on_text)
+            return self._answer(on_text, cancelled)
+        except BaseException:
+            self.turns += [question, answer]  # _answer removed the question: both come back
+            raise
+
+    def prompt(self) -> tuple[list[dict[str, str]], list[Any], list[Any]]:
+        """(messages, images, videos) of the conversation before its latest answer (what that answer was given):
+        `respond`'s inputs, placeholders in the text."""
+        end = len(self.turns) - (bool(self.turns) and self.turns[-1].role == "assistant")
+        turns = self.turns[:end]
+        return ([{"role": t.role, "content": t.content} for t in turns], [i for t in turns for i in t.images],
+                [v for t in turns for v in t.videos])
+
+    def _answer(self, on_text: Callable[[str], None] | None, cancelled: Callable[[], bool] | None) -> str:
+        """Answer the conversation, which ends with the user's turn; a turn that cannot be answered is removed."""
+        messages, images, videos = self.prompt()
+        try:
+            self.last = respond(self.model, self.processor, messages, images=images, videos=videos,
+                                sampling=self.sampling, generator=self.generator, on_text=on_text,
+                                cancelled=cancelled)
         except BaseException:
             self.turns.pop()  # a turn that could not be answered is not part of the conversation
             raise

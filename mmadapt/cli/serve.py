@@ -10,6 +10,7 @@ from pathlib import Path
 from mmadapt.cli.common import add_model_arguments
 
 log = logging.getLogger(__name__)
+PAGE_PATH = "/ui"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -37,7 +38,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else None
+    if args.examples is not None and not Path(args.examples).is_file():
+        raise FileNotFoundError(f"--examples {args.examples} is not a file")
+    if args.ui:
+        try:
+            from mmadapt.serve.page import mount_page
+        except ImportError as e:
+            raise ValueError(f"mmadapt serve --ui needs gradio ({e}); install it: pip install 'mmadapt[ui]'") from None
     app = load_app(args.model, args.adapters, settings=settings, device=device)
+    if args.ui:
+        mount_page(app, src=args.model, path=PAGE_PATH, examples=args.examples)
+        print(f"the page: http://{args.host}:{args.port}{PAGE_PATH} (chat, evidence, model card)", flush=True)
     print(f"serving {settings.name!r} at http://{args.host}:{args.port}/v1 (OpenAI chat completions; Ctrl-C stops)",
           flush=True)
     run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -69,5 +80,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                        "for (default 8192)")
     serve.add_argument("--device", default="auto", help="where the model runs: auto (cuda when available, else "
                        "where it loads: cpu), cpu, cuda, cuda:1, ...")
+    serve.add_argument("--ui", action="store_true", help=f"also serve a web page at {PAGE_PATH}: chat with images, "
+                       "the evidence map of each answer, the model card (needs gradio: pip install 'mmadapt[ui]')")
+    serve.add_argument("--examples", default=None, help="--ui: a LLaVA / messages file whose first single-image "
+                       "questions are the page's examples (default: the run's data.eval, else sample photographs)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(func=cmd_serve)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from mmadapt.evidence.drawing import render
 from mmadapt.evidence.maps import MIN_EFFECT, EvidenceMap, completeness, evidence
 from mmadapt.evidence.measure import CURVE_STEPS, Faithfulness, faithfulness
 from mmadapt.evidence.methods import DEFAULT_METHOD, Method
+from mmadapt.evidence.prompt import observed
 from mmadapt.modes import eval_mode
 
 EVIDENCE_INDEX = "index.json"  # beside the maps of `explain_records`: record id -> picture
@@ -102,18 +103,23 @@ class Explanation:
                 "completeness": self.completeness, **self.map.summary()}
 
 
-def explain(model: Any, processor: Any, image: Any, prompt: str, *, method: Method = DEFAULT_METHOD,
-            rule: str = "positive", max_new_tokens: int = 32, out: str | os.PathLike | None = None,
-            curve_steps: int = CURVE_STEPS, batch_size: int = 16, seed: int = 0) -> Explanation:
+def explain(model: Any, processor: Any, image: Any, prompt: str | Sequence[Mapping[str, Any]], *,
+            method: Method = DEFAULT_METHOD, rule: str = "positive", max_new_tokens: int = 32,
+            out: str | os.PathLike | None = None, curve_steps: int = CURVE_STEPS, batch_size: int = 16, seed: int = 0,
+            answer_ids: Sequence[int] | torch.Tensor | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> Explanation:
     """Answer `prompt` about `image` greedily, map the answer's evidence onto the image and measure the map.
 
     `processor`: `mmadapt.Processor` of the model; `image`: a PIL image or a path (loaded like training data:
-    EXIF rotation, RGB); `prompt`: one user turn, `<image>` where the image goes (default: before the text).
-    `method`, `rule`, `batch_size`, `seed`: see `evidence`; `curve_steps`: points on the deletion and insertion
-    curves (`faithfulness`; 0 skips the measurement); `out`: where to draw the map (PNG). Cost in forwards of the
-    whole model, default settings: occlusion 1 + windows (25 on a 4 x 4 grid, at most 114 an image), rise 129,
-    integrated 32 forwards + backwards; faithfulness 128. An empty answer (the end token first) is explained
-    through that end token.
+    EXIF rotation, RGB); `prompt`: one user turn, `<image>` where the image goes (default: before the text), or a
+    whole conversation as `Processor` takes it (messages ending with the user's turn, `<image>` once in them).
+    `answer_ids`: the answer to explain (e.g. a sampled one a chat showed, up to its end token), instead of the
+    greedy one. `method`, `rule`, `batch_size`, `seed`: see `evidence`; `curve_steps`: points on the deletion and
+    insertion curves (`faithfulness`; 0 skips the measurement); `out`: where to draw the map (PNG). `progress(stage,
+    done, total)` hears each batch of forwards (stage "map", then "faithfulness"; what it raises stops the work).
+    Cost in forwards of the whole model, default settings: occlusion 1 + windows (25 on a 4 x 4 grid, at most 114
+    an image), rise 129, integrated 32 forwards + backwards; faithfulness 128. An empty answer (the end token
+    first) is explained through that end token.
     """
     if curve_steps < 0 or curve_steps == 1:
         raise ValueError(f"curve_steps {curve_steps}: give at least 2 points on the deletion / insertion curves "
@@ -122,28 +128,48 @@ def explain(model: Any, processor: Any, image: Any, prompt: str, *, method: Meth
         raise TypeError(f"unknown method {method!r}: give a method object, e.g. Occlusion(windows=(1, 2)), "
                         "Rise(samples=128) or Integrated(steps=32) from mmadapt.evidence")
     picture = processor.image(image)
-    text = prompt if "<image>" in prompt else f"<image>\n{prompt}"
+    if isinstance(prompt, str):
+        question, text = prompt, prompt if "<image>" in prompt else f"<image>\n{prompt}"
+    else:
+        text = list(prompt)
+        question = next((str(m.get("content", "")) for m in reversed(text) if m.get("role") == "user"), "")
     inputs = processor(text, images=[picture])
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    answer_ids, target = _answer(model, processor, inputs, max_new_tokens)
-    (heat,) = evidence(model, inputs, target, method=method, images=[picture],
-                       image_processor=processor.encoder.processor, rule=rule, batch_size=batch_size, seed=seed)
+    if answer_ids is None:
+        answer_ids, target = _answer(model, processor, inputs, max_new_tokens)
+    else:
+        answer_ids, target = _until_end(torch.as_tensor(answer_ids, dtype=torch.long).flatten().cpu(),
+                                        processor.eos_token_ids)
+        if not target.numel():
+            raise ValueError("answer_ids is empty: give the answer's ids (with its end token for an empty answer)")
+
+    def stage(name: str) -> Callable[[int, int], None]:
+        return lambda done, total: progress(name, done, total) if progress is not None else None
+
+    with observed(stage("map")):
+        (heat,) = evidence(model, inputs, target, method=method, images=[picture],
+                           image_processor=processor.encoder.processor, rule=rule, batch_size=batch_size, seed=seed)
     if curve_steps:
-        heat = dataclasses.replace(heat, faithfulness=faithfulness(model, inputs, target, [heat], steps=curve_steps,
-                                                                   batch_size=batch_size, seed=seed))
+        with observed(stage("faithfulness")):
+            measured = faithfulness(model, inputs, target, [heat], steps=curve_steps, batch_size=batch_size, seed=seed)
+        heat = dataclasses.replace(heat, faithfulness=measured)
     answer = processor.decode(answer_ids)
-    png = None if out is None else render(picture, heat, out, prompt=prompt, answer=answer)
-    return Explanation(answer, tuple(answer_ids.tolist()), heat, png, prompt,
+    png = None if out is None else render(picture, heat, out, prompt=question, answer=answer)
+    return Explanation(answer, tuple(answer_ids.tolist()), heat, png, question,
                        os.fspath(image) if isinstance(image, (str, os.PathLike)) else None)
 
 
 def _answer(model: Any, processor: Any, inputs: dict[str, Any], max_new_tokens: int) -> tuple[torch.Tensor, ...]:
     """The greedy answer's ids up to its end token, and the ids to explain (the end token for an empty answer)."""
-    ends = processor.eos_token_ids
     with eval_mode(model):
-        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=ends,
+        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=processor.eos_token_ids,
                                    pad_token_id=processor.encoder.pad_token_id)[0].cpu()
+    return _until_end(generated, processor.eos_token_ids)
+
+
+def _until_end(generated: torch.Tensor, ends: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the answer's ids before its first end token, the ids to explain: those, or the end token when empty)."""
     stop = next((k for k, token in enumerate(generated.tolist()) if token in ends), len(generated))
     return generated[:stop], generated[:stop] if stop else generated[:1]
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Final
 
 import torch
 
-from mmadapt.evidence.prompt import Prompt, answer_log_probs, masked_objectives
+from mmadapt.evidence.prompt import Prompt, answer_log_probs, masked_objectives, report_batch
 
 DEFAULT_STEPS: Final[int] = 32  # integrated gradients: points on the path
 DEFAULT_SAMPLES: Final[int] = 128  # rise: random masks (forwards of the whole model)
@@ -192,6 +192,7 @@ def integrated_scores(model: Any, prompt: Prompt, visual: Any, steps: int, batch
     device = features.device
     alphas, weights = path_points(steps)
     gradient = torch.zeros(features.shape, dtype=torch.float32, device=device)
+    done = 0
     for chunk, chunk_weights in zip(alphas.split(batch_size), weights.split(batch_size), strict=True):
         scaled = (chunk.to(device, torch.float32).view(-1, 1, 1, 1) * features.float()).to(features.dtype)
         scaled.requires_grad_(True)
@@ -199,6 +200,7 @@ def integrated_scores(model: Any, prompt: Prompt, visual: Any, steps: int, batch
             values = answer_log_probs(model, prompt.ids, prompt.answer, visual, scaled)
             (grad,) = torch.autograd.grad(values.sum(), scaled)
         gradient += (chunk_weights.to(device, torch.float32).view(-1, 1, 1, 1) * grad.float()).sum(0)
+        report_batch(done := done + len(chunk), len(alphas))
     return (gradient * features.float()).sum((0, -1)).cpu()
 
 

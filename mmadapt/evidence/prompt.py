@@ -13,6 +13,9 @@ the prompt, (t, h, w) an image's LLM-side token grid (after the projector's merg
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,28 @@ from mmadapt.contract import ImageTokenContractError
 from mmadapt.encoders.base import grid_coords
 from mmadapt.model import placeholder_ids
 from mmadapt.packing import as_bool_mask
+
+_observer: ContextVar[Callable[[int, int], None] | None] = ContextVar("mmadapt_evidence_observer", default=None)
+
+
+@contextmanager
+def observed(on_batch: Callable[[int, int], None]) -> Iterator[None]:
+    """Inside the block, every batch of forwards the evidence makes (a method's masked copies or path points, the
+    faithfulness curves) calls `on_batch(done, total)`: the versions of the prompt done so far in that sweep and
+    how many it makes. An exception it raises stops the sweep there (a page's cancel button); the model is left as
+    it was (`eval_mode` restores it)."""
+    token = _observer.set(on_batch)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
+def report_batch(done: int, total: int) -> None:
+    """Tell the observer of `observed`, if any, that a sweep has done `done` of its `total` versions."""
+    on_batch = _observer.get()
+    if on_batch is not None:
+        on_batch(done, total)
 
 
 @dataclass(frozen=True)
@@ -124,11 +149,12 @@ def masked_objectives(model: Any, prompt: Prompt, cells: torch.Tensor, keeps: to
                       batch_size: int) -> torch.Tensor:
     """(K,) sum of the answer's log-probabilities with the cells where `keeps` (K, cells) is 0 set to 0 in the
     normalised pixels (the processor's mean colour), `batch_size` masked copies of the prompt per forward."""
-    values = []
+    values: list[torch.Tensor] = []
     for chunk in keeps.split(batch_size):
         k = len(chunk)
         pixels = torch.cat([prompt.pixel_values * keep.to(prompt.pixel_values)[cells] for keep in chunk])
         visual = prompt.visual(model, pixels, copies=k)
         with torch.no_grad():
             values.append(answer_log_probs(model, prompt.ids, prompt.answer, visual, None, copies=k))
+        report_batch(sum(len(v) for v in values), len(keeps))
     return torch.cat(values).cpu().double()

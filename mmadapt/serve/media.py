@@ -82,6 +82,22 @@ def load_image_url(url: str, policy: MediaPolicy, param: str) -> Any:
     return _load(_local_path(url, policy, param, "image"), policy, param)
 
 
+def load_image_file(path: str | os.PathLike, policy: MediaPolicy, param: str) -> Any:
+    """The decoded RGB image in the file at `path` (an upload the server itself stored), checked as a data URL's
+    bytes are: its size against `max_image_bytes` before it is read, its signature, then its pixel count against
+    `max_pixels` before any pixel is decoded; a 400 `APIError` about `param` otherwise."""
+    size = os.stat(path).st_size
+    if size > policy.max_image_bytes:
+        raise bad_request(f"the image is {size} bytes, over the server's limit of {policy.max_image_bytes} bytes: send "
+                          "a smaller image", param=param, code="image_too_large")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if image_format(head) is None:
+        raise bad_request("the file is not a PNG, JPEG, WebP or GIF image (its first bytes are no such signature)",
+                          param=param, code="invalid_image_format")
+    return _load(Path(path), policy, param)
+
+
 def video_file(url: str, policy: MediaPolicy, param: str, scratch: Path) -> str:
     """A file holding the video `url` names (a data URL or a remote video written into `scratch`, a local path as
     it is), or a 400 `APIError` about `param`; decoding and its limits are the data pipeline's."""

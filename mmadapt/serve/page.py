@@ -1,0 +1,566 @@
+"""`mmadapt serve MODEL --ui`: a web page to talk to a trained model and see where each answer looks (gradio).
+
+    app = load_app("runs/demo")                                   # the OpenAI-compatible API (mmadapt.serve)
+    mount_page(app, src="runs/demo")                              # + the page at /ui, on the same model and worker
+
+Three tabs over the server's one model (`Service`):
+- Chat: images (upload, paste, or an example), videos for the Qwen families, multi-turn, the answer streamed, Stop /
+  Regenerate / Clear, the sampling settings `mmadapt chat` has. Each answer is `Chat.ask` (`mmadapt chat`'s own
+  code: the same prompt, the same decoding), run on the model's one worker thread (`ModelWorker`), so the page and
+  the API answer one request at a time; gradio's queue (`concurrency_id="model"`) shows a page's place in line and
+  the status line the worker's own count (API requests included).
+- Evidence: for the latest answer, the evidence map as `mmadapt explain` draws it (the answer shown in the chat,
+  sampled or not, is the one explained), its faithfulness and the verdict in words, and the image effect: what the
+  model answers with the image blanked (the processor's mean colour) and with another image (an example), with the
+  change of log p(answer). It costs about a hundred forwards, so it runs when asked, with progress, and Cancel
+  stops it at the next batch.
+- Model card: `mmadapt.serve.card.ModelCard`.
+
+Uploads are untrusted: each file is checked as an API request's image is (`load_image_file`: size before reading,
+signature, pixel count before decoding; gradio's own `max_file_size` before it is stored) and a bad one is a message
+in the page, the file dropped from the box and the conversation unchanged. Example images are decoded and re-encoded
+into a directory the page owns; nothing is read from a path a client names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # the page never phones home
+
+import gradio as gr
+import torch
+from fastapi import FastAPI
+
+from mmadapt.data.problems import DataProblem
+from mmadapt.evidence import Integrated, Occlusion, Rise, explain
+from mmadapt.evidence import Prompt as EvidencePrompt
+from mmadapt.evidence.maps import MIN_EFFECT
+from mmadapt.evidence.prompt import answer_log_probs
+from mmadapt.inference import Answer, Chat, Prompt, Sampling, respond
+from mmadapt.modes import eval_mode
+from mmadapt.serve.card import ModelCard
+from mmadapt.serve.errors import APIError
+from mmadapt.serve.media import VIDEO_TYPES, load_image_file
+from mmadapt.serve.worker import QueueFull
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 64  # conversations kept (one per open page); the least recently used beyond are forgotten
+MAX_EXAMPLES = 6
+METHODS: dict[str, Callable[[], Any]] = {"occlusion": Occlusion, "rise": Rise, "integrated": Integrated}
+
+
+class PageMessage(Exception):
+    """Something the user can fix, said in the page (a bad upload, a question the evidence view cannot map)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """An example question with its image (a PNG the page wrote), and a name to pick it by."""
+
+    name: str
+    image: Path
+    question: str
+
+
+class Session:
+    """One page's conversation (`Chat` over the shared model) and its cancel flags."""
+
+    def __init__(self, chat: Chat) -> None:
+        self.chat = chat
+        self.stop = threading.Event()  # the answer being streamed
+        self.cancel = threading.Event()  # the evidence being computed
+        self.lock = threading.Lock()
+
+
+class Page:
+    """The page over a `Service` (the API's model, processor and worker); `build()` is the gradio app."""
+
+    def __init__(self, service: Any, card: ModelCard, examples: list[Example]) -> None:
+        self.service, self.card, self.examples = service, card, examples
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.sessions_lock = threading.Lock()
+        encoder = service.processor.encoder
+        self.videos = encoder.video_processor is not None
+
+    # ---- sessions --------------------------------------------------------------------------------------------------
+    def session(self, request: gr.Request | None) -> Session:
+        key = getattr(request, "session_hash", None) or "-"
+        with self.sessions_lock:
+            if key not in self.sessions:
+                self.sessions[key] = Session(Chat(self.service.model, self.service.processor))
+                while len(self.sessions) > MAX_SESSIONS:
+                    self.sessions.popitem(last=False)
+            self.sessions.move_to_end(key)
+            return self.sessions[key]
+
+    # ---- uploads ---------------------------------------------------------------------------------------------------
+    def uploads(self, files: list[Any]) -> tuple[list[Any], list[str], list[str], list[str]]:
+        """(images decoded, video files, the files kept, a message per file refused)."""
+        images, videos, kept, problems = [], [], [], []
+        for file in files:
+            path = str(file.get("path") if isinstance(file, dict) else file)
+            name = Path(path).name
+            suffix = Path(path).suffix.lower()
+            try:
+                if suffix in VIDEO_TYPES.values():
+                    if not self.videos:
+                        raise PageMessage("this model takes no videos (its encoder has no video processor): attach "
+                                          "images")
+                    size = os.stat(path).st_size
+                    if size > self.service.media.max_video_bytes:
+                        raise PageMessage(f"the video is {size} bytes, over the limit of "
+                                          f"{self.service.media.max_video_bytes}")
+                    videos.append(path)
+                else:
+                    images.append(load_image_file(path, self.service.media, name))
+                kept.append(path)
+            except APIError as e:
+                problems.append(f"{name}: {e.message}")
+            except PageMessage as e:
+                problems.append(f"{name}: {e}")
+            except OSError as e:
+                problems.append(f"{name}: the file cannot be read ({e.strerror or e})")
+        return images, videos, kept, problems
+
+    def check_text(self, text: str) -> None:
+        held = [p for p in self.service.processor.placeholder_texts if p in text]
+        if held:
+            raise PageMessage(f"the question holds {', '.join(map(repr, held))}, which this model reads as visual "
+                              "input: attach images with the paper clip instead, and remove that text")
+
+    # ---- running on the model's worker -----------------------------------------------------------------------------
+    def on_worker(self, job: Callable[[Callable[[Any], None]], Any]) -> Iterator[tuple[str, Any]]:
+        """Run `job(emit)` on the model's worker; yields ("wait", jobs ahead) while it waits, ("event", x) for each
+        `emit(x)`, then ("done", its result). Its exception is raised here."""
+        events: queue.Queue = queue.Queue()
+        try:
+            future = self.service.worker.submit(lambda: job(events.put))
+        except QueueFull as e:
+            raise PageMessage(f"the model is busy: {e}") from None
+        while True:
+            try:
+                yield "event", events.get(timeout=0.1)
+                continue
+            except queue.Empty:
+                pass
+            if future.done():
+                break
+            state = self.service.worker.state()
+            if state["running"] and not events.qsize():
+                yield "wait", state
+        while not events.empty():
+            yield "event", events.get_nowait()
+        yield "done", future.result()
+
+    # ---- chat ------------------------------------------------------------------------------------------------------
+    def sampling(self, session: Session, max_new_tokens: float, temperature: float, top_p: float, seed: float | None,
+                 repetition_penalty: float) -> None:
+        sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                            seed=int(seed or 0), repetition_penalty=float(repetition_penalty))
+        chat = session.chat
+        if sampling.seed != chat.sampling.seed:
+            chat.generator.manual_seed(sampling.seed)
+        chat.sampling = sampling
+
+    def send(self, message: dict[str, Any] | None, history: list[dict[str, Any]], max_new_tokens: float,
+             temperature: float, top_p: float, seed: float | None, repetition_penalty: float,
+             request: gr.Request) -> Iterator[tuple[Any, ...]]:
+        """The user's turn: checked, shown, answered in a stream."""
+        message = message or {}
+        text, files = str(message.get("text") or "").strip(), list(message.get("files") or [])
+        images, videos, kept, problems = self.uploads(files)
+        if problems:
+            gr.Warning("Not sent: " + "; ".join(problems), duration=None)
+            yield history, gr.MultimodalTextbox(value={"text": text, "files": kept}), gr.skip()
+            return
+        if not text:
+            gr.Warning("Type a question to send with the attachments." if files else "Type a question.")
+            yield history, gr.skip(), gr.skip()
+            return
+        try:
+            self.check_text(text)
+        except PageMessage as e:
+            gr.Warning(str(e), duration=None)
+            yield history, gr.skip(), gr.skip()
+            return
+        session = self.session(request)
+        self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
+        shown = [*history, {"role": "user", "content": [*({"path": f} for f in kept), text]}]
+        yield from self.stream(session, shown, lambda on_text, stop: session.chat.ask(
+            text, images=images, videos=videos, on_text=on_text, cancelled=stop))
+
+    def regenerate(self, history: list[dict[str, Any]], max_new_tokens: float, temperature: float, top_p: float,
+                   seed: float | None, repetition_penalty: float,
+                   request: gr.Request) -> Iterator[tuple[Any, ...]]:
+        session = self.session(request)
+        if not session.chat.turns or session.chat.turns[-1].role != "assistant":
+            gr.Warning("There is no answer to regenerate yet.")
+            yield history, gr.skip(), gr.skip()
+            return
+        self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
+        shown = list(history)
+        while shown and shown[-1]["role"] == "assistant":
+            shown.pop()
+        yield from self.stream(session, shown, lambda on_text, stop: session.chat.regenerate(on_text, stop))
+
+    def stream(self, session: Session, shown: list[dict[str, Any]],
+               answer: Callable[[Callable[[str], None], Callable[[], bool]], str]) -> Iterator[tuple[Any, ...]]:
+        """Answer on the worker, streaming the text into the last chat message; the box is locked meanwhile."""
+        session.stop.clear()
+        locked = gr.MultimodalTextbox(value=None, interactive=False)
+        text = ""
+        yield [*shown, {"role": "assistant", "content": "…"}], locked, "answering"
+        try:
+            for kind, value in self.on_worker(lambda emit: answer(emit, session.stop.is_set)):
+                if kind == "event":
+                    text += value
+                    yield [*shown, {"role": "assistant", "content": text}], locked, "answering"
+                elif kind == "wait":
+                    yield ([*shown, {"role": "assistant", "content": waiting(value)}], locked, "waiting")
+                else:
+                    last: Answer = session.chat.last
+                    note = {"length": f" [cut at {last.usage.completion_tokens} tokens: raise max new tokens]",
+                            "cancelled": " [stopped]"}.get(last.finish_reason, "")
+                    final = [*shown, {"role": "assistant", "content": (value or "(empty answer)") + note}]
+                    yield final, gr.MultimodalTextbox(value=None, interactive=True), describe(last)
+        except (PageMessage, ValueError, TypeError, DataProblem) as e:  # the turn was not taken (Chat removes it)
+            gr.Warning(f"Not answered: {e}", duration=None)
+            yield shown[:-1] if shown and shown[-1]["role"] == "user" else shown, \
+                gr.MultimodalTextbox(interactive=True), "not answered"
+        finally:
+            session.stop.set()  # a page that went away frees the model at the next token
+
+    def stop(self, request: gr.Request) -> None:
+        session = self.session(request)
+        session.stop.set()
+        session.cancel.set()
+
+    def clear(self, request: gr.Request) -> tuple[Any, ...]:
+        session = self.session(request)
+        session.stop.set()
+        session.chat.reset()
+        return [], gr.MultimodalTextbox(value=None, interactive=True), "", None, ""
+
+    def status(self) -> str:
+        state = self.service.worker.state()
+        busy = "answering" if state["running"] else "idle"
+        return (f"model **{busy}** · {state['waiting']} waiting · {state['answered']} answered "
+                "(this page and the API share it)")
+
+    # ---- evidence --------------------------------------------------------------------------------------------------
+    def evidence(self, method: str, curve_steps: float, other: str | None, request: gr.Request,
+                 progress: gr.Progress = gr.Progress()) -> Iterator[tuple[Any, ...]]:  # noqa: B008 (gradio)
+        """Map the latest answer, measure the map, and answer again without the image and with another one."""
+        session = self.session(request)
+        chat = session.chat
+        if chat.last is None or not chat.turns or chat.turns[-1].role != "assistant":
+            raise gr.Error("Ask a question about an image first: the evidence view explains the latest answer.")
+        messages, images, videos = chat.prompt()
+        if videos or len(images) != 1:
+            raise gr.Error(f"The evidence view maps an answer about one image; this conversation has {len(images)} "
+                           f"image(s) and {len(videos)} video(s). Clear it and ask about one image.")
+        picked = next((e for e in self.examples if e.name == other), None)
+        session.cancel.clear()
+        answer = chat.last
+        state: dict[str, Any] = {"stage": "waiting for the model", "done": 0, "total": 1}
+
+        def report(stage: str, done: int, total: int) -> None:
+            state.update(stage=stage, done=done, total=total)
+            if session.cancel.is_set():
+                raise Cancelled()
+
+        def job(emit: Callable[[Any], None]) -> tuple[Any, ...]:
+            with tempfile.TemporaryDirectory(prefix="mmadapt-page-") as scratch:
+                result = explain(self.service.model, self.service.processor, images[0], messages,
+                                 answer_ids=answer.token_ids, method=METHODS[method](),
+                                 curve_steps=int(curve_steps), out=Path(scratch) / "map.png", progress=report)
+                from PIL import Image
+
+                with Image.open(result.png) as drawn:
+                    picture = drawn.convert("RGB")
+            report("image effect", 0, 2)
+            effect = image_effect(self.service.model, self.service.processor, messages, images[0],
+                                  None if picked is None else picked.image, answer, chat.sampling.max_new_tokens)
+            return picture, result, effect
+
+        try:
+            yield None, "Working…", gr.update(visible=True)
+            for kind, value in self.on_worker(job):
+                if kind == "wait":
+                    progress(0.0, desc=f"waiting for the model ({value['waiting']} waiting)")
+                elif kind == "done":
+                    picture, result, effect = value
+                    yield picture, verdict_words(result, effect, picked), gr.update(visible=False)
+                    return
+                fraction = stage_fraction(state)
+                progress(fraction, desc=f"{state['stage']}: {state['done']}/{state['total']}")
+        except Cancelled:
+            yield None, "Cancelled: no map was drawn.", gr.update(visible=False)
+        except (ValueError, TypeError) as e:
+            yield None, f"The evidence could not be computed: {e}", gr.update(visible=False)
+
+    # ---- the page --------------------------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        kinds = ["image", *([".mp4", ".webm", ".mov", ".mkv", ".avi"] if self.videos else [])]
+        name = self.card.name
+        with gr.Blocks(title=f"mmadapt · {name}", analytics_enabled=False) as page:
+            with gr.Row():
+                gr.Markdown(f"## {name}\nA vision-language model trained with mmadapt. Ask about an image; then "
+                            "open **Evidence** to see where the answer looks.", elem_id="title")
+                status = gr.Markdown(self.status(), elem_id="status")
+            with gr.Tabs():
+                with gr.Tab("Chat", id="chat"):
+                    chatbot = gr.Chatbot(elem_id="chatbot", height=440, label="conversation",
+                                         feedback_options=None, buttons=["copy"])
+                    box = gr.MultimodalTextbox(
+                        elem_id="ask", file_types=kinds, file_count="multiple", sources=["upload"],
+                        placeholder="Ask about an image: attach or paste it (or pick an example below), then Enter",
+                        show_label=False)
+                    with gr.Row():
+                        stop = gr.Button("Stop", elem_id="stop", variant="stop", size="sm")
+                        again = gr.Button("Regenerate", elem_id="regenerate", size="sm")
+                        clear = gr.Button("Clear", elem_id="clear", size="sm")
+                        finish = gr.Markdown("", elem_id="finish")
+                    if self.examples:
+                        gr.Examples([{"text": e.question, "files": [str(e.image)]} for e in self.examples],
+                                    inputs=[box], label="examples", example_labels=[e.name for e in self.examples])
+                    with gr.Accordion("Sampling (as mmadapt chat)", open=False):
+                        limit = self.service.settings.max_tokens_limit
+                        settings = [
+                            gr.Slider(1, limit, value=min(256, limit), step=1, label="max new tokens",
+                                      elem_id="max-new-tokens"),
+                            gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)"),
+                            gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top p"),
+                            gr.Number(value=0, precision=0, label="seed"),
+                            gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)"),
+                        ]
+                with gr.Tab("Evidence", id="evidence"):
+                    gr.Markdown("Where does the **latest answer** rest on its image? The map is drawn as "
+                                "`mmadapt explain` draws it and checked against random orders (faithfulness); then "
+                                "the same question is answered with the image blanked and with another image.")
+                    with gr.Row():
+                        method = gr.Dropdown(list(METHODS), value="occlusion", label="method", scale=1)
+                        curves = gr.Slider(0, 16, value=8, step=1, label="faithfulness curve points (0 = skip)",
+                                           scale=1)
+                        other = gr.Dropdown([e.name for e in self.examples],
+                                            value=self.examples[0].name if self.examples else None,
+                                            label="another image (for the image effect)", scale=1)
+                    with gr.Row():
+                        run = gr.Button("Map the evidence of the latest answer", elem_id="explain", variant="primary")
+                        cancel = gr.Button("Cancel", elem_id="cancel", visible=False)
+                    picture = gr.Image(elem_id="evidence-map", label="evidence map", interactive=False,
+                                       type="pil", height=420, buttons=["download"])
+                    words = gr.Markdown(elem_id="verdict")
+                with gr.Tab("Model card", id="card"):
+                    gr.Markdown(self.card.markdown(), elem_id="card")
+
+            model = {"concurrency_limit": 1, "concurrency_id": "model"}
+            sent = box.submit(self.send, [box, chatbot, *settings], [chatbot, box, finish], **model)
+            redo = again.click(self.regenerate, [chatbot, *settings], [chatbot, box, finish], **model)
+            stop.click(self.stop, None, None, queue=False, cancels=[sent, redo])
+            clear.click(self.clear, None, [chatbot, box, finish, picture, words], queue=False, cancels=[sent, redo])
+            run.click(self.evidence, [method, curves, other], [picture, words, cancel], **model)
+            cancel.click(self.stop, None, None, queue=False).then(
+                lambda: gr.update(visible=False), None, [cancel], queue=False)
+            gr.Timer(2.0).tick(self.status, None, [status], queue=False, show_progress="hidden")
+        return page
+
+
+class Cancelled(Exception):
+    """The evidence was cancelled from the page."""
+
+
+# ---- what the evidence view says ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Effect:
+    """The answer with the image blanked / another image: the greedy answer then, and the change of log p(answer)
+    (the displayed answer's) from the real image, in nats (negative: less likely without this image)."""
+
+    blank_answer: str
+    blank_change: float
+    other_answer: str | None
+    other_change: float | None
+
+
+def image_effect(model: Any, processor: Any, messages: list[dict[str, str]], image: Any, other: Any,
+                 answer: Answer, max_new_tokens: int) -> Effect:
+    """`Effect` of the conversation's one image on `answer`: the same conversation with the image's pixel values
+    zeroed (the processor's mean colour, as `mmadapt eval` blanks) and with `other` in its place."""
+    greedy = Sampling(max_new_tokens=max_new_tokens)
+    real = Prompt.build(model, processor, messages, images=[image])
+    blank = dataclasses.replace(real, inputs={**real.inputs, "pixel_values": torch.zeros_like(
+        real.inputs["pixel_values"])})
+    ids = [t for t in answer.token_ids if t not in processor.eos_token_ids] or list(answer.token_ids[:1])
+    base = log_p(model, real.inputs, ids)
+    blank_text = respond(model, processor, blank, sampling=greedy).text
+    blank_change = log_p(model, blank.inputs, ids) - base
+    if other is None:
+        return Effect(blank_text, blank_change, None, None)
+    swapped = Prompt.build(model, processor, messages, images=[other])
+    return Effect(blank_text, blank_change, respond(model, processor, swapped, sampling=greedy).text,
+                  log_p(model, swapped.inputs, ids) - base)
+
+
+def log_p(model: Any, inputs: dict[str, Any], ids: list[int]) -> float:
+    """log p(ids | prompt) under the model (teacher forcing through its one input path)."""
+    prompt = EvidencePrompt.of(model, inputs, ids)
+    with eval_mode(model), torch.no_grad():
+        return float(answer_log_probs(model, prompt.ids, prompt.answer, prompt.visual(model), None, copies=1)[0])
+
+
+def stage_fraction(state: dict[str, Any]) -> float:
+    """The progress bar: the map 0-60%, faithfulness 60-95%, the image effect the rest."""
+    spans = {"map": (0.0, 0.6), "faithfulness": (0.6, 0.95), "image effect": (0.95, 1.0)}
+    start, end = spans.get(state["stage"], (0.0, 0.0))
+    return start + (end - start) * state["done"] / max(state["total"], 1)
+
+
+def verdict_words(result: Any, effect: Effect, other: Example | None) -> str:
+    """The evidence view's text: the answer, whether to trust its map, and what the model says without the image."""
+    measured = result.faithfulness
+    lines = [f"**Answer explained:** “{result.answer or '(empty)'}”", ""]
+    if measured is None:
+        lines.append("**Faithfulness not measured** (curve points 0): the map is drawn but not checked.")
+    elif not measured.decisive:
+        lines.append(f"**Do not read this map:** the answer barely depends on the image's pixels (log p changes by "
+                     f"{measured.pixel_effect:+.2f} nats with the mean-colour image, under {MIN_EFFECT}), so there is "
+                     "no evidence to show.")
+    elif measured.trusted:
+        lines.append(f"**Trusted map:** removing its strongest cells first lowers the answer faster, and revealing "
+                     f"them first raises it faster, than every one of {measured.orders} random orders (faithfulness "
+                     f"{measured.score:+.2f}; 0 = a random map).")
+    else:
+        lines.append(f"**Do not trust this map:** it beats only {measured.wins} of {measured.orders} random orders "
+                     f"(faithfulness {measured.score:+.2f}; 0 = a random map): the evidence it shows is not where the "
+                     "answer's support lies.")
+    shares = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in result.quadrants.items())
+    lines += ["", f"Evidence by quadrant: {shares}.", "", "**Image effect**",
+              f"- image blanked (the mean colour): the model answers “{effect.blank_answer or '(empty)'}”; "
+              f"log p(answer) {effect.blank_change:+.2f} nats"]
+    if effect.other_answer is not None and other is not None:
+        lines.append(f"- another image ({other.name}): “{effect.other_answer or '(empty)'}”; log p(answer) "
+                     f"{effect.other_change:+.2f} nats")
+    changes = [c for c in (effect.blank_change, effect.other_change) if c is not None]
+    rests = all(c <= -MIN_EFFECT for c in changes)
+    lines.append("- so the answer **rests on this image**: without it the model is less sure of it." if rests else
+                 "- so the answer does **not clearly rest on this image**: the model gives it about as readily "
+                 "without it.")
+    return "\n".join(lines)
+
+
+def waiting(state: dict[str, Any]) -> str:
+    ahead = state["waiting"]
+    return "⏳ waiting for the model: it is answering another request" + (f" ({ahead} waiting)" if ahead else "")
+
+
+def describe(answer: Answer) -> str:
+    usage = answer.usage
+    return (f"{usage.completion_tokens} tokens ({answer.finish_reason}); prompt {usage.prompt_tokens} tokens, "
+            f"{usage.image_tokens + usage.video_tokens} of them visual")
+
+
+# ---- examples ----------------------------------------------------------------------------------------------------
+def examples_from(data_file: str | os.PathLike, directory: Path, *, limit: int = MAX_EXAMPLES,
+                  image_root: str | os.PathLike | None = None) -> list[Example]:
+    """Up to `limit` single-image, single-question records of a LLaVA / messages file, their images decoded
+    (`load_image`: the data pipeline's limits) and written as PNGs into `directory` (named by a counter)."""
+    from mmadapt.data.images import load_image
+    from mmadapt.data.samples import IMAGE, parse_record, read_records
+
+    root = Path(image_root) if image_root is not None else Path(data_file).parent
+    found = []
+    for k, record in enumerate(read_records(data_file, errors="report")):
+        if len(found) == limit:
+            break
+        try:
+            sample = parse_record(record, k, str(root))
+            users = [t for t in sample.turns if t.role == "user"]
+            if len(sample.images) != 1 or len(users) != 1:
+                continue
+            image = load_image(sample.images[0])
+        except (DataProblem, ValueError, OSError) as e:
+            log.warning("example %d of %s skipped: %s", k, data_file, e)
+            continue
+        path = directory / f"example-{len(found)}.png"
+        image.save(path)
+        question = users[0].text.replace(f"{IMAGE}\n", "").replace(IMAGE, "").strip()
+        found.append(Example(f"{sample.id}", path, question))
+    return found
+
+
+def builtin_examples(directory: Path) -> list[Example]:
+    """scikit-image's sample photographs (shipped offline), asked to be described."""
+    from PIL import Image
+
+    try:
+        from skimage import data
+    except ImportError:
+        return []
+    found = []
+    for name in ("astronaut", "chelsea", "coffee", "rocket"):
+        path = directory / f"{name}.png"
+        Image.fromarray(getattr(data, name)()).save(path)
+        found.append(Example(name, path, "Describe the image."))
+    return found
+
+
+def default_examples(src: str | os.PathLike | None, directory: Path) -> list[Example]:
+    """The run's held-out questions (its config's data.eval, images under its data.image_root), else scikit-image's
+    photographs."""
+    from mmadapt.serve.card import run_directory
+
+    run = run_directory(Path(src)) if src is not None else None
+    config = run / "config.yaml" if run is not None else None
+    if config is not None and config.is_file():
+        import yaml
+
+        try:
+            data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
+            if data.get("eval") and Path(data["eval"]).is_file():
+                found = examples_from(data["eval"], directory, image_root=data.get("image_root"))
+                if found:
+                    return found
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            log.warning("the run's examples could not be read from %s: %s", config, e)
+    return builtin_examples(directory)
+
+
+# ---- mounting ----------------------------------------------------------------------------------------------------
+def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str = "/ui",
+               examples: str | os.PathLike | None = None) -> FastAPI:
+    """Add the page at `path` of `app` (an app of `create_app` / `load_app`: the page answers through its model and
+    worker). `src`: where the model was loaded from (the model card, the run's example questions); `examples`: a
+    LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval)."""
+    service = app.state.service
+    scratch = Path(tempfile.mkdtemp(prefix="mmadapt-page-examples-"))
+    found = (examples_from(examples, scratch) if examples is not None else default_examples(src, scratch))
+    card = ModelCard.read(src, service.model, service.processor, name=service.settings.name)
+    page = Page(service, card, found).build()
+    page.queue(default_concurrency_limit=1, max_size=service.settings.max_queue + 1)
+    limit = max(service.media.max_image_bytes, service.media.max_video_bytes if
+                service.processor.encoder.video_processor is not None else 0)
+    app.state.page_examples = scratch
+    return gr.mount_gradio_app(app, page, path=path, allowed_paths=[str(scratch)], max_file_size=limit,
+                               show_error=True, footer_links=[], theme=gr.themes.Default(), css=CSS)
+
+
+CSS = """
+#status { text-align: right; font-size: 0.9em; }
+#verdict { font-size: 1.02em; }
+footer { display: none !important; }
+"""
+
+__all__ = ["Example", "Page", "builtin_examples", "default_examples", "examples_from", "image_effect",
+           "mount_page", "verdict_words"]
