@@ -57,7 +57,8 @@ class ModelCard:
         return cls(name=name, source="built in code" if src is None else str(Path(src).resolve()),
                    components=components, weights=source_record(model),
                    checkpoints=checkpoints(run) if run is not None else [],
-                   chat_template=str(settings.chat_template), template_kwargs=dict(settings.template_kwargs or {}),
+                   chat_template=template_name(settings.chat_template, processor.encoder.template),
+                   template_kwargs=dict(settings.template_kwargs or {}),
                    example_prompt=example_prompt(processor, notes),
                    evaluation=evaluation(run, notes) if run is not None else {}, notes=notes)
 
@@ -92,6 +93,12 @@ class ModelCard:
         if self.notes:
             lines += ["", *[f"> {note}" for note in self.notes]]
         return "\n".join(lines) + "\n"
+
+
+def template_name(setting: str, template: Any) -> str:
+    """The template the processor renders with, and the setting that chose it when that differs."""
+    name = str(getattr(template, "name", template))
+    return name if setting == name else f"{name} (chat_template: {setting})"
 
 
 def component(part: str, config: dict[str, Any], module: Any) -> dict[str, Any]:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 64  # conversations kept (one per open page); the least recently used beyond are forgotten
 MAX_EXAMPLES = 6
+AUTO = "an example unlike this image"
 METHODS: dict[str, Callable[[], Any]] = {"occlusion": Occlusion, "rise": Rise, "integrated": Integrated}
 
 
@@ -134,6 +135,11 @@ class Page:
                 problems.append(f"{name}: the file cannot be read ({e.strerror or e})")
         return images, videos, kept, problems
 
+    @staticmethod
+    def say(text: str) -> None:
+        """A message in the page (a toast that stays until closed); the event goes on."""
+        gr.Warning(text, duration=None)
+
     def check_text(self, text: str) -> None:
         held = [p for p in self.service.processor.placeholder_texts if p in text]
         if held:
@@ -142,13 +148,20 @@ class Page:
 
     # ---- running on the model's worker -----------------------------------------------------------------------------
     def on_worker(self, job: Callable[[Callable[[Any], None]], Any]) -> Iterator[tuple[str, Any]]:
-        """Run `job(emit)` on the model's worker; yields ("wait", jobs ahead) while it waits, ("event", x) for each
-        `emit(x)`, then ("done", its result). Its exception is raised here."""
+        """Run `job(emit)` on the model's worker; yields ("wait", the worker's state) until it starts, ("event", x)
+        for each `emit(x)`, then ("done", its result). Its exception is raised here."""
         events: queue.Queue = queue.Queue()
+        started = threading.Event()
+
+        def run() -> Any:
+            started.set()
+            return job(events.put)
+
         try:
-            future = self.service.worker.submit(lambda: job(events.put))
+            future = self.service.worker.submit(run)
         except QueueFull as e:
             raise PageMessage(f"the model is busy: {e}") from None
+        future.add_done_callback(lambda done: self.service.worker.count(outcome(done)))
         while True:
             try:
                 yield "event", events.get(timeout=0.1)
@@ -157,9 +170,8 @@ class Page:
                 pass
             if future.done():
                 break
-            state = self.service.worker.state()
-            if state["running"] and not events.qsize():
-                yield "wait", state
+            if not started.is_set():
+                yield "wait", self.service.worker.state()
         while not events.empty():
             yield "event", events.get_nowait()
         yield "done", future.result()
@@ -182,17 +194,17 @@ class Page:
         text, files = str(message.get("text") or "").strip(), list(message.get("files") or [])
         images, videos, kept, problems = self.uploads(files)
         if problems:
-            gr.Warning("Not sent: " + "; ".join(problems), duration=None)
-            yield history, gr.MultimodalTextbox(value={"text": text, "files": kept}), gr.skip()
+            self.say("Not sent: " + "; ".join(problems))
+            yield history, gr.update(value={"text": text, "files": kept}), gr.skip()
             return
         if not text:
-            gr.Warning("Type a question to send with the attachments." if files else "Type a question.")
+            self.say("Type a question to send with the attachments." if files else "Type a question.")
             yield history, gr.skip(), gr.skip()
             return
         try:
             self.check_text(text)
         except PageMessage as e:
-            gr.Warning(str(e), duration=None)
+            self.say(str(e))
             yield history, gr.skip(), gr.skip()
             return
         session = self.session(request)
@@ -206,7 +218,7 @@ class Page:
                    request: gr.Request) -> Iterator[tuple[Any, ...]]:
         session = self.session(request)
         if not session.chat.turns or session.chat.turns[-1].role != "assistant":
-            gr.Warning("There is no answer to regenerate yet.")
+            self.say("There is no answer to regenerate yet.")
             yield history, gr.skip(), gr.skip()
             return
         self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
@@ -219,7 +231,7 @@ class Page:
                answer: Callable[[Callable[[str], None], Callable[[], bool]], str]) -> Iterator[tuple[Any, ...]]:
         """Answer on the worker, streaming the text into the last chat message; the box is locked meanwhile."""
         session.stop.clear()
-        locked = gr.MultimodalTextbox(value=None, interactive=False)
+        locked = gr.update(value=None, interactive=False)
         text = ""
         yield [*shown, {"role": "assistant", "content": "…"}], locked, "answering"
         try:
@@ -230,15 +242,12 @@ class Page:
                 elif kind == "wait":
                     yield ([*shown, {"role": "assistant", "content": waiting(value)}], locked, "waiting")
                 else:
-                    last: Answer = session.chat.last
-                    note = {"length": f" [cut at {last.usage.completion_tokens} tokens: raise max new tokens]",
-                            "cancelled": " [stopped]"}.get(last.finish_reason, "")
-                    final = [*shown, {"role": "assistant", "content": (value or "(empty answer)") + note}]
-                    yield final, gr.MultimodalTextbox(value=None, interactive=True), describe(last)
+                    final = [*shown, {"role": "assistant", "content": value or "(empty answer)"}]
+                    yield final, gr.update(value=None, interactive=True), describe(session.chat.last)
         except (PageMessage, ValueError, TypeError, DataProblem) as e:  # the turn was not taken (Chat removes it)
-            gr.Warning(f"Not answered: {e}", duration=None)
+            self.say(f"Not answered: {e}")
             yield shown[:-1] if shown and shown[-1]["role"] == "user" else shown, \
-                gr.MultimodalTextbox(interactive=True), "not answered"
+                gr.update(interactive=True), "not answered"
         finally:
             session.stop.set()  # a page that went away frees the model at the next token
 
@@ -251,7 +260,7 @@ class Page:
         session = self.session(request)
         session.stop.set()
         session.chat.reset()
-        return [], gr.MultimodalTextbox(value=None, interactive=True), "", None, ""
+        return [], gr.update(value=None, interactive=True), "", None, ""
 
     def status(self) -> str:
         state = self.service.worker.state()
@@ -271,7 +280,7 @@ class Page:
         if videos or len(images) != 1:
             raise gr.Error(f"The evidence view maps an answer about one image; this conversation has {len(images)} "
                            f"image(s) and {len(videos)} video(s). Clear it and ask about one image.")
-        picked = next((e for e in self.examples if e.name == other), None)
+        picked = self.other_image(other, images[0])
         session.cancel.clear()
         answer = chat.last
         state: dict[str, Any] = {"stage": "waiting for the model", "done": 0, "total": 1}
@@ -311,6 +320,20 @@ class Page:
         except (ValueError, TypeError) as e:
             yield None, f"The evidence could not be computed: {e}", gr.update(visible=False)
 
+    def other_image(self, name: str | None, image: Any) -> Example | None:
+        """The example named `name`, or (`AUTO`) the first example whose pixels differ from `image`."""
+        import numpy as np
+        from PIL import Image
+
+        if name != AUTO:
+            return next((e for e in self.examples if e.name == name), None)
+        pixels = np.asarray(image)
+        for example in self.examples:
+            with Image.open(example.image) as opened:
+                if not np.array_equal(np.asarray(opened.convert("RGB")), pixels):  # shapes differ: not equal
+                    return example
+        return None
+
     # ---- the page --------------------------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
         kinds = ["image", *([".mp4", ".webm", ".mov", ".mkv", ".avi"] if self.videos else [])]
@@ -321,48 +344,51 @@ class Page:
                             "open **Evidence** to see where the answer looks.", elem_id="title")
                 status = gr.Markdown(self.status(), elem_id="status")
             with gr.Tabs():
-                with gr.Tab("Chat", id="chat"):
-                    chatbot = gr.Chatbot(elem_id="chatbot", height=440, label="conversation",
-                                         feedback_options=None, buttons=["copy"])
-                    box = gr.MultimodalTextbox(
-                        elem_id="ask", file_types=kinds, file_count="multiple", sources=["upload"],
-                        placeholder="Ask about an image: attach or paste it (or pick an example below), then Enter",
-                        show_label=False)
-                    with gr.Row():
-                        stop = gr.Button("Stop", elem_id="stop", variant="stop", size="sm")
-                        again = gr.Button("Regenerate", elem_id="regenerate", size="sm")
-                        clear = gr.Button("Clear", elem_id="clear", size="sm")
+                with gr.Tab("Chat", id="chat"), gr.Row():
+                    with gr.Column(scale=3):
+                        chatbot = gr.Chatbot(elem_id="chatbot", height=480, label="conversation",
+                                             feedback_options=None, buttons=["copy"])
+                        box = gr.MultimodalTextbox(
+                            elem_id="ask", file_types=kinds, file_count="multiple", sources=["upload"],
+                            placeholder="Ask about an image: attach or paste it (or pick an example), then Enter",
+                            show_label=False)
+                    with gr.Column(scale=1, min_width=260):
+                        with gr.Row():
+                            stop = gr.Button("Stop", elem_id="stop", variant="stop", size="sm")
+                            again = gr.Button("Regenerate", elem_id="regenerate", size="sm")
+                            clear = gr.Button("Clear", elem_id="clear", size="sm")
                         finish = gr.Markdown("", elem_id="finish")
-                    if self.examples:
-                        gr.Examples([{"text": e.question, "files": [str(e.image)]} for e in self.examples],
-                                    inputs=[box], label="examples", example_labels=[e.name for e in self.examples])
-                    with gr.Accordion("Sampling (as mmadapt chat)", open=False):
-                        limit = self.service.settings.max_tokens_limit
-                        settings = [
-                            gr.Slider(1, limit, value=min(256, limit), step=1, label="max new tokens",
-                                      elem_id="max-new-tokens"),
-                            gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)"),
-                            gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top p"),
-                            gr.Number(value=0, precision=0, label="seed"),
-                            gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)"),
-                        ]
-                with gr.Tab("Evidence", id="evidence"):
-                    gr.Markdown("Where does the **latest answer** rest on its image? The map is drawn as "
-                                "`mmadapt explain` draws it and checked against random orders (faithfulness); then "
-                                "the same question is answered with the image blanked and with another image.")
-                    with gr.Row():
-                        method = gr.Dropdown(list(METHODS), value="occlusion", label="method", scale=1)
-                        curves = gr.Slider(0, 16, value=8, step=1, label="faithfulness curve points (0 = skip)",
-                                           scale=1)
-                        other = gr.Dropdown([e.name for e in self.examples],
-                                            value=self.examples[0].name if self.examples else None,
-                                            label="another image (for the image effect)", scale=1)
-                    with gr.Row():
-                        run = gr.Button("Map the evidence of the latest answer", elem_id="explain", variant="primary")
-                        cancel = gr.Button("Cancel", elem_id="cancel", visible=False)
-                    picture = gr.Image(elem_id="evidence-map", label="evidence map", interactive=False,
-                                       type="pil", height=420, buttons=["download"])
-                    words = gr.Markdown(elem_id="verdict")
+                        if self.examples:
+                            gr.Examples([{"text": e.question, "files": [str(e.image)]} for e in self.examples],
+                                        inputs=[box], label="examples",
+                                        example_labels=[e.name for e in self.examples])
+                        with gr.Accordion("Sampling (as mmadapt chat)", open=False):
+                            limit = self.service.settings.max_tokens_limit
+                            settings = [
+                                gr.Slider(1, limit, value=min(256, limit), step=1, label="max new tokens",
+                                          elem_id="max-new-tokens"),
+                                gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)"),
+                                gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top p"),
+                                gr.Number(value=0, precision=0, label="seed"),
+                                gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)"),
+                            ]
+                with gr.Tab("Evidence", id="evidence"), gr.Row():
+                    with gr.Column(scale=3):
+                        picture = gr.Image(elem_id="evidence-map", label="evidence map of the latest answer",
+                                           interactive=False, type="pil", height=520, buttons=["download"])
+                    with gr.Column(scale=2, min_width=320):
+                        with gr.Row():
+                            run = gr.Button("Map the latest answer", elem_id="explain", variant="primary")
+                            cancel = gr.Button("Cancel", elem_id="cancel", visible=False)
+                        words = gr.Markdown("Where does the latest answer rest on its image? The map is drawn as "
+                                            "`mmadapt explain` draws it and checked against random orders "
+                                            "(faithfulness); then the question is answered with the image blanked "
+                                            "and with another image.", elem_id="verdict")
+                        with gr.Accordion("Settings", open=False):
+                            method = gr.Dropdown(list(METHODS), value="occlusion", label="method")
+                            curves = gr.Slider(0, 16, value=8, step=1, label="faithfulness curve points (0 = skip)")
+                            other = gr.Dropdown([AUTO, *(e.name for e in self.examples)], value=AUTO,
+                                                label="another image (for the image effect)")
                 with gr.Tab("Model card", id="card"):
                     gr.Markdown(self.card.markdown(), elem_id="card")
 
@@ -370,7 +396,8 @@ class Page:
             sent = box.submit(self.send, [box, chatbot, *settings], [chatbot, box, finish], **model)
             redo = again.click(self.regenerate, [chatbot, *settings], [chatbot, box, finish], **model)
             stop.click(self.stop, None, None, queue=False, cancels=[sent, redo])
-            clear.click(self.clear, None, [chatbot, box, finish, picture, words], queue=False, cancels=[sent, redo])
+            for emptied in (clear.click, chatbot.clear):  # the button, and the chat's own bin icon
+                emptied(self.clear, None, [chatbot, box, finish, picture, words], queue=False, cancels=[sent, redo])
             run.click(self.evidence, [method, curves, other], [picture, words, cancel], **model)
             cancel.click(self.stop, None, None, queue=False).then(
                 lambda: gr.update(visible=False), None, [cancel], queue=False)
@@ -460,14 +487,24 @@ def verdict_words(result: Any, effect: Effect, other: Example | None) -> str:
     return "\n".join(lines)
 
 
+def outcome(done: Any) -> str:
+    """How a finished job of the page counts in the worker's tally (`/health`)."""
+    if done.cancelled() or isinstance(done.exception(), Cancelled):
+        return "cancelled"
+    return "failed" if done.exception() is not None else "answered"
+
+
 def waiting(state: dict[str, Any]) -> str:
     ahead = state["waiting"]
     return "⏳ waiting for the model: it is answering another request" + (f" ({ahead} waiting)" if ahead else "")
 
 
 def describe(answer: Answer) -> str:
+    """The line under the buttons: how the answer ended and what the prompt held."""
     usage = answer.usage
-    return (f"{usage.completion_tokens} tokens ({answer.finish_reason}); prompt {usage.prompt_tokens} tokens, "
+    ended = {"stop": "ended by the model", "length": "cut at max new tokens (raise it in Sampling)",
+             "cancelled": "stopped"}.get(answer.finish_reason, answer.finish_reason)
+    return (f"{usage.completion_tokens} tokens, {ended}; prompt {usage.prompt_tokens} tokens, "
             f"{usage.image_tokens + usage.video_tokens} of them visual")
 
 
@@ -559,6 +596,7 @@ def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str 
 CSS = """
 #status { text-align: right; font-size: 0.9em; }
 #verdict { font-size: 1.02em; }
+#chatbot img { width: 160px !important; height: auto !important; image-rendering: pixelated; }  /* small images */
 footer { display: none !important; }
 """
 
