@@ -596,7 +596,7 @@ def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str 
 CSS = """
 #status { text-align: right; font-size: 0.9em; }
 #verdict { font-size: 1.02em; }
-#chatbot img { width: 160px !important; height: auto !important; image-rendering: pixelated; }  /* small images */
+#chatbot img { width: 160px !important; height: 160px !important; max-height: none !important; object-fit: contain; image-rendering: pixelated; }
 footer { display: none !important; }
 """
 
