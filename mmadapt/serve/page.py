@@ -596,7 +596,10 @@ def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str 
 CSS = """
 #status { text-align: right; font-size: 0.9em; }
 #verdict { font-size: 1.02em; }
-#chatbot img { width: 160px !important; height: 160px !important; max-height: none !important; object-fit: contain; image-rendering: pixelated; }
+#chatbot img {  /* small images (a 48 px digit) stay visible */
+  width: 160px !important; height: 160px !important; max-height: none !important;
+  object-fit: contain; image-rendering: pixelated;
+}
 footer { display: none !important; }
 """
 
