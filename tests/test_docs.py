@@ -45,6 +45,7 @@ RUN_BY = {
     "numerics dump": "tests/test_numerics.py::test_cli_dump",
     "numerics compare": "tests/test_numerics.py::test_cli_compare_writes_json_and_plot",
     "serve": "tests/test_lmms_eval.py::test_lmms_eval_model_openai_against_mmadapt_serve_gives_the_same_score",
+    "serve --ui": "tests/test_page_browser.py::test_the_pages_answer_is_mmadapt_chats_answer",
     "demo": "tests/test_demo.py::test_a_short_demo_run_passes_its_verdict_and_writes_every_output",
 }
 
@@ -74,6 +75,8 @@ class Command:
     @property
     def key(self) -> str:
         words = self.argv[:2] if self.argv[0] in ("data", "numerics") else self.argv[:1]
+        if self.argv[0] == "serve" and "--ui" in self.argv:
+            words = ("serve", "--ui")
         return ("torchrun " if self.torchrun else "") + " ".join(words)
 
 

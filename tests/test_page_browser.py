@@ -32,8 +32,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 from mmadapt.cli import main  # noqa: E402
-from mmadapt.serve import BackgroundServer, ServeSettings, load_app  # noqa: E402
-from mmadapt.serve.page import mount_page  # noqa: E402
+from mmadapt.serve import BackgroundServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 QUESTION = "What digit is this?"
@@ -71,13 +70,19 @@ def browser():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`mmadapt demo` (150 steps on 48 px digits: 3 x 3 visual tokens; held-out accuracy 0.87 with the images, 0.10
-    blanked) served with its page."""
+    blanked), served as `mmadapt serve OUT --ui` serves it (the command's own code, up to uvicorn's loop: the app it
+    builds is run on a thread here)."""
+    import mmadapt.serve
     from mmadapt.demo import run_demo
 
     out = tmp_path_factory.mktemp("page_browser") / "digits"
     run_demo(out=out, steps=150, image_size=48, progress=False)
-    app = load_app(out, settings=ServeSettings(name="digits"))
-    mount_page(app, src=out)
+    built = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mmadapt.serve, "run", lambda app, **where: built.append((app, where)))
+        assert main(["serve", str(out), "--ui", "--port", "0"]) == 0
+    (app, where), = built
+    assert where["host"] == "127.0.0.1"
     records = [json.loads(line) for line in (out / "data" / "eval.jsonl").read_text().splitlines()]
     with BackgroundServer(app) as server:
         yield SimpleNamespace(url=f"{server.url}/ui/", out=out, images=[out / "data" / r["image"] for r in records])
@@ -139,6 +144,7 @@ def mmadapt_chat(served: SimpleNamespace, image: Path, capsys: Any) -> str:
 def photograph(browser: Any, path: Path) -> None:
     """A screenshot of the viewport, once the status line has caught up (it polls every 2 s)."""
     until("the model idle", lambda: "idle" in browser.find_element(By.CSS_SELECTOR, "#status").text)
+    time.sleep(2.5)  # one more tick of the status line: its counts include the answer just given
     browser.save_screenshot(str(path))
 
 
