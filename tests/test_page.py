@@ -83,8 +83,26 @@ def test_the_page_streams_the_answer_mmadapt_chat_gives_and_keeps_the_conversati
 
     other = list(page.send({"text": PROMPT, "files": [tiny.png]}, [], *GREEDY, request=request("another page")))
     assert last_answer(other[-1]) == expected[0]  # each page has its own conversation
+    before = page.session(who).chat
     page.clear(who)
-    assert page.session(who).chat.turns == []
+    assert page.session(who).chat.turns == [] and len(before.turns) == 4  # a new conversation; the old one intact
+
+
+def test_a_video_reaches_a_qwen_model_through_the_page(tiny):
+    import av
+
+    path = tiny.root / "clip.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for k in range(4):
+            frame = np.full((32, 32, 3), 60 * k, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    steps = list(tiny.page.send({"text": "What moves?", "files": [str(path)]}, [], *GREEDY, request=request("video")))
+    chat = Chat(tiny.model, tiny.processor, sampling=Sampling(max_new_tokens=12))
+    assert last_answer(steps[-1]) == chat.ask("What moves?", videos=[str(path)])
+    assert chat.last.usage.video_tokens > 0 and "of them visual" in steps[-1][2]
 
 
 def test_stop_ends_the_answer_where_it_is_and_frees_the_model(tiny):
@@ -128,7 +146,10 @@ def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_qu
     page, who, said = tiny.page, request("bad"), tiny.said
     text_file = tiny.root / "notes.png"
     text_file.write_text("not an image at all")
-    cases = {text_file: "not a PNG, JPEG, WebP or GIF image", png_bomb(tiny.root / "bomb.png"): "image_too_large"}
+    large = tiny.root / "large.png"
+    large.write_bytes(Path(tiny.png).read_bytes() + b"\0" * tiny.service.media.max_image_bytes)  # over by the PNG
+    cases = {text_file: "not a PNG, JPEG, WebP or GIF image", png_bomb(tiny.root / "bomb.png"): "image_too_large",
+             large: "over the server's limit"}
     for bad, message in cases.items():
         said.clear()
         (step,) = list(page.send({"text": PROMPT, "files": [str(bad), tiny.png]}, [], *GREEDY, request=who))
@@ -225,3 +246,20 @@ def test_examples_come_from_single_image_questions_copied_into_the_pages_directo
     assert found.name == "good" and found.question == "What colour?" and found.image == out / "example-0.png"
     with Image.open(found.image) as copy, Image.open(data / "images" / "a.png") as original:
         assert np.array_equal(np.asarray(copy), np.asarray(original))  # decoded and written again by the page
+
+
+def test_a_server_with_an_api_key_asks_for_it_on_the_page(tiny):
+    import httpx
+
+    from mmadapt.serve import BackgroundServer
+    from mmadapt.serve.page import mount_page
+
+    app = create_app(tiny.model, tiny.processor, ServeSettings(name="tiny", api_key="secret"))
+    mount_page(app, src=None)
+    with BackgroundServer(app) as server, httpx.Client(base_url=f"{server.url}/ui", timeout=30) as client:
+        assert client.get("/config").status_code == 401  # the page's events and files need the login
+        assert client.post("/login", data={"username": "colleague", "password": "wrong"}).status_code == 400
+        assert client.post("/login", data={"username": "colleague", "password": "secret"}).status_code == 200
+        config = client.get("/config")
+        assert config.status_code == 200 and "Model card" in config.text
+    app.state.service.close()

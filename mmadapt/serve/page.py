@@ -210,8 +210,13 @@ class Page:
         session = self.session(request)
         self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
         shown = [*history, {"role": "user", "content": [*({"path": f} for f in kept), text]}]
-        yield from self.stream(session, shown, lambda on_text, stop: session.chat.ask(
-            text, images=images, videos=videos, on_text=on_text, cancelled=stop))
+        chat = session.chat  # this conversation, even if Clear replaces the page's conversation meanwhile
+
+        def answer(on_text: Callable[[str], None], stop: Callable[[], bool]) -> Answer:
+            chat.ask(text, images=images, videos=videos, on_text=on_text, cancelled=stop)
+            return chat.last
+
+        yield from self.stream(session, shown, answer)
 
     def regenerate(self, history: list[dict[str, Any]], max_new_tokens: float, temperature: float, top_p: float,
                    seed: float | None, repetition_penalty: float,
@@ -225,10 +230,16 @@ class Page:
         shown = list(history)
         while shown and shown[-1]["role"] == "assistant":
             shown.pop()
-        yield from self.stream(session, shown, lambda on_text, stop: session.chat.regenerate(on_text, stop))
+        chat = session.chat
+
+        def answer(on_text: Callable[[str], None], stop: Callable[[], bool]) -> Answer:
+            chat.regenerate(on_text, stop)
+            return chat.last
+
+        yield from self.stream(session, shown, answer)
 
     def stream(self, session: Session, shown: list[dict[str, Any]],
-               answer: Callable[[Callable[[str], None], Callable[[], bool]], str]) -> Iterator[tuple[Any, ...]]:
+               answer: Callable[[Callable[[str], None], Callable[[], bool]], Answer]) -> Iterator[tuple[Any, ...]]:
         """Answer on the worker, streaming the text into the last chat message; the box is locked meanwhile."""
         session.stop.clear()
         locked = gr.update(value=None, interactive=False)
@@ -242,8 +253,8 @@ class Page:
                 elif kind == "wait":
                     yield ([*shown, {"role": "assistant", "content": waiting(value)}], locked, "waiting")
                 else:
-                    final = [*shown, {"role": "assistant", "content": value or "(empty answer)"}]
-                    yield final, gr.update(value=None, interactive=True), describe(session.chat.last)
+                    final = [*shown, {"role": "assistant", "content": value.text or "(empty answer)"}]
+                    yield final, gr.update(value=None, interactive=True), describe(value)
         except (PageMessage, ValueError, TypeError, DataProblem) as e:  # the turn was not taken (Chat removes it)
             self.say(f"Not answered: {e}")
             yield shown[:-1] if shown and shown[-1]["role"] == "user" else shown, \
@@ -258,8 +269,8 @@ class Page:
 
     def clear(self, request: gr.Request) -> tuple[Any, ...]:
         session = self.session(request)
-        session.stop.set()
-        session.chat.reset()
+        session.stop.set()  # an answer still running ends at its next token, in the conversation it belonged to
+        session.chat = Chat(self.service.model, self.service.processor, sampling=session.chat.sampling)
         return [], gr.update(value=None, interactive=True), "", None, ""
 
     def status(self) -> str:
@@ -338,7 +349,8 @@ class Page:
     def build(self) -> gr.Blocks:
         kinds = ["image", *([".mp4", ".webm", ".mov", ".mkv", ".avi"] if self.videos else [])]
         name = self.card.name
-        with gr.Blocks(title=f"mmadapt · {name}", analytics_enabled=False) as page:
+        with gr.Blocks(title=f"mmadapt · {name}", analytics_enabled=False,
+                       delete_cache=(3600, 3600)) as page:  # uploads older than an hour are deleted, hourly
             with gr.Row():
                 gr.Markdown(f"## {name}\nA vision-language model trained with mmadapt. Ask about an image; then "
                             "open **Evidence** to see where the answer looks.", elem_id="title")
@@ -395,7 +407,7 @@ class Page:
             model = {"concurrency_limit": 1, "concurrency_id": "model"}
             sent = box.submit(self.send, [box, chatbot, *settings], [chatbot, box, finish], **model)
             redo = again.click(self.regenerate, [chatbot, *settings], [chatbot, box, finish], **model)
-            stop.click(self.stop, None, None, queue=False, cancels=[sent, redo])
+            stop.click(self.stop, None, None, queue=False)  # the answer ends at its next token and the box unlocks
             for emptied in (clear.click, chatbot.clear):  # the button, and the chat's own bin icon
                 emptied(self.clear, None, [chatbot, box, finish, picture, words], queue=False, cancels=[sent, redo])
             run.click(self.evidence, [method, curves, other], [picture, words, cancel], **model)
@@ -579,18 +591,28 @@ def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str 
                examples: str | os.PathLike | None = None) -> FastAPI:
     """Add the page at `path` of `app` (an app of `create_app` / `load_app`: the page answers through its model and
     worker). `src`: where the model was loaded from (the model card, the run's example questions); `examples`: a
-    LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval)."""
+    LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval).
+    A server with an API key asks for it on the page too (a login form: any user name, the key as password)."""
+    import hmac
+    import shutil
+    import weakref
+
     service = app.state.service
     scratch = Path(tempfile.mkdtemp(prefix="mmadapt-page-examples-"))
+    weakref.finalize(app, shutil.rmtree, scratch, ignore_errors=True)
     found = (examples_from(examples, scratch) if examples is not None else default_examples(src, scratch))
     card = ModelCard.read(src, service.model, service.processor, name=service.settings.name)
     page = Page(service, card, found).build()
     page.queue(default_concurrency_limit=1, max_size=service.settings.max_queue + 1)
     limit = max(service.media.max_image_bytes, service.media.max_video_bytes if
                 service.processor.encoder.video_processor is not None else 0)
+    key = service.settings.api_key
+    login = None if key is None else (lambda user, password: hmac.compare_digest(password.encode(), key.encode()))
     app.state.page_examples = scratch
     return gr.mount_gradio_app(app, page, path=path, allowed_paths=[str(scratch)], max_file_size=limit,
-                               show_error=True, footer_links=[], theme=gr.themes.Default(), css=CSS)
+                               auth=login, auth_message="This server has an API key: sign in with any name and the key "
+                               "as the password.", show_error=True, footer_links=[], theme=gr.themes.Default(),
+                               css=CSS)
 
 
 CSS = """
