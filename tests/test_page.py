@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
     service = app.state.service
     examples = [Example(f"noise-{k}", noise_image(root / f"example-{k}.png", seed=10 + k, size=64), PROMPT)
                 for k in range(2)]
-    page = Page(service, ModelCard.read(None, model, processor, name="tiny"), examples)
+    page = Page(service, ModelCard.read(None, model, processor, name="tiny"), examples, upload_folders=[root])
     said: list[str] = []
     page.say = said.append  # the page's toasts, read by the tests
     yield SimpleNamespace(root=root, model=model, processor=processor, service=service, page=page, said=said,
@@ -142,14 +142,14 @@ def png_bomb(path: Path, side: int = 30_000) -> Path:
     return path
 
 
-def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_question_works(tiny):
+def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_question_works(tiny, tmp_path):
     page, who, said = tiny.page, request("bad"), tiny.said
     text_file = tiny.root / "notes.png"
     text_file.write_text("not an image at all")
     large = tiny.root / "large.png"
     large.write_bytes(Path(tiny.png).read_bytes() + b"\0" * tiny.service.media.max_image_bytes)  # over by the PNG
     cases = {text_file: "not a PNG, JPEG, WebP or GIF image", png_bomb(tiny.root / "bomb.png"): "image_too_large",
-             large: "over the server's limit"}
+             large: "over the server's limit", noise_image(tmp_path / "outside.png"): "not a file uploaded to this page"}
     for bad, message in cases.items():
         said.clear()
         (step,) = list(page.send({"text": PROMPT, "files": [str(bad), tiny.png]}, [], *GREEDY, request=who))

@@ -199,3 +199,42 @@ def test_a_bad_upload_is_a_message_and_the_next_question_is_answered(browser, se
     attach(browser, image)
     ask(browser, text=None)  # the question is still in the box
     assert answered(browser, 1) == mmadapt_chat(served, image, capsys)
+
+
+PASTE = """
+const [data, name] = arguments;
+const bytes = Uint8Array.from(atob(data), c => c.charCodeAt(0));
+const clipboard = new DataTransfer();
+clipboard.items.add(new File([bytes], name, {type: "image/png"}));
+document.querySelector("#ask textarea").dispatchEvent(
+    new ClipboardEvent("paste", {clipboardData: clipboard, bubbles: true, cancelable: true}));
+"""
+
+
+def test_an_example_then_a_pasted_image_are_answered_as_mmadapt_chat_answers_the_two_turns(browser, served, capsys,
+                                                                                            monkeypatch):
+    import base64
+    import io
+
+    open_page(browser, served)
+    name = "digit-1496"  # the first held-out record: the page's first example
+    next(b for b in browser.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == name).click()
+    until("the example in the box", lambda: QUESTION in browser.find_element(By.CSS_SELECTOR, "#ask textarea")
+          .get_attribute("value"))
+    ask(browser, text=None)
+    first = answered(browser, 1)
+
+    pasted = served.images[4]
+    browser.execute_script(PASTE, base64.b64encode(pasted.read_bytes()).decode(), pasted.name)
+    until("the pasted image in the box",
+          lambda: pasted.name in browser.find_element(By.CSS_SELECTOR, "#ask").get_attribute("innerHTML"))
+    ask(browser)
+    second = answered(browser, 2)
+
+    # `mmadapt chat` holding the same conversation on stdin: an image, the question; another image, the question
+    example = served.out / "data" / "images" / f"{name}.png"  # the example is this file, decoded and written again
+    turns = f"/image {example}\n{QUESTION}\n/image {pasted}\n{QUESTION}\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    capsys.readouterr()
+    assert main(["chat", str(served.out)]) == 0
+    assert capsys.readouterr().out.splitlines() == [first, second]

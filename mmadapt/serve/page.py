@@ -82,14 +82,20 @@ class Session:
         self.chat = chat
         self.stop = threading.Event()  # the answer being streamed
         self.cancel = threading.Event()  # the evidence being computed
-        self.lock = threading.Lock()
 
 
 class Page:
     """The page over a `Service` (the API's model, processor and worker); `build()` is the gradio app."""
 
-    def __init__(self, service: Any, card: ModelCard, examples: list[Example]) -> None:
+    def __init__(self, service: Any, card: ModelCard, examples: list[Example], *,
+                 upload_folders: list[Path] | None = None) -> None:
+        """`upload_folders`: where the files of a request may lie (default: gradio's upload folder); the examples'
+        folders are added."""
+        from gradio.utils import get_upload_folder
+
         self.service, self.card, self.examples = service, card, examples
+        folders = [Path(get_upload_folder())] if upload_folders is None else upload_folders
+        self.upload_folders = {Path(os.path.realpath(f)) for f in [*folders, *(e.image.parent for e in examples)]}
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.sessions_lock = threading.Lock()
         encoder = service.processor.encoder
@@ -115,6 +121,9 @@ class Page:
             name = Path(path).name
             suffix = Path(path).suffix.lower()
             try:
+                resolved = Path(os.path.realpath(path))
+                if not self.upload_folders & set(resolved.parents):  # gradio checks too: no file is read from
+                    raise PageMessage("not a file uploaded to this page")  # a path a client names
                 if suffix in VIDEO_TYPES.values():
                     if not self.videos:
                         raise PageMessage("this model takes no videos (its encoder has no video processor): attach "
