@@ -149,7 +149,8 @@ def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_qu
     large = tiny.root / "large.png"
     large.write_bytes(Path(tiny.png).read_bytes() + b"\0" * tiny.service.media.max_image_bytes)  # over by the PNG
     cases = {text_file: "not a PNG, JPEG, WebP or GIF image", png_bomb(tiny.root / "bomb.png"): "image_too_large",
-             large: "over the server's limit", noise_image(tmp_path / "outside.png"): "not a file uploaded to this page"}
+             large: "over the server's limit",
+             noise_image(tmp_path / "outside.png"): "not a file uploaded to this page"}
     for bad, message in cases.items():
         said.clear()
         (step,) = list(page.send({"text": PROMPT, "files": [str(bad), tiny.png]}, [], *GREEDY, request=who))
