@@ -1,13 +1,14 @@
 """The page of `mmadapt serve --ui` in a real browser: headless Chromium (Debian's `chromium` and `chromium-driver`,
 driven by selenium) against the page served on 127.0.0.1 over a model `mmadapt demo` trained on handwritten digits.
 
-A person's path through it: upload a held-out digit, ask, read the answer (equal to `mmadapt chat`'s, greedy); open
-Evidence and map the answer (the map image appears with the verdict in words); upload a file that is not an image
-and a decompression bomb (each a message in the page), then ask again and get the answer. The two views are
-photographed at 1280 x 800: into MMADAPT_SCREENSHOTS when it names a directory (`MMADAPT_SCREENSHOTS=docs pytest
-tests/test_page_browser.py` renews docs/page_chat.png and docs/page_evidence.png), else into the test's temporary
-directory. Without a browser the tests are skipped, except where MMADAPT_REQUIRE_BROWSER=1 (CI sets it): there
-they fail.
+A person's path through it: upload a held-out digit, ask, read the answer (equal to `mmadapt chat`'s, greedy), ask
+about another, read the model card; open Evidence and map an answer (the map image appears with the verdict in
+words); pick an example, then paste an image (two turns equal to `mmadapt chat`'s on stdin); upload a file that is
+not an image and a decompression bomb (each a message in the page), then ask again and get the answer. The chat,
+the evidence view and the model card are photographed at 1280 x 800: into MMADAPT_SCREENSHOTS when it names a
+directory (`MMADAPT_SCREENSHOTS=docs pytest tests/test_page_browser.py` renews docs/page_*.png), else into the
+test's temporary directory. Without a browser the tests are skipped, except where MMADAPT_REQUIRE_BROWSER=1 (CI
+sets it): there they fail.
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ def test_the_pages_answer_is_mmadapt_chats_answer(browser, served, capsys, tmp_p
     attach(browser, served.images[1])  # a second turn, about another digit
     ask(browser)
     assert answered(browser, 2).isdigit() and not toasts(browser)
+
+    next(tab for tab in browser.find_elements(By.CSS_SELECTOR, "button[role=tab]") if tab.text == "Model card").click()
+    card = until("the model card", lambda: (text := browser.find_element(By.CSS_SELECTOR, "#card").text)
+                 and "Final evaluation" in text and text)
+    assert "qwen3_5_vit" in card and "step-0000150" in card and "accuracy_images" in card and "SHA-256" in card
+    photograph(browser, shots(tmp_path) / "page_card.png")
 
 
 def test_the_evidence_view_shows_the_map_and_the_verdict(browser, served, tmp_path):
