@@ -83,8 +83,8 @@ class ModelCard:
                          + ("" if checkpoint["complete"] else ", incomplete: not loadable") + ")")
         kwargs = json.dumps(self.template_kwargs) if self.template_kwargs else "none"
         lines += ["", "#### Chat template", f"- template `{self.chat_template}`, template kwargs: `{kwargs}`",
-                  "- what the model reads for one image and a question:", "", "```text", self.example_prompt.strip(),
-                  "```"]
+                  "- what the model reads for a 64 x 64 image and a question:", "", "```text",
+                  self.example_prompt.strip(), "```"]
         if self.evaluation:
             lines += ["", "#### Final evaluation"]
             for source, numbers in self.evaluation.items():
