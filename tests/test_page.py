@@ -168,7 +168,11 @@ def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_qu
 def test_the_evidence_view_explains_the_answer_shown_and_says_what_the_model_answers_without_the_image(tiny):
     page, who = tiny.page, request("evidence")
     list(page.send({"text": PROMPT, "files": [tiny.png]}, [], 4, 0.0, 1.0, 0, 1.0, request=who))
-    *_, (picture, words, _cancel) = list(page.evidence("occlusion", 4, AUTO, request=who))
+    shown = []  # the progress bar: (fraction, what is running)
+    steps = page.evidence("occlusion", 8, AUTO, request=who, progress=lambda done, desc: shown.append((done, desc)))
+    *_, (picture, words, _cancel) = list(steps)
+    fractions = [f for f, desc in shown if desc.startswith(("map:", "faithfulness:", "image effect:"))]
+    assert len(fractions) >= 3 and fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] <= 1
     assert picture.size[0] > 600 and "Answer explained" in words and "Image effect" in words
     assert "image blanked" in words and "another image (noise-0)" in words
     assert ("Trusted map" in words) or ("Do not" in words)

@@ -157,8 +157,9 @@ class Page:
 
     # ---- running on the model's worker -----------------------------------------------------------------------------
     def on_worker(self, job: Callable[[Callable[[Any], None]], Any]) -> Iterator[tuple[str, Any]]:
-        """Run `job(emit)` on the model's worker; yields ("wait", the worker's state) until it starts, ("event", x)
-        for each `emit(x)`, then ("done", its result). Its exception is raised here."""
+        """Run `job(emit)` on the model's worker; yields ("wait", the worker's state) until it starts, then
+        ("event", x) for each `emit(x)` and ("running", None) every 0.1 s without one, then ("done", its result).
+        Its exception is raised here."""
         events: queue.Queue = queue.Queue()
         started = threading.Event()
 
@@ -179,8 +180,7 @@ class Page:
                 pass
             if future.done():
                 break
-            if not started.is_set():
-                yield "wait", self.service.worker.state()
+            yield ("running", None) if started.is_set() else ("wait", self.service.worker.state())
         while not events.empty():
             yield "event", events.get_nowait()
         yield "done", future.result()
@@ -261,7 +261,7 @@ class Page:
                     yield [*shown, {"role": "assistant", "content": text}], locked, "answering"
                 elif kind == "wait":
                     yield ([*shown, {"role": "assistant", "content": waiting(value)}], locked, "waiting")
-                else:
+                elif kind == "done":
                     final = [*shown, {"role": "assistant", "content": value.text or "(empty answer)"}]
                     yield final, gr.update(value=None, interactive=True), describe(value)
         except (PageMessage, ValueError, TypeError, DataProblem) as e:  # the turn was not taken (Chat removes it)
@@ -324,6 +324,7 @@ class Page:
                                   None if picked is None else picked.image, answer, chat.sampling.max_new_tokens)
             return picture, result, effect
 
+        bar = 0.0
         try:
             yield None, "Working…", gr.update(visible=True)
             for kind, value in self.on_worker(job):
@@ -333,8 +334,9 @@ class Page:
                     picture, result, effect = value
                     yield picture, verdict_words(result, effect, picked), gr.update(visible=False)
                     return
-                fraction = stage_fraction(state)
-                progress(fraction, desc=f"{state['stage']}: {state['done']}/{state['total']}")
+                else:  # running: the bar follows the work's stage (never back: a stage may make several sweeps)
+                    bar = max(bar, stage_fraction(state))
+                    progress(bar, desc=f"{state['stage']}: {state['done']}/{state['total']}")
         except Cancelled:
             yield None, "Cancelled: no map was drawn.", gr.update(visible=False)
         except (ValueError, TypeError) as e:
