@@ -30,12 +30,14 @@ def test_bench_packing_quick_run_prints_its_tables():
 
 
 @pytest.mark.slow
-def test_run_all_quick_prints_every_section():
-    out = run("run_all.py", "--quick")
-    for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 4. Packed vs padded",
-                    "### 5. Preprocessing", "### 6. Peak memory", "### 7. Loss without full logits",
-                    "### 8. Packed rows of many short samples"):
+def test_run_all_quick_prints_the_sections_asked_for():
+    # sections 4, 7 and 8 are the packing and loss benchmarks' own functions, run by their tests below
+    out = run("run_all.py", "--quick", "--sections", "1-3,5,6")
+    for section in ("### 1. Training step", "### 2. Injection", "### 3. Contract checks", "### 5. Preprocessing",
+                    "### 6. Peak memory"):
         assert section in out
+    for section in ("### 4. Packed vs padded", "### 7. Loss without full logits", "### 8. Packed rows"):
+        assert section not in out
 
 
 @pytest.mark.slow

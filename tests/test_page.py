@@ -218,11 +218,14 @@ def test_the_model_card_names_parts_provenance_template_and_the_runs_final_numbe
                                     {"step": 20, "eval_loss": 1.25, "lmms/mme/score": 0.5}])
     (run / "log.jsonl").open("a").write('{"step": 21, "lo')  # a line being written
     (run / "report.json").write_text(json.dumps({"accuracy_images": 0.9, "accuracy_blank": 0.1, "steps": 20}))
+    (run / "config.yaml").write_text("model:\n  encoder: qwen3_5_vit\n  projector: qwen_merger\n"
+                                     "  backbone: {name: qwen3_5, preset: small}\n  preset: tiny\n")
     processor = Processor.for_model(tiny.model, tiny.processor.tokenizer, chat_template="qwen3_5",
                                     template_kwargs={"enable_thinking": False})
     card = ModelCard.read(run / "model", tiny.model, processor, name="tiny")
     text = card.markdown()
-    assert [c["name"] for c in card.components] == ["qwen3_5_vit", "qwen_merger", "qwen3_5"]
+    assert [(c["name"], c["preset"]) for c in card.components] == [
+        ("qwen3_5_vit", "tiny"), ("qwen_merger", None), ("qwen3_5", "small")]  # as the run's config named them
     assert all(c["parameters"] > 0 and c["started_from"] == "random initialisation" for c in card.components)
     assert card.checkpoints == [{"name": "step-0000010", "step": 10, "complete": True},
                                 {"name": "step-0000020", "step": 20, "complete": False}]

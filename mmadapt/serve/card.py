@@ -51,8 +51,10 @@ class ModelCard:
         in code) and its `processor` (`mmadapt.Processor`)."""
         notes: list[str] = []
         config = model.resolved_config().to_dict()
-        components = [component(part, config[part], getattr(model, part)) for part in PARTS]
         run = run_directory(Path(src)) if src is not None else None
+        presets = run_presets(run, notes) if run is not None else {}
+        components = [component(part, {**config[part], "preset": config[part].get("preset") or presets.get(part)},
+                                getattr(model, part)) for part in PARTS]
         settings = processor.encoder.config
         return cls(name=name, source="built in code" if src is None else str(Path(src).resolve()),
                    components=components, weights=source_record(model),
@@ -110,6 +112,30 @@ def component(part: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
     return {"part": part, "name": config.get("name"), "preset": config.get("preset"),
             "parameters": sum(p.numel() for p in module.parameters()), "started_from": started,
             "pretrained": pretrained, "sha256": digest}
+
+
+def run_presets(run: Path, notes: list[str]) -> dict[str, str]:
+    """{part: preset} as the run's `config.yaml` named them (a saved model keeps the options a preset expanded to,
+    not its name): `model.preset` for the encoder and the backbone, a part's own `preset` first."""
+    import yaml
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        section = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError) as e:
+        notes.append(f"{path} could not be read: {e}")
+        return {}
+    found = {}
+    for part in PARTS:
+        given = section.get(part)
+        own = given.get("preset") if isinstance(given, dict) else None
+        shared = section.get("preset") if part != "projector" and not (isinstance(given, dict)
+                                                                      and given.get("pretrained")) else None
+        if isinstance(own or shared, str):
+            found[part] = own or shared
+    return found
 
 
 def run_directory(src: Path) -> Path | None:
