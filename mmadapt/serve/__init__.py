@@ -8,7 +8,9 @@
 `create_app` (app.py) builds the API over a model and its Processor, testable without a socket; each request is
 answered by `mmadapt.inference.respond` (the code `mmadapt chat` runs) on one worker thread (worker.py);
 protocol.py is the request, its checks and the response bodies; media.py loads what `image_url` / `video_url` parts
-name; errors.py is OpenAI's error shape; runner.py runs uvicorn. The surface, limits and errors: docs/serving.md.
+name; errors.py is OpenAI's error shape; runner.py runs uvicorn. page.py is `--ui`'s web page (gradio, extra `ui`,
+imported only when asked for: `mount_page(app, src=...)`) and card.py the model card it shows. The surface, limits
+and errors: docs/serving.md.
 """
 
 from mmadapt.serve.app import ServeSettings, create_app
