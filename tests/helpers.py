@@ -51,6 +51,20 @@ def noise_image(path: str | os.PathLike, seed: int | np.random.Generator = 0, si
     return Path(path)
 
 
+def grey_clip(path: str | os.PathLike, frames: int = 4, side: int = 32) -> Path:
+    """A tiny MP4 (H.264 when PyAV has it, else MPEG-4) of `frames` flat grey frames getting lighter, at 4 fps."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
+        for k in range(frames):
+            frame = np.full((side, side, 3), 60 * k, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return Path(path)
+
+
 def supervised_text(tokenizer: Any, ids: Sequence[int], labels: Sequence[int]) -> list[str]:
     """The supervised stretches of a sample (labels other than -100), each decoded."""
     out, run = [], []

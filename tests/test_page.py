@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import noise_image, write_jsonl
+from helpers import grey_clip, noise_image, write_jsonl
 from PIL import Image
 from real_tokenizers import real_tokenizer
 
@@ -89,16 +89,7 @@ def test_the_page_streams_the_answer_mmadapt_chat_gives_and_keeps_the_conversati
 
 
 def test_a_video_reaches_a_qwen_model_through_the_page(tiny):
-    import av
-
-    path = tiny.root / "clip.mp4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=4)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for k in range(4):
-            frame = np.full((32, 32, 3), 60 * k, dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
+    path = grey_clip(tiny.root / "clip.mp4")
     steps = list(tiny.page.send({"text": "What moves?", "files": [str(path)]}, [], *GREEDY, request=request("video")))
     chat = Chat(tiny.model, tiny.processor, sampling=Sampling(max_new_tokens=12))
     assert last_answer(steps[-1]) == chat.ask("What moves?", videos=[str(path)])

@@ -12,13 +12,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import av
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
-from helpers import noise_image
+from helpers import grey_clip, noise_image
 from real_tokenizers import real_tokenizer
 
 import mmadapt
@@ -150,14 +148,7 @@ def test_max_tokens_stop_logprobs_and_seed_behave_as_openai_documents(served):
 
 
 def test_a_video_url_reaches_a_qwen_model(served, tmp_path):
-    path = tmp_path / "clip.mp4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=4)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for k in range(4):
-            frame = np.full((32, 32, 3), 60 * k, dtype=np.uint8)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
+    path = grey_clip(tmp_path / "clip.mp4")
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(
         path.read_bytes(), "video/mp4")}}, {"type": "text", "text": "What moves?"}]}]
     answer = create(served, messages)
