@@ -26,7 +26,9 @@ class VisionBatch:
     `mmadapt.packing`); `pixel_values` (I, C, H, W) or (P, C * t * p * p) with `image_grid_thw` (I, 3);
     `mm_token_type_ids` (B, L) (text 0, image 1, video 2); `position_ids` (B, L) or (3, B, L) (M-RoPE);
     `images_per_sample` (B,); `cu_seqlens` (S + 1,) the packed samples' boundaries; `pixel_values_videos` (P, ...)
-    with `video_grid_thw` (V, 3) and `videos_per_sample` (B,) (see `mmadapt.frames`).
+    with `video_grid_thw` (V, 3) and `videos_per_sample` (B,) (see `mmadapt.frames`); `image_index` (I_rows,): images
+    shared by rows (a preference pair's prompt images, `mmadapt.data.preference`): per image of the rows, in row
+    order, the index of its pixels among the images `pixel_values` holds (encoded once, their visual tokens reused).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +42,7 @@ class VisionBatch:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     videos_per_sample: torch.Tensor | None = None
+    image_index: torch.Tensor | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

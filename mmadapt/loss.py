@@ -279,3 +279,132 @@ def router_balance_loss(spec: Any, router_logits: Any, config: Any, valid: torch
                          "logits; register it with moe=MoE(..., balance_loss=...)")
     balance = import_object(spec.moe.balance_loss)
     return balance(router_logits, config.num_experts, config.num_experts_per_tok, valid)
+
+
+# ---- sequence log-probs (preference objectives) ---------------------------------------------------------------------
+def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`supervised`, and (N,) the row each supervised position belongs to."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    keep = shifted != IGNORE_INDEX
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)[keep]
+    return hidden[keep], shifted[keep], rows
+
+
+def sequence_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor, rows: torch.Tensor, num_rows: int,
+                   *, chunk: int | None = None, reference: tuple[torch.Tensor, Any] | None = None,
+                   embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row, the sum of log p(target) over its supervised positions, without the (B, L, V) logits.
+
+    states (N, D): the hidden states of the positions that predict `targets` (N,); `rows` (N,): the row of each.
+    Returns (R,) fp32 sequence log-probs (differentiable), and with `reference` = (its states (N, D) at the same
+    positions, its head), (R,) the per-row sum of the token KL(policy || reference) (no gradient; for logging).
+
+    A plain `nn.Linear` head goes through `LinearLogProbs` (the logits of one chunk at a time, recomputed in the
+    backward: no logits kept); any other head through activation checkpointing per chunk.
+    """
+    weight = getattr(head, "weight", None)
+    chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
+    if type(head) is nn.Linear:
+        tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
+        logps = LinearLogProbs.apply(states, head.weight, head.bias, targets, rows, num_rows, chunk, tied)
+    else:
+        logps = states.new_zeros(num_rows, dtype=torch.float32)
+        for start in range(0, states.shape[0], chunk):
+            part = slice(start, start + chunk)
+            picked = checkpoint_logps(head, states[part], targets[part])
+            logps = logps.index_add(0, rows[part], picked)
+    kl = None
+    if reference is not None:
+        kl = token_kl(states, head, reference, rows, num_rows, chunk)
+    return logps, kl
+
+
+def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(states).float()
+    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def checkpoint_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_chunk_logps, head, states, targets, use_reentrant=False)
+
+
+@torch.no_grad()
+def token_kl(states: torch.Tensor, head: nn.Module, reference: tuple[torch.Tensor, Any], rows: torch.Tensor,
+             num_rows: int, chunk: int) -> torch.Tensor:
+    """(R,) per row, the sum over its supervised positions of KL(policy || reference) over the whole vocabulary;
+    `reference` = (its states at the same positions, a callable giving its logits from them)."""
+    ref_states, ref_head = reference
+    total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
+    for start in range(0, states.shape[0], chunk):
+        part = slice(start, start + chunk)
+        mine = torch.log_softmax(head(states[part]).float(), dim=-1)
+        theirs = torch.log_softmax(ref_head(ref_states[part].to(states.device)).float(), dim=-1)
+        total.index_add_(0, rows[part], (mine.exp() * (mine - theirs)).sum(-1))
+    return total
+
+
+class LinearLogProbs(torch.autograd.Function):
+    """(R,) per-row sums of log softmax(states @ weight.T + bias)[target], fp32, one chunk of logits at a time.
+
+    The forward keeps no logits; the backward recomputes each chunk's and applies d logp / d logits = one-hot -
+    softmax, scaled by the row's incoming gradient: 4 matmuls per chunk (the SFT path's `LinearCrossEntropy` needs 3,
+    since a scalar loss's gradient is known in its forward; a preference loss weighs each row by a factor that is
+    known only once every row's log-prob is). The weight's gradient is one fp32 (V, D) sum, accumulated in place, and
+    a head tied to the input embedding is told where it is (`TiedEmbedding`), as in `LinearCrossEntropy`."""
+
+    @staticmethod
+    def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, rows: torch.Tensor, num_rows: int, chunk: int,
+                tied: TiedEmbedding | None = None) -> torch.Tensor:
+        total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
+        dtype = states.dtype
+        for start in range(0, states.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logits = F.linear(states[part], weight, bias)
+            dtype = logits.dtype
+            logits = logits.float()
+            picked = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            total.index_add_(0, rows[part], picked)
+        ctx.save_for_backward(states, weight, *(() if bias is None else (bias,)), targets, rows)
+        ctx.has_bias, ctx.chunk, ctx.dtype, ctx.tied = bias is not None, chunk, dtype, tied
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = list(ctx.saved_tensors)
+        states, weight = saved[0], saved[1]
+        bias = saved[2] if ctx.has_bias else None
+        targets, rows = saved[-2], saved[-1]
+        want_states, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        dtype = ctx.dtype
+        grad_states = torch.empty_like(states) if want_states else None
+        grad_weight = grad_bias = None
+        scale = grad_rows.float()[rows]  # (N,) each position's row gradient
+        for start in range(0, states.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            chunk_states = states[part].to(dtype)
+            logits = F.linear(chunk_states, weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+            grad = torch.softmax(logits, dim=-1).neg_()  # d logp / d logits = one-hot - softmax
+            grad[torch.arange(grad.shape[0], device=grad.device), targets[part]] += 1.0
+            grad.mul_(scale[part, None])
+            grad = grad.to(dtype)
+            if want_states:
+                grad_states[part] = (grad @ weight.to(dtype)).to(states.dtype)
+            if want_weight:
+                grad_weight = _accumulate(grad_weight, grad.t(), chunk_states)
+            if want_bias:
+                grad_bias = grad.float().sum(0) if grad_bias is None else grad_bias.add_(grad.float().sum(0))
+        if want_weight and grad_weight is None:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if want_bias and grad_bias is None:
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+            if ctx.tied is not None and not torch.is_grad_enabled():
+                ctx.tied.arm(grad_weight)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_states, grad_weight, grad_bias, None, None, None, None, None

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import distributed as dist
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 from mmadapt import contract, deepstack, frames
 from mmadapt.backbones import BACKBONES, SpanTokens
@@ -64,6 +64,18 @@ from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceLogProbs(ModelOutput):
+    """`forward(..., sequence_logps=True)`: per row, `logps` (R,) fp32 the sum of the log-probs of its labelled
+    tokens, `tokens` (R,) how many; `kl` (R,) the summed token KL to a reference (when one was given); `states` (N, D)
+    the supervised positions' hidden states (with `keep_states`)."""
+
+    logps: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    states: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,12 +185,15 @@ class VisionLanguageModel(nn.Module):
         frame_spans = contract.locate(input_ids, self.tokens.video_token_id)
         trace["valid"] = valid = as_bool_mask(batch.attention_mask, input_ids)
         segments = None if batch.cu_seqlens is None else Segments.from_cu_seqlens(batch.cu_seqlens, valid)
+        given = visual is not None
         if visual is None and batch.pixel_values is not None and batch.pixel_values_videos is not None:
             visual, video = frames.encode_together(self, batch, spans, frame_spans)
         else:
             if visual is None:
                 visual = self.encode_checked(batch.pixel_values, batch.image_grid_thw, spans)
             video = frames.encode(self, batch, frame_spans)
+        if batch.image_index is not None and visual is not None and not given:
+            visual = self.shared_images(visual, batch.image_index, spans)
         trace["visual"] = visual
         if check:
             self.check_inputs(input_ids, spans, visual, valid, batch.mm_token_type_ids, batch.position_ids,
@@ -206,6 +221,18 @@ class VisionLanguageModel(nn.Module):
             mask = self.packed_attention(segments, valid, inputs_embeds.dtype)
             packed = PackedRows(segments, batch.cu_seqlens, valid)
         return ModelInputs(valid, spans, visual, inputs_embeds, position_ids, mask, packed, check)
+
+    def shared_images(self, visual: VisualTokens, image_index: torch.Tensor, spans: ImageSpans) -> VisualTokens:
+        """The visual tokens of the rows' images when rows share encoded images (`VisionBatch.image_index`): image k
+        of the rows gets encoded image `image_index[k]`'s tokens (`VisualTokens.take`)."""
+        encoded = int(visual.grids.shape[0])
+        if image_index.ndim != 1 or (image_index.numel() and not 0 <= int(image_index.min()) <= int(
+                image_index.max()) < encoded):
+            first = int(spans.sample[0]) if spans.num_spans else 0
+            raise ImageTokenContractError(
+                f"sample {first}: image_index must be a (I,) index into the {encoded} encoded images, got "
+                f"{image_index.tolist()[:16]}. Fix: build the batch with mmadapt.data.preference.PairCollator")
+        return visual.take(image_index)
 
     def runs_vision_every_step(self) -> bool:
         """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
@@ -337,15 +364,29 @@ class VisionLanguageModel(nn.Module):
         videos_per_sample: torch.Tensor | None = None,
         meta: dict[str, Any] | None = None,
         return_logits: bool = False,
+        image_index: torch.Tensor | None = None,
+        sequence_logps: bool = False,
+        reference: tuple[torch.Tensor, Any] | None = None,
+        keep_states: bool = False,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | SequenceLogProbs:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
 
         In training mode with `labels` the loss is computed without the full logits (`mmadapt.loss`: only the
         supervised positions, `lm_head` + cross-entropy in chunks, the same loss and gradients) and the output's
         `logits` is None; `return_logits=True`, eval mode or no labels give transformers' full computation.
-        `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it."""
+        `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it.
+
+        `sequence_logps=True` (preference objectives, `mmadapt.train.objectives`) returns `SequenceLogProbs` instead:
+        per row, the sum of the log-probs of its labelled tokens and their count, from the supervised positions only
+        (`mmadapt.loss.sequence_logps`, no (B, L, V) logits); `keep_states` adds those positions' hidden states (a
+        reference model's, for the KL), `reference` = (those states, their head) adds the per-row KL to it."""
         inputs = self.prepare(VisionBatch.of(locals()))  # the arguments that are inputs, by VisionBatch's fields
+        if sequence_logps:
+            if labels is None:
+                raise ValueError("sequence_logps needs labels (the answer tokens to score)")
+            with inputs.verified(self.backbone):
+                return self.sequence_scores(inputs, labels, reference=reference, keep_states=keep_states, **kwargs)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
             raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
@@ -356,6 +397,21 @@ class VisionLanguageModel(nn.Module):
             if chunked or self.router_aux_loss(kwargs):
                 return self.own_loss(inputs, labels, chunked=chunked, **kwargs)
             return self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
+
+    def sequence_scores(self, inputs: ModelInputs, labels: torch.Tensor, *, reference: Any = None,
+                        keep_states: bool = False, **kwargs: Any) -> SequenceLogProbs:
+        """Per-row sequence log-probs from the base model's hidden states at the supervised positions only."""
+        from mmadapt.loss import sequence_logps, supervised_rows
+
+        kwargs.pop("num_items_in_batch", None)
+        kwargs.setdefault("use_cache", False)
+        out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
+        states, targets, rows = supervised_rows(out.last_hidden_state, labels.to(out.last_hidden_state.device))
+        head = self.backbone.get_output_embeddings()
+        logps, kl = sequence_logps(states, head, targets, rows, labels.shape[0], reference=reference,
+                                   embeds=inputs.inputs_embeds)
+        tokens = torch.bincount(rows, minlength=labels.shape[0])
+        return SequenceLogProbs(logps=logps, tokens=tokens, kl=kl, states=states.detach() if keep_states else None)
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
         """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""

@@ -109,11 +109,11 @@ class Collator:
 
 def images_of(samples: list[EncodedSample]) -> dict[str, torch.Tensor]:
     """pixel_values (and image_grid_thw) of all images, in sample order; {} when there are none."""
-    pixels = [s.pixel_values for s in samples if s.num_images]
-    if not pixels:
+    with_pixels = [s for s in samples if s.num_images and s.pixel_values is not None]  # (a pair's shared images: once)
+    if not with_pixels:
         return {}
-    out = {"pixel_values": torch.cat(pixels)}
-    grids = [s.image_grid_thw for s in samples if s.num_images]
+    out = {"pixel_values": torch.cat([s.pixel_values for s in with_pixels])}
+    grids = [s.image_grid_thw for s in with_pixels]
     if all(g is not None for g in grids):
         out["image_grid_thw"] = torch.cat(grids)
     return out

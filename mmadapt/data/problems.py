@@ -40,6 +40,7 @@ REASONS: dict[str, str] = {
     "sample_too_large": "a sample has more images, image pixels, video frames or decoded video bytes than the "
                         "per-sample limits (header checked)",
     "out_of_memory": "decoding the sample's images or videos could not allocate its memory",
+    "bad_pair": "a preference pair without two different answers, or whose answers follow different prompts",
     "unexpected_error": "an exception the pipeline did not foresee (its type and message are in the detail)",
 }
 

@@ -48,6 +48,19 @@ class VisualTokens:
     def tokens_per_image(self) -> torch.Tensor:
         return self.grids.prod(-1)
 
+    def take(self, index: torch.Tensor) -> VisualTokens:
+        """The tokens of images `index` (K,), in that order (an image may be taken more than once): features, grids
+        and levels gathered, so rows that share an image receive the same tokens from one encoding."""
+        counts = self.tokens_per_image
+        starts = counts.cumsum(0) - counts
+        index = index.to(counts.device)
+        rows = torch.repeat_interleave(starts[index], counts[index])
+        within = torch.arange(rows.numel(), device=rows.device) - torch.repeat_interleave(
+            counts[index].cumsum(0) - counts[index], counts[index])
+        rows = (rows + within).to(self.features.device)
+        return VisualTokens(self.features[rows], self.grids[index], self.window,
+                            tuple(level[rows] for level in self.levels))
+
 
 class VisionEncoder(nn.Module):
     """Base class: `forward(pixel_values, image_grid_thw=None) -> VisualTokens`."""

@@ -87,6 +87,8 @@ class DataSection(DataConfig):
 @dataclass(kw_only=True)
 class TrainSection:
     steps: int = 100
+    # sft: next-token loss on the answers; dpo: preference pairs (chosen / rejected answers, section `dpo`)
+    objective: Literal["sft", "dpo"] = "sft"
     # the run's length in epochs instead of steps (each epoch: the samples' full global batches); when set, it
     # decides the steps
     epochs: float | None = None
@@ -192,6 +194,27 @@ class LoraSection:
 
 
 @dataclass(kw_only=True)
+class DpoSection:
+    """`train.objective: dpo` (`mmadapt.train.objectives`): the loss and its reference."""
+
+    # sigmoid (DPO), ipo, and the reference-free simpo and orpo
+    loss_type: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    # DPO / IPO: the KL strength (IPO's tau); SimPO: the reward scale; ORPO: the odds-ratio weight (its lambda)
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid and simpo: the share of pairs assumed flipped (cDPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    # auto: the LoRA-disabled model when every trained part is LoRA, else precomputed; adapters; precomputed (the
+    # starting model's log-probs of every pair, computed before the first step and cached in OUT)
+    reference: Literal["auto", "adapters", "precomputed"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end
     keep: int = 2
@@ -218,6 +241,7 @@ class RunConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     stages: StagesSection = field(default_factory=StagesSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 

@@ -95,6 +95,16 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     # exports, the defaults of Processor.for_model (chat, eval, serving)
     model_directory.set_data_settings(model, DataConfig.of(d).preprocessing())
     encoder = SampleEncoder.for_model(model, tokenizer, config=d)
+    if config.train.objective == "dpo":
+        from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+
+        if d.packing:
+            raise ValueError("train.objective dpo pads its pairs (chosen and rejected rows side by side); set "
+                             "data.packing: false")
+        pairs = PairEncoder(encoder)
+        collate = PairCollator.for_model(model, encoder.pad_token_id)
+        return RunParts(model, tokenizer, encoder, PreferenceDataset(d.train, pairs),
+                        PreferenceDataset(d.eval, pairs) if d.eval else None, collate)
     collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
     train = VLMDataset(d.train, encoder)
     evaluation = VLMDataset(d.eval, encoder) if d.eval else None

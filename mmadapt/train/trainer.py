@@ -170,6 +170,7 @@ class Trainer:
                 model, config.train.activation_checkpointing)))
         if hasattr(model, "full_logits_loss"):
             model.full_logits_loss = config.train.full_logits
+        self.objective = self.preference_objective(model)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
         if not any(p.requires_grad for p in self.wrapped.parameters()):
@@ -196,6 +197,58 @@ class Trainer:
                 self.resume()
 
     # ---- setup -------------------------------------------------------------------------------
+    def preference_objective(self, model: Any) -> Any:
+        """`train.objective: dpo`: the objective with its reference (`mmadapt.train.objectives`); None for SFT. A
+        precomputed reference notes the starting weights' checksum here, before they are moved or sharded."""
+        if self.cfg.train.objective != "dpo":
+            return None
+        from mmadapt.train.objectives import PreferenceObjective, model_checksum, reference_kind
+
+        kind = reference_kind(self.cfg.dpo.reference, self.cfg.dpo.loss_type, self.cfg.stages.modes(), model)
+        log.info("objective: dpo (loss %s, beta %g); reference: %s", self.cfg.dpo.loss_type, self.cfg.dpo.beta,
+                 {None: "none (reference-free)", "adapters": "the model with its LoRA adapters off, per batch",
+                  "precomputed": "the starting model's log-probs, computed before the first step"}[kind])
+        self.start_checksum = model_checksum(model) if kind == "precomputed" else None
+        return PreferenceObjective(self.cfg.dpo, model, kind)
+
+    def prepare_reference(self) -> None:
+        """A precomputed reference: OUT's table when its checksums match (the data; and the starting weights, unless
+        resuming: the weights moved on), else computed now by the starting model and saved (rank 0)."""
+        from mmadapt.data.config import DataConfig
+        from mmadapt.train.objectives import ReferenceTable, compute_table, data_checksum
+
+        if self.objective is None or self.objective.reference != "precomputed":
+            return
+        settings = DataConfig.of(self.cfg.data).preprocessing()
+        sets = {"train": self.train_data, **({"eval": self.eval_data} if self.eval_data is not None else {})}
+        wanted = {name: data_checksum(getattr(d, "records", None), settings) for name, d in sets.items()}
+        found = ReferenceTable.load(self.out) if self.is_main else None
+        found = dist_utils.broadcast_object(None if found is None else (found.tables, found.checksums))
+        table = None if found is None else ReferenceTable(*found)
+        same_data = table is not None and all(table.checksums.get(f"data.{k}") == v for k, v in wanted.items())
+        if self.step > 0:  # resumed: the reference is the one the run started with
+            if not same_data:
+                raise ValueError(f"resume: {self.out / ReferenceTable.FILE} (the starting model's reference log-probs) "
+                                 "is missing or was computed on other data; the starting model is gone, so the run "
+                                 "cannot resume exactly. Fix: restore the file and the data, or start a new run")
+            self.objective.table = table
+            return
+        if same_data and table.checksums.get("model") == self.start_checksum:
+            log.info("reference log-probs: reusing %s (same data and starting weights)", self.out / ReferenceTable.FILE)
+            self.objective.table = table
+            return
+        started = time.perf_counter()
+        tables = {name: compute_table(self.wrapped, data, self.collate_fn, batch_size=self.cfg.data.batch_size,
+                                      rank=self.dist.rank, world=self.dist.world, device=self.device,
+                                      precision=self.precision_context, gather=dist_utils.gather_objects)
+                  for name, data in sets.items()}
+        checksums = {"model": self.start_checksum, **{f"data.{k}": v for k, v in wanted.items()}}
+        self.objective.table = ReferenceTable(tables, checksums)
+        if self.is_main:
+            self.objective.table.save(self.out)
+        log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
+                 tables.values()), time.perf_counter() - started, self.out / ReferenceTable.FILE)
+
     @property
     def is_main(self) -> bool:
         return self.dist.rank == 0
@@ -237,6 +290,7 @@ class Trainer:
                 self.check_fresh_out()
             self.cfg.save(self.out / "config.yaml")
             log.info(self.describe_precision())
+        self.prepare_reference()
         batches = self.loader(self.step)
         progress = self.progress_bar()
         self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict(), plan=self.plan) if self.is_main else None
@@ -291,13 +345,17 @@ class Trainer:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
         seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time"."""
         started = time.perf_counter()
-        loss_value, total_tokens = self.backward(micro, clock)
+        extra: dict[str, Any] = {}
+        if self.objective is not None:
+            loss_value, total_tokens, extra = self.preference_backward(micro, clock)
+        else:
+            loss_value, total_tokens = self.backward(micro, clock)
         forward_backward = time.perf_counter() - started
         vision = clock.take() if clock is not None else 0.0
         clip = self.cfg.train.clip_grad_norm
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
         record = {"loss": loss_value, "grad_norm": grad_norm, **self.learning_rates(),
-                  "tokens": total_tokens, "problems": self.count_problems(micro)}
+                  "tokens": total_tokens, "problems": self.count_problems(micro), **extra}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             self.drop_unseen_vision_gradients(micro)
             self.optimizer.step()
@@ -407,10 +465,42 @@ class Trainer:
             loss_sum += loss.detach().float()
         return float(dist_utils.all_reduce_sum(loss_sum)), total_tokens
 
+    def preference_backward(self, micro: list[dict[str, Any]],
+                            clock: PartClock | None = None) -> tuple[float, int, dict[str, float]]:
+        """The gradients of one global batch of preference pairs: each micro-batch's per-pair losses summed and divided
+        by the global batch's pairs (all micro-batches, all ranks), so accumulation and ranks equal one big batch.
+        Returns (the mean pair loss, the answer tokens, the logged means)."""
+        from mmadapt.train.objectives import STATS, PreferenceObjective
+
+        pairs = int(dist_utils.all_reduce_sum(torch.tensor(sum(b.get("pairs", 0) for b in micro),
+                                                           device=self.device)).item())
+        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(self.device))
+        sums = dict.fromkeys(STATS, 0.0)
+        self.wrapped.train()
+        for k, batch in enumerate(micro):
+            sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
+            with sync, self.precision_context():
+                if not batch.get("pairs"):  # every pair of it was a problem: a zero-loss forward keeps ranks in step
+                    placeholder = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
+                    loss = self.wrapped(**to_device(placeholder, self.device), num_items_in_batch=1).loss
+                else:
+                    terms, stats = self.objective.terms(self.wrapped, batch, self.device)
+                    loss = terms.losses.sum() / max(pairs, 1)
+                    for key, value in stats.items():
+                        sums[key] += value
+            (loss * self.dist.world).backward()
+            if clock is not None:
+                clock.backward_done()
+        totals = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in STATS], dtype=torch.float64,
+                                                        device=self.device)).tolist()
+        summary = PreferenceObjective.summary(dict(zip(STATS, totals, strict=True)), pairs)
+        loss_value = summary.pop("loss") if pairs else float("nan")
+        return loss_value, max(int(tokens.item()), 1), {"pairs": pairs, **summary}
+
     def stop_non_finite(self, batch: dict[str, Any]) -> None:
         from mmadapt.numerics import find_nonfinite
 
-        inputs = to_device(batch, self.device)
+        inputs = to_device({k: v for k, v in batch.items() if k not in ("pairs", "meta")}, self.device)
 
         def forward_backward() -> None:
             with self.precision_context():
@@ -432,7 +522,9 @@ class Trainer:
     @torch.no_grad()
     def run_eval(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        if self.eval_data is not None:
+        if self.eval_data is not None and self.objective is not None:
+            out.update(self.preference_eval())
+        elif self.eval_data is not None:
             loader = DataLoader(self.eval_data, batch_size=self.cfg.data.batch_size, collate_fn=self.collate_fn)
             self.wrapped.eval()
             total, tokens = 0.0, 0
@@ -452,6 +544,34 @@ class Trainer:
             out.update(evaluate_tasks(self.model, self.tokenizer, self.cfg, step=self.step, out=self.out))
         self.wrapped.train()
         return out
+
+    def preference_eval(self) -> dict[str, float]:
+        """The preference metrics on the eval pairs (`eval_loss`, `eval_rewards/accuracy`, `eval_rewards/margin`,
+        ...): every rank scores its every world-th batch."""
+        from mmadapt.train.objectives import STATS, PreferenceObjective
+
+        sums, pairs = dict.fromkeys(STATS, 0.0), 0
+        size = self.cfg.data.batch_size
+        self.wrapped.eval()
+        starts = list(range(0, len(self.eval_data), size))
+        rounds = -(-len(starts) // self.dist.world)
+        for r in range(rounds):
+            k = r * self.dist.world + self.dist.rank
+            index = range(starts[k], min(starts[k] + size, len(self.eval_data))) if k < len(starts) else []
+            batch = self.collate_fn([self.eval_data[i] for i in index])
+            with self.precision_context():
+                if not batch.get("pairs"):
+                    placeholder = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
+                    self.wrapped(**to_device(placeholder, self.device))
+                    continue
+                _, stats = self.objective.terms(self.wrapped, batch, self.device, split="eval")
+            pairs += batch["pairs"]
+            for key, value in stats.items():
+                sums[key] += value
+        totals = dist_utils.all_reduce_sum(torch.tensor([*(sums[k] for k in STATS), pairs], dtype=torch.float64,
+                                                        device=self.device)).tolist()
+        return PreferenceObjective.summary(dict(zip(STATS, totals[:-1], strict=True)), int(totals[-1]),
+                                           prefix="eval_")
 
     def progress_bar(self) -> Any:
         if not (self.is_main and self.cfg.train.progress):
