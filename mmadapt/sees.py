@@ -371,3 +371,90 @@ def projector_requires_grad(model: nn.Module) -> Iterator[None]:
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+# ---- preference pairs: does the preference rest on the image? --------------------------------------------------------
+PREFERENCE_CONDITIONS = ("real", "blanked", "shuffled")
+
+
+@dataclass
+class PreferenceView:
+    """Per condition (real / blanked / shuffled images): the mean margin over pairs and the share of pairs whose
+    chosen answer wins. The margin is log pi(chosen) - log pi(rejected) (summed answer log-probs), minus the
+    reference's under the same images when a reference model is given (then it is the DPO reward margin / beta).
+    `pairs`: pairs scored; `moved`: pairs whose image the shuffle replaced (None: no two pairs share a grid)."""
+
+    pairs: int
+    margin: dict[str, float]
+    accuracy: dict[str, float]
+    moved: int | None
+    with_reference: bool
+    problems: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """The preference rests on the image: the real margin is above the blanked one (and the shuffled one, when
+        images could be shuffled)."""
+        m = self.margin
+        return m["real"] > m["blanked"] and (self.moved is None or m["real"] > m["shuffled"])
+
+    def __str__(self) -> str:
+        what = "reward margin / beta (policy - reference)" if self.with_reference else "log-prob margin"
+        lines = [f"preference view: {self.pairs} pairs, {what} of chosen over rejected"
+                 + (f" ({self.problems} bad pairs skipped)" if self.problems else ""),
+                 f"{'images':<10}{'margin':>10}{'chosen wins':>13}"]
+        for name in PREFERENCE_CONDITIONS:
+            if name == "shuffled" and self.moved is None:
+                lines.append(f"{name:<10}{'n/a':>10}{'n/a':>13}   {NOT_APPLICABLE}")
+                continue
+            lines.append(f"{name:<10}{self.margin[name]:>10.3f}{self.accuracy[name]:>13.1%}")
+        lines.append("the preference rests on the images" if self.ok else
+                     "the preference does NOT rest on the images: it holds as well without them (text alone)")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def preference_view(model: nn.Module, batches: Sequence[dict[str, Any]], *,
+                    reference: nn.Module | None = None) -> PreferenceView:
+    """The margins of `PairCollator` batches with their real images, blanked images (pixels zeroed: the processor's
+    mean colour) and shuffled images (each pair gets another pair's image of the same grid, both rows)."""
+    sums = {name: [0.0, 0.0] for name in PREFERENCE_CONDITIONS}
+    pairs, moved, problems = 0, 0, 0
+    shuffle_possible = False
+    for batch in batches:
+        problems += len(batch.get("meta", {}).get("problems", ()))
+        n = int(batch.get("pairs", 0))
+        if not n:
+            continue
+        pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
+        if pixels is None:
+            raise ValueError("the preference view needs pairs with images")
+        shuffled = shuffle_images(pixels, grids)
+        variants = {"real": pixels, "blanked": torch.zeros_like(pixels)}
+        if shuffled is not None:
+            variants["shuffled"], count = shuffled
+            moved += count
+            shuffle_possible = True
+        for name, values in variants.items():
+            margins = pair_margins(model, {**batch, "pixel_values": values})
+            if reference is not None:
+                margins = margins - pair_margins(reference, {**batch, "pixel_values": values})
+            sums[name][0] += float(margins.sum())
+            sums[name][1] += float((margins > 0).sum())
+        pairs += n
+    if not pairs:
+        raise ValueError(f"no pair could be scored ({problems} bad pairs): check the file with `mmadapt data check`")
+    shuffled_pairs = pairs if shuffle_possible else 1
+    margin = {k: v[0] / (shuffled_pairs if k == "shuffled" else pairs) for k, v in sums.items()}
+    accuracy = {k: v[1] / (shuffled_pairs if k == "shuffled" else pairs) for k, v in sums.items()}
+    return PreferenceView(pairs, margin, accuracy, moved if shuffle_possible else None, reference is not None,
+                          problems)
+
+
+def pair_margins(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """(B,) log pi(chosen) - log pi(rejected) of a `PairCollator` batch, in eval mode."""
+    inputs = {k: v for k, v in batch.items() if k not in ("pairs", "meta")}
+    with eval_mode(model):
+        logps = model(**inputs, sequence_logps=True).logps.float()
+    chosen, rejected = logps.chunk(2)
+    return chosen - rejected

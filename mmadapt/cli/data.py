@@ -122,6 +122,8 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     import logging
 
     from mmadapt.data import DataProblem, read_records, show_sample
+    from mmadapt.data.preference import PairEncoder, is_preference_record
+    from mmadapt.data.report import show_pair
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     run, run_model = run_config(args)
@@ -135,6 +137,10 @@ def cmd_data_show(args: argparse.Namespace) -> int:
         if shown == args.n:
             break
         try:
+            if is_preference_record(record):
+                print("\n" + show_pair(encoder, PairEncoder(encoder).encode(record, i), colour=colour))
+                shown += 1
+                continue
             sample = encoder.encode(record, i)
         except DataProblem as problem:
             print(f"\n-- record {i}: skipped, {problem}")
@@ -150,7 +156,8 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     show = data.add_parser("show", help="print samples as the model will see them: the chat template's text, "
                            "supervised tokens marked, images as <image x N>, counts")
     for command in (check, show):
-        command.add_argument("data", help="a LLaVA or messages dataset (.json or .jsonl)")
+        command.add_argument("data", help="a LLaVA or messages dataset, or preference pairs (trl, LLaMA-Factory, "
+                             "ms-swift), .json or .jsonl")
         command.add_argument("run", nargs="*", metavar="RUN", help="right after DATA: a run file (its model, tokenizer "
                              "and data section) and/or its settings as section.key=value (e.g. data.max_length=4096)")
         add_build_arguments(command)

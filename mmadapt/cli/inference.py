@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from mmadapt.cli.common import add_data_arguments, add_model_arguments, data_settings
 from mmadapt.cli.explain import write_evidence
@@ -71,13 +72,45 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     return model, encoder, Collator.for_model(model, encoder.pad_token_id), records
 
 
+def preference_records(records: list) -> bool:
+    from mmadapt.data.preference import is_preference_record
+
+    return any(is_preference_record(r) for r in records[:16])
+
+
+def preference_report(args: argparse.Namespace, model: Any, encoder: Any, records: list,
+                      batches: int | None, batch_size: int) -> Any:
+    """The preference view (`mmadapt.sees.preference_view`) of a file of preference pairs: margins of chosen over
+    rejected with real, blanked and shuffled images (minus `--reference`'s, when given)."""
+    from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+    from mmadapt.inference import load_for_inference
+    from mmadapt.sees import preference_view
+
+    dataset = PreferenceDataset(records, PairEncoder(encoder))
+    collate = PairCollator.for_model(model, encoder.pad_token_id)
+    count = len(dataset) if batches is None else min(len(dataset), batches * batch_size)
+    chunks = [collate([dataset[i] for i in range(start, min(start + batch_size, count))])
+              for start in range(0, count, batch_size)]
+    reference = load_for_inference(args.reference, None)[0] if getattr(args, "reference", None) else None
+    return preference_view(model, chunks, reference=reference)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help."""
+    """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help.
+    A file of preference pairs gets the preference view instead (`preference_report`)."""
     import json
 
     from mmadapt.evaluate import evaluate_records, plot_report, write_predictions
 
     model, encoder, collate, records = _inference_data(args)
+    if preference_records(records):
+        view = preference_report(args, model, encoder, records, None, 8)
+        print(view)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preference": {"pairs": view.pairs, "margin": view.margin, "accuracy": view.accuracy,
+                                          "problems": view.problems, "rests_on_images": view.ok}}, f, indent=2)
+        return 1 if args.require_sees and not view.ok else 0
     report = evaluate_records(model, encoder, collate, records, margin=args.margin,
                               max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
     print(report)
@@ -99,6 +132,10 @@ def cmd_sees(args: argparse.Namespace) -> int:
     from mmadapt.sees import sees_records
 
     model, encoder, collate, records = _inference_data(args)
+    if preference_records(records):
+        view = preference_report(args, model, encoder, records, args.batches, args.batch_size)
+        print(view)
+        return 0 if view.ok else 1
     report = sees_records(model, encoder, collate, records, batches=args.batches, batch_size=args.batch_size,
                           source=args.data)
     print(report)
@@ -109,7 +146,10 @@ def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: 
     """A command over a model and the user's data file (`eval`, `sees`): the arguments they share."""
     command = sub.add_parser(name, help=helptext)
     add_model_arguments(command)
-    command.add_argument("data", help="a LLaVA or messages .json / .jsonl file")
+    command.add_argument("data", help="a LLaVA or messages .json / .jsonl file (or preference pairs: the preference "
+                         "view)")
+    command.add_argument("--reference", default=None, help="preference pairs: the model training started from (its "
+                         "margins are subtracted: the DPO reward margin / beta)")
     add_data_arguments(command, helps={"image_root": "directory image and video paths are relative to (default: "
                                        "the data file's directory)"})
     return command

@@ -94,9 +94,19 @@ def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: b
 
     collate = Collator(pad_token_id=encoder.pad_token_id, image_token_id=encoder.image_token_id,
                        video_token_id=encoder.video_token_id)
+    from mmadapt.data.preference import PairCollator, PairEncoder, is_preference_record
+
+    pairs, pair_collate = PairEncoder(encoder), PairCollator(base=collate)
     report = DataReport(total=len(records))
     for index, record in enumerate(tqdm(records, desc="checking", unit="sample", disable=not progress)):
         try:
+            if is_preference_record(record):  # a preference pair: both rows, the prompt's images once
+                pair = pairs.encode(record, index)
+                pair_collate([pair])
+                report.token_lengths.extend([len(pair.chosen), len(pair.rejected)])
+                report.visual_tokens.extend(pair.chosen.tokens_per_image)
+                report.video_tokens.extend(pair.chosen.tokens_per_video)
+                continue
             sample = encoder.encode(record, index)
             collate([sample])
         except DataProblem as problem:
@@ -179,6 +189,13 @@ class BadSampleBudget:
 
 
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def show_pair(encoder: SampleEncoder, pair: Any, *, colour: bool = False) -> str:
+    """An `EncodedPair` as text: its chosen row, then its rejected row, each as `show_sample` shows it."""
+    shared = "the prompt's images, shared" if pair.shared else "its own images (rejected_images)"
+    return (f"chosen:\n{show_sample(encoder, pair.chosen, colour=colour)}\nrejected ({shared}):\n"
+            f"{show_sample(encoder, pair.rejected, colour=colour)}")
 
 
 def show_sample(encoder: SampleEncoder, sample: Any, *, colour: bool = False) -> str:
