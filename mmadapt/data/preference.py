@@ -116,6 +116,8 @@ def parse_preference(record: Any, index: int, image_root: str | os.PathLike | No
     else:  # LLaMA-Factory
         chosen = _answer(record.get("chosen"), "chosen", sample_id)
         rejected = _answer(record.get("rejected"), "rejected", sample_id)
+    if "conversations" in base and "images" in base and "image" not in base:  # LLaMA-Factory's sharegpt: "images"
+        base["image"] = base.pop("images")
     if not any(k in base for k in ("messages", "conversations")):
         raise DataProblem("bad_format", "no prompt: give 'prompt' (trl), 'conversations' (LLaMA-Factory) or "
                           "'messages' (ms-swift)", sample_id=sample_id)
