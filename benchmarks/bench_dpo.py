@@ -1,6 +1,6 @@
 """A DPO step's memory and time against an SFT step on the same prompts and answers, at real width and vocabulary.
 
-    python benchmarks/bench_dpo.py [--quick] [--steps 2] [--config NAME]
+    python benchmarks/bench_dpo.py [--quick] [--steps 2] [--config NAME] [--training both|lora|full]
 
 One training step (forward + backward + AdamW, fp32, CPU) of `train.objective: dpo` (`mmadapt.train.objectives`:
 the reference's log-probs, one policy forward over the chosen and rejected rows, the sigmoid loss) against one SFT
@@ -130,10 +130,11 @@ def _child(objective: str, training: str, config_name: str, quick: bool, steps: 
         started = time.perf_counter()
         peaks.append(step())
         times.append(time.perf_counter() - started)
+    grids = batch.get("image_grid_thw")
     queue.put({"peak_mib": max(peaks) / 1024, "seconds": statistics.median(times),
                "reference_mib": reference_cost / 1024, "rows": int(batch["input_ids"].shape[0]),
-               "tokens": int(batch["attention_mask"].sum()), "images": int((batch.get("image_grid_thw") if batch.get("image_grid_thw") is not None
-                                 else batch["pixel_values"]).shape[0])})
+               "tokens": int(batch["attention_mask"].sum()),
+               "images": int((grids if grids is not None else batch["pixel_values"]).shape[0])})
 
 
 def measure(objective: str, training: str, config: str, quick: bool, steps: int) -> dict:
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--config", default=next(iter(CONFIGS)), choices=list(CONFIGS))
+    parser.add_argument("--training", default="both", choices=["both", "lora", "full"])
     args = parser.parse_args()
     config = CONFIGS[args.config]
     print(f"## DPO step vs SFT step, same prompts and answers ({args.config}: {config['depth']}; fp32, CPU"
@@ -166,6 +168,8 @@ def main() -> None:
           "reference's resident MiB | rows (images: SFT / DPO) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for training in TRAININGS:
+        if args.training != "both" and TRAININGS[training][0] != args.training:
+            continue
         sft = measure("sft", training, args.config, args.quick, args.steps)
         dpo = measure("dpo", training, args.config, args.quick, args.steps)
         ratio = dpo["peak_mib"] / max(sft["peak_mib"], 1e-9)

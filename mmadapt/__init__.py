@@ -14,7 +14,7 @@ from mmadapt.processor import Processor
 from mmadapt.projectors import PROJECTORS, ProjectorSpec
 from mmadapt.registry import Registry, UnknownComponentError
 
-__version__ = "0.16.0"
+__version__ = "0.17.0"
 
 
 def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,

@@ -300,22 +300,24 @@ def sequence_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     positions, its head), (R,) the per-row sum of the token KL(policy || reference) (no gradient; for logging).
 
     A plain `nn.Linear` head goes through `LinearLogProbs` (the logits of one chunk at a time, recomputed in the
-    backward: no logits kept); any other head through activation checkpointing per chunk.
+    backward: no logits kept; the KL from the same chunks); any other head through activation checkpointing per
+    chunk (and `token_kl`).
     """
     weight = getattr(head, "weight", None)
     chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
     if type(head) is nn.Linear:
         tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
-        logps = LinearLogProbs.apply(states, head.weight, head.bias, targets, rows, num_rows, chunk, tied)
-    else:
-        logps = states.new_zeros(num_rows, dtype=torch.float32)
-        for start in range(0, states.shape[0], chunk):
-            part = slice(start, start + chunk)
-            picked = checkpoint_logps(head, states[part], targets[part])
-            logps = logps.index_add(0, rows[part], picked)
-    kl = None
-    if reference is not None:
-        kl = token_kl(states, head, reference, rows, num_rows, chunk)
+        kl = None if reference is None else torch.zeros(num_rows, dtype=torch.float32, device=states.device)
+        if reference is not None:
+            chunk = max(1, chunk // 2)  # the reference's logits beside the policy's: two half chunks
+        logps = LinearLogProbs.apply(states, head.weight, head.bias, targets, rows, num_rows, chunk, tied,
+                                     reference, kl)
+        return logps, kl
+    logps = states.new_zeros(num_rows, dtype=torch.float32)
+    for start in range(0, states.shape[0], chunk):
+        part = slice(start, start + chunk)
+        logps = logps.index_add(0, rows[part], checkpoint_logps(head, states[part], targets[part]))
+    kl = None if reference is None else token_kl(states, head, reference, rows, num_rows, chunk)
     return logps, kl
 
 
@@ -337,11 +339,13 @@ def token_kl(states: torch.Tensor, head: nn.Module, reference: tuple[torch.Tenso
     `reference` = (its states at the same positions, a callable giving its logits from them)."""
     ref_states, ref_head = reference
     total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
+    chunk = max(1, chunk // 2)  # two chunks of logits at once: the budget of one
     for start in range(0, states.shape[0], chunk):
         part = slice(start, start + chunk)
         mine = torch.log_softmax(head(states[part]).float(), dim=-1)
-        theirs = torch.log_softmax(ref_head(ref_states[part].to(states.device)).float(), dim=-1)
-        total.index_add_(0, rows[part], (mine.exp() * (mine - theirs)).sum(-1))
+        difference = torch.log_softmax(ref_head(ref_states[part].to(states.device)).float(), dim=-1)
+        difference.neg_().add_(mine)  # log p - log q, in place of log q
+        total.index_add_(0, rows[part], mine.exp_().mul_(difference).sum(-1))
     return total
 
 
@@ -357,7 +361,10 @@ class LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, rows: torch.Tensor, num_rows: int, chunk: int,
-                tied: TiedEmbedding | None = None) -> torch.Tensor:
+                tied: TiedEmbedding | None = None, reference: tuple[torch.Tensor, Any] | None = None,
+                kl: torch.Tensor | None = None) -> torch.Tensor:
+        """`reference` = (its states at the same positions, a callable giving its logits) and `kl` (R,): the token
+        KL(policy || reference) summed per row into `kl` from the same chunks of the policy's logits (no gradient)."""
         total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
         dtype = states.dtype
         for start in range(0, states.shape[0], chunk):
@@ -365,8 +372,14 @@ class LinearLogProbs(torch.autograd.Function):
             logits = F.linear(states[part], weight, bias)
             dtype = logits.dtype
             logits = logits.float()
-            picked = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[part, None]).squeeze(1) - lse
             total.index_add_(0, rows[part], picked)
+            if reference is not None:
+                mine = logits.sub_(lse[:, None])  # log-softmax, in place of the logits
+                difference = torch.log_softmax(reference[1](reference[0][part].to(states.device)).float(), dim=-1)
+                difference.neg_().add_(mine)  # log p - log q
+                kl.index_add_(0, rows[part], mine.exp_().mul_(difference).sum(-1))
         ctx.save_for_backward(states, weight, *(() if bias is None else (bias,)), targets, rows)
         ctx.has_bias, ctx.chunk, ctx.dtype, ctx.tied = bias is not None, chunk, dtype, tied
         return total
@@ -387,7 +400,8 @@ class LinearLogProbs(torch.autograd.Function):
             part = slice(start, start + ctx.chunk)
             chunk_states = states[part].to(dtype)
             logits = F.linear(chunk_states, weight.to(dtype), None if bias is None else bias.to(dtype)).float()
-            grad = torch.softmax(logits, dim=-1).neg_()  # d logp / d logits = one-hot - softmax
+            grad = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_().neg_()  # in place: - softmax
+            # d logp / d logits = one-hot - softmax
             grad[torch.arange(grad.shape[0], device=grad.device), targets[part]] += 1.0
             grad.mul_(scale[part, None])
             grad = grad.to(dtype)
@@ -407,4 +421,4 @@ class LinearLogProbs(torch.autograd.Function):
                 ctx.tied.arm(grad_weight)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_states, grad_weight, grad_bias, None, None, None, None, None
+        return grad_states, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -58,6 +58,12 @@ def test_bench_loss_quick_run_prints_its_tables():
 
 
 @pytest.mark.slow
+def test_bench_dpo_quick_run_prints_its_table():
+    out = run("bench_dpo.py", "--quick", "--training", "lora", "--steps", "1")
+    assert "| LoRA backbone (reference: adapters off) |" in out and "[target <= 1.3x]" in out
+
+
+@pytest.mark.slow
 def test_bench_checkpointing_quick_run_prints_its_table():
     out = run("bench_checkpointing.py", "--quick")
     assert "#### Activation checkpointing: fwd + bwd of 64 tokens" in out

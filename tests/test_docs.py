@@ -167,6 +167,9 @@ def write_inputs(folder: Path) -> None:
         records.append({"id": f"s{i}", "image": f"{i}.png", "conversations": [
             {"from": "human", "value": "<image>\nWhat colour is this?"}, {"from": "gpt", "value": colour}]})
     (folder / "data" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    pairs = [{"id": f"p{i}", "images": [f"{i}.png"], "prompt": "<image>\nWhat colour is this?", "chosen": colour,
+              "rejected": "purple"} for i, colour in enumerate(["red", "blue", "green"])]  # trl's preference format
+    (folder / "data" / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
 
 
 def test_cheap_commands_run_as_documented(tmp_path, monkeypatch, capsys):

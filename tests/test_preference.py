@@ -370,7 +370,7 @@ def test_the_preference_view_reports_real_blanked_and_shuffled_margins(model, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed, stages", [(0, "full"), (1, "full"), (2, "full"), (0, "lora")])
-def test_dpo_learns_a_preference_that_needs_the_image(tmp_path, seed, stages):
+def test_dpo_learns_a_preference_that_needs_the_image(tmp_path, capsys, seed, stages):
     train, held_out = colour_pairs(tmp_path, "train", 64, 0), colour_pairs(tmp_path, "eval", 32, 1)
     extra = ["stages.backbone=lora", "stages.projector=frozen", "train.lr=5e-3"] if stages == "lora" else []
     cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=dpo",
@@ -390,3 +390,31 @@ def test_dpo_learns_a_preference_that_needs_the_image(tmp_path, seed, stages):
     assert after.accuracy["real"] >= 0.9 and real > 2.0, after
     assert blanked <= 0.2 * real and after.accuracy["blanked"] <= 0.75, after  # without the image: no preference
     assert shuffled <= 0.2 * real and after.ok, after
+    if (seed, stages) == (0, "full"):  # the same view from the command line, on the saved models
+        from mmadapt.cli import main
+
+        parts.model.save_pretrained(tmp_path / "dpo", tokenizer=parts.tokenizer)
+        start.save_pretrained(tmp_path / "start", tokenizer=parts.tokenizer)
+        argv = ["sees", str(tmp_path / "dpo"), str(held_out), "--image-root", str(tmp_path), "--batches", "4"]
+        assert main([*argv, "--reference", str(tmp_path / "start")]) == 0
+        printed = capsys.readouterr().out
+        assert "reward margin / beta" in printed and "the preference rests on the images" in printed
+        assert main(["sees", str(tmp_path / "start"), str(held_out), "--image-root", str(tmp_path)]) == 1
+        assert "does NOT rest on the images" in capsys.readouterr().out
+
+
+def test_data_check_and_show_read_pairs(tmp_path, capsys):
+    from mmadapt.cli import main
+
+    path = colour_pairs(tmp_path, "pairs", 4, 0)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[1]["rejected"] = records[1]["chosen"]  # nothing to prefer: a counted problem
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["data", "check", str(path), "--image-root", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 1  # 1 bad pair of 4: above the default 5%
+    assert main([*argv, "--max-bad-fraction", "0.3"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] == 3 and report["problems_by_reason"] == {"bad_pair": 1}
+    assert main(["data", "show", str(path), "--image-root", str(tmp_path), "--n", "1", "--colour", "never"]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen:" in printed and "rejected (the prompt's images, shared):" in printed and "[[red" in printed
