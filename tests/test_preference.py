@@ -185,6 +185,21 @@ def test_the_prompts_images_are_decoded_and_encoded_once_per_pair(encoder, model
     assert torch.allclose(alone, out.logps[[0, 2]], atol=1e-6)
 
 
+def test_a_batch_whose_rows_disagree_about_a_pairs_images_is_refused(encoder, model):
+    from mmadapt.contract import ImageTokenContractError
+    from mmadapt.train.config import DpoSection
+    from mmadapt.train.objectives import PreferenceObjective
+
+    pairs = PairEncoder(encoder)
+    batch = PairCollator.for_model(model, encoder.pad_token_id)([pairs.encode(trl_record(), 0),
+                                                                 pairs.encode(trl_record(images=["1.png"]), 1)])
+    objective = PreferenceObjective(DpoSection(loss_type="simpo"), model, None)
+    objective.terms(model, batch, torch.device("cpu"))  # as collated: fine
+    swapped = {**batch, "image_index": torch.tensor([0, 1, 1, 0])}  # rejected rows read the other pair's image
+    with pytest.raises(ImageTokenContractError, match=r"pair 'p' .*reading other encoded images"):
+        objective.terms(model, swapped, torch.device("cpu"))
+
+
 def batch_rows_rejected(pair):
     return dataclasses.replace(pair.rejected, pixel_values=pair.chosen.pixel_values,
                                image_grid_thw=pair.chosen.image_grid_thw)

@@ -393,6 +393,6 @@ class PairCollator:
             batch["image_index"] = torch.tensor(index, dtype=torch.long)
         batch["pairs"] = len(pairs)
         batch["meta"] = {"sample_ids": [[p.id] for p in pairs], "pair_ids": [p.id for p in pairs],
-                         "pair_index": [p.index for p in pairs],
+                         "pair_index": [p.index for p in pairs], "shared": [p.shared for p in pairs],
                          "problems": problems}
         return batch

@@ -238,6 +238,36 @@ def _placeholder(collate: Any) -> dict[str, Any]:
             "labels": torch.tensor([[-100, pad[0, 1].item()]]), "images_per_sample": torch.zeros(1, dtype=torch.long)}
 
 
+def check_pairs(batch: dict[str, Any], image_token_id: int | None) -> None:
+    """The contract on both rows of every pair of a `PairCollator` batch (rows b and B + b): the same image spans (the
+    same positions in the prompt both rows share) and, when the pair shares its images, the same encoded images
+    (`image_index`), so both rows receive the same visual tokens. `ImageTokenContractError` naming the pair."""
+    from mmadapt.contract import ImageTokenContractError, locate
+
+    pairs, meta = int(batch.get("pairs", 0)), batch.get("meta", {})
+    if not pairs or image_token_id is None:
+        return
+    spans = locate(batch["input_ids"], image_token_id)
+    per_row = [[] for _ in range(2 * pairs)]
+    for row, start, length in zip(spans.sample.tolist(), spans.start.tolist(), spans.length.tolist(), strict=True):
+        per_row[row].append((start, length))
+    index = batch.get("image_index")
+    counts = [len(spans_of) for spans_of in per_row]
+    offsets = [sum(counts[:r]) for r in range(2 * pairs)]
+    shared = meta.get("shared", [True] * pairs)
+    for b in range(pairs):
+        chosen, rejected = per_row[b], per_row[pairs + b]
+        same_images = index is None or index[offsets[b] : offsets[b] + counts[b]].tolist() == index[
+            offsets[pairs + b] : offsets[pairs + b] + counts[pairs + b]].tolist()
+        if chosen != rejected or (shared[b] and not same_images):
+            pair = meta.get("pair_ids", [b] * pairs)[b]
+            raise ImageTokenContractError(
+                f"pair {pair!r} (rows {b} and {pairs + b}): the chosen row has image spans {chosen} (start, tokens), "
+                f"the rejected row {rejected}" + ("" if same_images else ", reading other encoded images") + ". Both "
+                "answers must follow the same prompt with the same images. Fix: build pair batches with "
+                "mmadapt.data.preference.PairCollator")
+
+
 # ---- the objective the trainer runs ----------------------------------------------------------------------------------
 STATS = ("loss", "chosen_reward", "rejected_reward", "correct", "chosen_logps", "rejected_logps", "kl", "kl_tokens")
 
@@ -283,6 +313,8 @@ class PreferenceObjective:
               ) -> tuple[PreferenceTerms, dict[str, float]]:
         """One micro-batch of B pairs: the per-pair terms (differentiable when grad is on) and the sums to log."""
         s = self.settings
+        if self.model.config.check_contract:
+            check_pairs(batch, self.model.tokens.image_token_id)
         inputs = to_device(inputs_of(batch), device)
         ref_chosen, ref_rejected, ref_states = self.reference_logps(wrapped, inputs, batch, split,
                                                                     keep_states=self.reference == "adapters")
