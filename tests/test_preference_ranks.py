@@ -4,9 +4,9 @@ Preference pairs over scikit-image photographs (four pictures, two sizes; the ch
 rejected one another picture). The 1-process run takes micro-batches of 2 pairs with grad_accum 2, the 2-process
 runs 2 pairs per rank: the same global batch of 4 pairs each step. Both references are run: LoRA (the model with its
 adapters off, per batch, through the wrapped model; FSDP2 and DDP) and full training (FSDP2; the starting model's
-log-probs precomputed by every rank's share of the pairs, gathered, cached in OUT). Per step, the loss, the reward accuracy and margin and
-(LoRA) the KL agree within 1e-5; a precomputed run resumed in 1 process from the 2-process FSDP2 run's checkpoint
-reads the reference back and continues as the uninterrupted run.
+log-probs precomputed by every rank's share of the pairs, gathered, cached in OUT). Per step, the loss, the reward
+accuracy and margin and (LoRA) the KL agree within 1e-5; a precomputed run resumed in 1 process from the 2-process
+FSDP2 run's checkpoint reads the reference back and continues as the uninterrupted run.
 """
 
 import json
