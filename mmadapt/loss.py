@@ -396,17 +396,19 @@ class LinearLogProbs(torch.autograd.Function):
         grad_states = torch.empty_like(states) if want_states else None
         grad_weight = grad_bias = None
         scale = grad_rows.float()[rows]  # (N,) each position's row gradient
+        weight_c = weight.to(dtype)  # the compute dtype's weight, cast once (a no-op in fp32)
+        bias_c = None if bias is None else bias.to(dtype)
         for start in range(0, states.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
             chunk_states = states[part].to(dtype)
-            logits = F.linear(chunk_states, weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+            logits = F.linear(chunk_states, weight_c, bias_c).float()
             grad = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_().neg_()  # in place: - softmax
             # d logp / d logits = one-hot - softmax
             grad[torch.arange(grad.shape[0], device=grad.device), targets[part]] += 1.0
             grad.mul_(scale[part, None])
             grad = grad.to(dtype)
             if want_states:
-                grad_states[part] = (grad @ weight.to(dtype)).to(states.dtype)
+                grad_states[part] = (grad @ weight_c).to(states.dtype)
             if want_weight:
                 grad_weight = _accumulate(grad_weight, grad.t(), chunk_states)
             if want_bias:
