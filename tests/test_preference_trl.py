@@ -97,7 +97,8 @@ def offline(monkeypatch):
         monkeypatch.setenv(name, "1")
 
 
-@pytest.mark.parametrize("family", [pytest.param("llava"), pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.slow  # trl's trainer and two transformers models: ~10 s a family
+@pytest.mark.parametrize("family", ["llava", "qwen3_5"])
 def test_the_dpo_loss_and_gradients_equal_trls_dpo_trainer(family, tmp_path):
     path = tmp_path / "export"
     model, tokenizer, kwargs = exported(family, path)
