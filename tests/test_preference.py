@@ -300,6 +300,7 @@ def test_the_losses_follow_their_papers_formulas():
 
 
 # ---- the reference ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # trains a few steps
 def test_the_lora_reference_is_the_base_model_with_no_second_copy_of_the_weights(tmp_path):
     path = colour_pairs(tmp_path, "train", 16, 0)
     cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=dpo",
@@ -327,6 +328,7 @@ def test_the_lora_reference_is_the_base_model_with_no_second_copy_of_the_weights
     assert torch.equal(off, start) and not torch.allclose(on, start)
 
 
+@pytest.mark.slow  # trains a few steps
 def test_the_precomputed_reference_is_cached_with_checksums_and_read_back_on_resume(tmp_path):
     path = colour_pairs(tmp_path, "train", 16, 0)
     overrides = [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=dpo", f"data.train={path}",
