@@ -435,3 +435,11 @@ def test_data_check_and_show_read_pairs(tmp_path, capsys):
     assert main(["data", "show", str(path), "--image-root", str(tmp_path), "--n", "1", "--colour", "never"]) == 0
     printed = capsys.readouterr().out
     assert "chosen:" in printed and "rejected (the prompt's images, shared):" in printed and "[[red" in printed
+
+
+def test_a_pair_read_as_a_conversation_says_to_train_it_with_dpo():
+    from mmadapt.data import parse_record
+
+    with pytest.raises(DataProblem, match="train it with train.objective: dpo"):
+        parse_record(trl_record(), 0)
+    assert parse_preference(trl_record(), 0).chosen == "A square."

@@ -189,6 +189,9 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
     elif "messages" in record:
         images, turns = record.get("images", []), _message_turns(record["messages"], sample_id, inline)
         videos = record.get("videos", [])
+    elif "prompt" in record and ("chosen" in record or "rejected" in record):
+        raise DataProblem("bad_format", "a preference pair (trl's prompt / chosen / rejected), not a conversation: "
+                          "train it with train.objective: dpo", sample_id=sample_id)
     else:
         raise DataProblem("bad_format", "no 'conversations' (LLaVA) or 'messages' field", sample_id=sample_id)
     if inline:
