@@ -30,7 +30,7 @@ from torch import nn
 
 import mmadapt
 from mmadapt.data import DataProblem, SampleEncoder, char_tokenizer
-from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset, parse_preference
 from mmadapt.loss import sequence_logps, supervised_rows
 from mmadapt.sees import preference_view
 from mmadapt.train import RunConfig, Trainer, latest_checkpoint
@@ -440,6 +440,6 @@ def test_data_check_and_show_read_pairs(tmp_path, capsys):
 def test_a_pair_read_as_a_conversation_says_to_train_it_with_dpo():
     from mmadapt.data import parse_record
 
-    with pytest.raises(DataProblem, match="train it with train.objective: dpo"):
+    with pytest.raises(DataProblem, match=r"train it with train\.objective: dpo"):
         parse_record(trl_record(), 0)
     assert parse_preference(trl_record(), 0).chosen == "A square."
