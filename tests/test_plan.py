@@ -193,6 +193,17 @@ def test_a_missing_checkpoint_is_planned_from_its_declared_preset_or_is_one_line
         capsys.readouterr().out
 
 
+def test_a_dpo_run_is_planned_with_two_rows_per_pair_and_one_image():
+    from mmadapt.train.plan.workloads import workload
+
+    sft = RunConfig.load(None, ["data.batch_size=3", "data.max_length=512"])
+    dpo = RunConfig.load(None, ["data.batch_size=3", "data.max_length=512", "train.objective=dpo"])
+    model = build_model_from(sft)
+    one, two = workload(sft, model), workload(dpo, model)
+    assert (two.rows, two.tokens, two.supervised) == (2 * one.rows, 2 * one.tokens, 2 * one.supervised)
+    assert two.images == one.images == 3
+
+
 def test_sizes_parse():
     assert parse_size("80GiB") == parse_size("80GB") == 80 * 1024**3
     assert parse_size("24576MiB") == 24 * 1024**3

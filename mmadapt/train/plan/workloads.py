@@ -1,6 +1,7 @@
 """The longest micro-batch of a run, as the plan sizes it: `batch_size` samples of `max_length` tokens, each with
 one image at the processor's largest size that fits, or, for models that take video, one video at `data.video`'s
-largest when that has more visual tokens."""
+largest when that has more visual tokens. `train.objective: dpo`: `batch_size` pairs, 2 rows each, the pair's image
+encoded once (the reference's no-grad forward is not counted: it is freed before the policy's)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,11 @@ def workload(config: RunConfig, model: Any) -> Workload:
         rows = max(1, math.ceil(tokens / d.max_tokens))
         tokens = rows * d.max_tokens
     supervised = d.batch_size * max(d.max_length - visual, 1)
-    return Workload(rows=rows, tokens=tokens, images=d.batch_size, patches_per_image=patches, visual_per_image=visual,
+    images = d.batch_size
+    if config.train.objective == "dpo":  # B pairs are 2B padded rows (chosen, rejected); each pair's image encoded
+        rows, tokens, supervised = 2 * rows, 2 * tokens, 2 * supervised  # once (a video: once per row)
+        images = 2 * images if frames else images
+    return Workload(rows=rows, tokens=tokens, images=images, patches_per_image=patches, visual_per_image=visual,
                     supervised=supervised, image_side=side, video_frames=frames)
 
 
