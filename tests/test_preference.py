@@ -252,6 +252,30 @@ def test_sequence_logps_and_their_gradients_equal_full_logits(head_kind):
         assert torch.allclose(our_grads[name], their_grads[name], atol=1e-5), name
 
 
+def test_sequence_logps_under_bf16_autocast_stay_near_fp32_with_fp32_gradients():
+    """The precision policy bf16-autocast: the chunks' matmuls in bf16, log-softmax and sums in fp32; gradients come
+    back in the parameters' fp32 (bf16 rounding: within 2e-2 of fp32 here)."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 97)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    labels = torch.randint(0, 97, (3, 11))
+    labels[:, :4] = -100
+
+    def run(autocast: bool):
+        head.zero_grad()
+        hidden.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            states, targets, rows = supervised_rows(hidden, labels)
+            logps, _ = sequence_logps(states, head, targets, rows, 3, chunk=5)
+        logps.sum().backward()
+        return logps.detach(), head.weight.grad.clone(), hidden.grad.clone()
+
+    exact, low = run(False), run(True)
+    assert low[0].dtype == low[1].dtype == low[2].dtype == torch.float32
+    for a, b in zip(exact, low, strict=True):
+        assert float((a - b).abs().max()) <= 2e-2
+
+
 def test_the_kl_to_the_reference_is_zero_for_itself_and_the_full_vocabulary_kl_otherwise():
     torch.manual_seed(0)
     head, other = nn.Linear(8, 31), nn.Linear(8, 31)
@@ -262,6 +286,9 @@ def test_the_kl_to_the_reference_is_zero_for_itself_and_the_full_vocabulary_kl_o
     _, kl = sequence_logps(states, head, targets, rows, 3, reference=(states, other))
     p, q = torch.log_softmax(head(states), -1), torch.log_softmax(other(states), -1)
     expected = torch.zeros(3).index_add(0, rows, (p.exp() * (p - q)).sum(-1))
+    assert torch.allclose(kl, expected.detach(), atol=1e-6)
+    wrapped = nn.Sequential(head)  # any other head (a LoRA-wrapped lm_head): checkpointed chunks and `token_kl`
+    _, kl = sequence_logps(states, wrapped, targets, rows, 3, chunk=4, reference=(states, other))
     assert torch.allclose(kl, expected.detach(), atol=1e-6)
 
 
