@@ -173,7 +173,8 @@ def test_cu_seqlens_from_segment_ids_matches_the_collator():
 
 
 def test_internal_functions_still_refuse_integer_masks():
-    """Only the public boundary converts: inside, an int mask is a TypeError (CONTEXT.md, story 2)."""
+    """Only the public boundary converts: inside, an int mask is a TypeError (an int32 all-ones mask used as an
+    index gave every position token 1's embedding)."""
     from mmadapt.contract import check_attention, locate
     from mmadapt.packing import Segments
     from mmadapt.positions import mrope_positions, text_positions

@@ -1,9 +1,10 @@
-"""Numerics toolkit: dumps, comparisons, packing parity and DeepSpeed lint, as regression tests for CONTEXT.md.
+"""Numerics toolkit: dumps, comparisons, packing parity and DeepSpeed lint, as regression tests for three real
+failures (a bf16 ZeRO-2 port going NaN, packed rows with an integer mask, two accelerators parting).
 
-Story 1 (bf16 + ZeRO-2 NaNs): the story's DeepSpeed config and LLaVA-1.5's shipped ZeRO-2 config are
+bf16 + ZeRO-2 NaNs: that port's DeepSpeed config and LLaVA-1.5's shipped ZeRO-2 config are
 flagged, the generated safe configs lint clean; a NaN planted in forward or backward shows up in a dump
-at the module that produced it. Story 2 (integer mask): an int32 mask is refused, and an "index instead
-of mask" embedding bug is caught by the packed-vs-padded parity check. Story 3 (two accelerators):
+at the module that produced it. Integer mask: an int32 mask is refused, and an "index instead
+of mask" embedding bug is caught by the packed-vs-padded parity check. Two accelerators:
 a backward perturbed from one block down is named at that block, with no forward divergence.
 Plus: fp32 vs bf16 autocast stays within the default tolerances, wrapped models dump like plain ones.
 All on tiny models, CPU, seconds.
@@ -78,7 +79,8 @@ def scale_backward_after(module: nn.Module, factor: float):
 
 
 def compare_with_backward_scaled_after(model: nn.Module, layer: nn.Module, batch: dict, tmp_path: Path) -> object:
-    """`compare` of two dumps of one step, the second with the gradient out of `layer` scaled by 1.5 (story 3)."""
+    """`compare` of two dumps of one step, the second with the gradient out of `layer` scaled by 1.5
+    (two accelerators parting)."""
     clean = dump(model, batch, tmp_path / "clean.json", seed=0)
     handle = scale_backward_after(layer, 1.5)
     try:
@@ -178,9 +180,10 @@ def test_normalize_name(raw, plain):
     assert normalize_name(raw) == plain
 
 
-# ---- story 2: packed sequences with an integer mask -----------------------------------------------
+# ---- packed sequences with an integer mask -----------------------------------------------------
 def test_int32_mask_through_packing_masks_and_never_indexes(qwen):
-    """Story 2's all-ones int32 mask: converted to bool once at the boundary, so it masks (equal to the bool one)."""
+    """The packed run's all-ones int32 mask: converted to bool once at the boundary, so it masks (equal to
+    the bool one)."""
     model, _ = qwen
     batch = Collator.for_model(model, 0, max_tokens=256)(synthetic_samples(model, (1, 0, 1)))
     ones = torch.ones_like(batch["attention_mask"], dtype=torch.int32)
@@ -219,7 +222,7 @@ def test_packed_vs_padded_catches_index_instead_of_mask(qwen):
     assert max(diffs.values()) > 1e-2, diffs  # an int mask indexes: packed samples get the wrong embeddings
 
 
-# ---- story 3: same forward, different backward ----------------------------------------------------
+# ---- same forward, different backward (two accelerators) ------------------------------------------------
 def test_backward_perturbed_from_block_k_is_named_at_block_k(llama, tmp_path):
     model, batch = llama
     k = 0  # the tiny LLaMA has 2 blocks; block 1's gradients stay equal, block 0's and below are scaled
@@ -258,7 +261,7 @@ def test_cli_dump(tmp_path, capsys):
     assert load_dump(out).grads and "forward rows" in capsys.readouterr().out
 
 
-# ---- story 1: NaNs, planted in forward and in backward --------------------------------------------
+# ---- NaNs (the bf16 port), planted in forward and backward ----------------------------------------
 def test_forward_nan_shows_in_the_dump_at_its_module(llama):
     model, batch = llama
     clean = dump(model, batch)

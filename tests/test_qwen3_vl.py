@@ -3,8 +3,9 @@
 Parity with `Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration` (fp32, <= 1e-5: two images of
 different sizes, right padding, an int64 mask) including M-RoPE positions; each part loading alone; the
 transformers export reloading; the MoE experts as the hub stores them; DeepStack in the contract (levels checked,
-their injection verified, `deepstack: drop`); the router's auxiliary loss; LoRA and FSDP2 units; and story 3
-(CONTEXT.md) on its own model: a backward-only perturbation in a middle LLM layer is named by `compare`.
+their injection verified, `deepstack: drop`); the router's auxiliary loss; LoRA and FSDP2 units; and the
+two-accelerator divergence (equal last layers, first layers 50-100% apart) on its own model: a backward-only
+perturbation in a middle LLM layer is named by `compare`.
 """
 
 from __future__ import annotations
@@ -357,7 +358,7 @@ def test_fsdp2_shards_each_decoder_layer_and_vision_block(backbone):
     assert sum(type(b).__name__ == kind for b in blocks) == 4
 
 
-# ---- story 3 on its own model -----------------------------------------------------------------------------------
+# ---- two accelerators parting, on its own model ----------------------------------------------------------------------
 def test_story3_a_backward_only_perturbation_in_a_middle_layer_is_named(tmp_path):
     """Dumps of two runs of a tiny Qwen3-VL-8B-shaped stack (DeepStack into layers 0-2): the second scales the
     gradient flowing out of LLM layer 3 of 6 (forward unchanged, as a faulty accelerator's backward would)."""

@@ -1,4 +1,5 @@
-"""The LLaVA-1.5 -> Qwen3.5 port (CONTEXT.md, story 1) as a tested recipe: `mmadapt train` with YAML files.
+"""The LLaVA-1.5 -> Qwen3.5 port (a LLaVA-1.5 codebase with Qwen3.5 and Qwen's ViT swapped in,
+whose first port trained without ever seeing its images) as a tested recipe: `mmadapt train` with YAML files.
 
 Every checkpoint is a tiny random model saved by transformers in a temporary directory, standing in
 for the real ones: a `CLIPModel` directory (openai/clip-vit-large-patch14-336: text + vision towers)

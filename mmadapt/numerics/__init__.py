@@ -1,4 +1,5 @@
-"""Numerics toolkit for any `torch.nn.Module` (CONTEXT.md's three failures are its regression tests).
+"""Numerics toolkit for any `torch.nn.Module` (a port that went NaN under bf16 ZeRO-2, packed rows
+with an integer mask, two accelerators whose gradients parted: its regression tests).
 
 - `NonFiniteTracer` / `find_nonfinite`: the first module whose output or gradient is NaN/Inf;
 - `dump` / `load_dump`: per-layer forward statistics and gradient norms of one step, portable JSON (read back

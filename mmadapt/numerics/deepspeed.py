@@ -23,7 +23,8 @@ Sections parsed by pydantic models (`config_utils.DeepSpeedConfigModel`: `bf16`,
 `zero_optimization`) forbid unknown keys, so a misplaced key there stops DeepSpeed at start-up, and they
 drop "auto" values, which only transformers' Trainer / Accelerate integration fills in. Top-level keys
 and `data_types` are read one by one with `dict.get`, so a misplaced key there is silently ignored: a
-top-level `grad_accum_dtype` (story 1 in CONTEXT.md) does nothing.
+top-level `grad_accum_dtype` does nothing (the setting that, placed right, stopped a Qwen3.5 port's bf16 ZeRO-2 run
+from going NaN in its last decoder layers).
 
 `safe_deepspeed_config(stage)` / `deepspeed_config_for_run(run, stage)` write ZeRO-2/3 configs with
 fp32 gradient reduction and accumulation and bf16 overflow checks; they lint clean.
@@ -145,8 +146,9 @@ def _bf16_reduction(cfg: Mapping[str, Any]) -> list[Finding]:
                 f"{comm!r}: gradients are reduced in that dtype" if _is_dtype(comm, *DTYPES) else
                 f"{comm!r} is not one of {DTYPES}: DeepSpeed raises ValueError at start-up")
         findings.append(Finding("error", "communication_data_type", f"{what}. Summing many ranks' bf16 gradients "
-                                "(8 mantissa bits) loses small contributions and can overflow to inf/NaN: story 1's "
-                                "NaNs under ZeRO-2 + bf16", '"communication_data_type": "fp32" at the top level'))
+                                "(8 mantissa bits) loses small contributions and can overflow to inf/NaN: the NaNs "
+                                "of a Qwen3.5 port under ZeRO-2 + bf16",
+                                '"communication_data_type": "fp32" at the top level'))
     types = cfg.get("data_types")
     accum = types.get("grad_accum_dtype") if isinstance(types, Mapping) else None
     if not _is_dtype(accum, "fp32"):
