@@ -6,7 +6,8 @@
     for name in report.variants: report.accuracy[name]             # + "time_shuffled" when there are videos
     report.to_dict()                                                # the JSON of `mmadapt eval --json`
 
-Greedy answers to each record's question (its last assistant turn is the reference) are scored per
+Greedy answers to each record's question (its last assistant turn is the reference), by the one answering function
+of `mmadapt chat` and the server (`mmadapt.answering.answer_prompts`, batched), are scored per
 sample by normalised exact match (case, surrounding whitespace and final punctuation ignored;
 `accuracy`) and by "reference contained in the answer" (`contained`), each three ways: with the
 real images, with blanked images (pixel_values zeroed = the processor's mean colour: same size,
@@ -37,8 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from mmadapt.modes import eval_mode
 
 DEFAULT_MARGIN = 0.2
 EVAL_BATCH = 64
@@ -74,11 +73,6 @@ def chance_level(references: Sequence[str], classes: int | None = None) -> float
     norm = [normalise(r) for r in references]
     majority = max(norm.count(a) for a in set(norm)) / len(norm)
     return max(1 / classes, majority) if classes else majority
-
-
-def end_token_ids(encoder: Any) -> list[int]:
-    """The token that ends an assistant turn (`<|im_end|>`, `</s>`): generation stops there."""
-    return [encoder.tokenizer.convert_tokens_to_ids(encoder.template.end_of_turn(encoder.tokenizer))]
 
 
 def has_videos(samples: Sequence[Any]) -> bool:
@@ -156,27 +150,20 @@ def answer_budget(encoder: Any, references: Sequence[str], slack: int = 4) -> in
 @torch.no_grad()
 def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_new_tokens: int,
             progress: Any = None) -> list[str]:
-    """Greedy answers to generation prompts, in batches; text up to the end-of-turn token, stripped."""
-    ends = end_token_ids(encoder)
+    """Greedy answers to generation prompts, `EVAL_BATCH` at a time, by the one answering function
+    (`mmadapt.answering.answer_prompts`: the decoding, end tokens and end cut of `mmadapt chat` and the server)."""
+    from mmadapt.answering import PromptInputs, answer_prompts
+    from mmadapt.processor import Processor
+    from mmadapt.sampling import Sampling
+
+    processor, sampling = Processor(encoder, collate), Sampling(max_new_tokens=max_new_tokens)
     answers: list[str] = []
-    with eval_mode(model):
-        for start in range(0, len(prompts), EVAL_BATCH):
-            batch = collate(prompts[start : start + EVAL_BATCH])
-            new = model.generate(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"),
-                                 batch.get("image_grid_thw"), max_new_tokens=max_new_tokens, eos_token_id=ends,
-                                 pad_token_id=encoder.pad_token_id, **videos_of(batch))
-            for row in new.tolist():
-                cut = next((k for k, t in enumerate(row) if t in ends), len(row))
-                answers.append(encoder.tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-            if progress is not None:
-                progress.update(len(new))
+    for start in range(0, len(prompts), EVAL_BATCH):
+        batch = PromptInputs.of(model, processor, collate(prompts[start : start + EVAL_BATCH]))
+        answers += [answer.text for answer in answer_prompts(model, processor, batch, sampling=sampling)]
+        if progress is not None:
+            progress.update(len(batch.usages))
     return answers
-
-
-def videos_of(batch: dict[str, Any]) -> dict[str, Any]:
-    """The collated batch's video inputs for `model.generate` ({} without videos)."""
-    keys = ("pixel_values_videos", "video_grid_thw", "videos_per_sample")
-    return {k: batch[k] for k in keys if batch.get(k) is not None}
 
 
 def verdict(accuracy: Mapping[str, float], *, chance: float, margin: float) -> tuple[bool, str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mmadapt
-from mmadapt import demo, evaluate
+from mmadapt import Processor, demo, evaluate
 from mmadapt.cli import main
 from mmadapt.data import SampleEncoder, char_tokenizer
 from mmadapt.sees import SeesImagesReport
@@ -56,8 +56,8 @@ def test_encode_prompt_drops_the_answer_and_adds_the_generation_prompt(digits, n
     assert torch.equal(prompt.input_ids, prefix)  # exactly what preceded the answer in training
     assert text.endswith("<|im_start|>assistant\n" if names[2] == "qwen3_5" else " ASSISTANT:")
     assert torch.equal(prompt.pixel_values, full.pixel_values) and prompt.tokens_per_image == full.tokens_per_image
-    assert evaluate.end_token_ids(encoder) == [encoder.tokenizer.convert_tokens_to_ids(
-        "<|im_end|>" if names[2] == "qwen3_5" else "</s>")]
+    assert encoder.tokenizer.convert_tokens_to_ids("<|im_end|>" if names[2] == "qwen3_5" else "</s>") in Processor(
+        encoder, None).eos_token_ids  # answers end at the template's end of turn
 
 
 def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digits):

@@ -131,10 +131,11 @@ class Encoder:
     their ids, and token END ends a turn."""
 
     pad_token_id = 0
+    image_token_id = video_token_id = None  # not counted here
 
     def __init__(self, samples):
         self.samples = samples
-        self.tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: END,
+        self.tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: END, eos_token_id=None,
                                          decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
         self.template = SimpleNamespace(end_of_turn=lambda tokenizer: "<end>")
 

@@ -65,6 +65,11 @@ def test_processor_errors_are_clear(model_dir, images):
         processor("<image>\nWhat?", images=[np.zeros((4, 4, 3))])
 
 
+def with_image(question: str) -> list[dict]:
+    """A question with an image as `mmadapt chat --image` and an OpenAI request give it: the parts [image, text]."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
 def greedy(model_dir, conversation, image_paths, max_new_tokens=12):
     model = VisionLanguageModel.from_pretrained(model_dir).eval()
     processor = Processor.from_pretrained(model_dir)
@@ -78,7 +83,7 @@ def test_chat_one_shot_answer_is_generate_and_the_last_line(model_dir, images, c
     assert main(["chat", str(model_dir), "--image", str(images / "astronaut.png"), "--max-new-tokens", "12",
                  "Who", "is", "this?"]) == 0
     out = capsys.readouterr().out
-    expected = greedy(model_dir, "<image>\nWho is this?", [images / "astronaut.png"])
+    expected = greedy(model_dir, with_image("Who is this?"), [images / "astronaut.png"])
     assert out.rstrip("\n").split("\n")[-1] == expected.split("\n")[-1]
     assert out.replace("\n", "") == expected.replace("\n", "")  # streamed, then ended with a newline
 
@@ -87,8 +92,8 @@ def test_chat_from_stdin_keeps_the_conversation(model_dir, images, capsys, monke
     script = f"/image {images / 'camera.png'}\nWhat is it?\nAnd now?\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     assert main(["chat", str(model_dir), "--max-new-tokens", "8"]) == 0
-    first = greedy(model_dir, "<image>\nWhat is it?", [images / "camera.png"], 8)
-    second = greedy(model_dir, [{"role": "user", "content": "<image>\nWhat is it?"},
+    first = greedy(model_dir, with_image("What is it?"), [images / "camera.png"], 8)
+    second = greedy(model_dir, [*with_image("What is it?"),
                                 {"role": "assistant", "content": first}, {"role": "user", "content": "And now?"}],
                     [images / "camera.png"], 8)
     assert capsys.readouterr().out.replace("\n", "") == (first + second).replace("\n", "")
@@ -106,7 +111,7 @@ def test_a_chat_session_answers_as_mmadapt_chat_does_and_keeps_the_conversation(
     assert printed == first + "\n"  # the session's greedy answer is what `mmadapt chat` prints
     assert len(pieces) > 1 and "".join(pieces) == first  # streamed in pieces that make the answer
     second = chat.ask("And now?")  # the first turn's image stays in context
-    assert second == greedy(model_dir, [{"role": "user", "content": "<image>\nWhat is it?"},
+    assert second == greedy(model_dir, [*with_image("What is it?"),
                                         {"role": "assistant", "content": first},
                                         {"role": "user", "content": "And now?"}], [camera], 8)
     assert [(t.role, t.images) for t in chat.turns] == [("user", (camera,)), ("assistant", ()), ("user", ()),

@@ -1,6 +1,7 @@
 """What every command shares: how a command chooses its model (`add_build_arguments`: a combination from registry
-names; `add_model_arguments`: a saved model and --adapters) and its data settings (`add_data_arguments`: one flag per
-`DataConfig` field), so every command spells them the same way.
+names; `add_model_arguments`: a saved model and --adapters), its data settings (`add_data_arguments`: one flag per
+`DataConfig` field) and its sampling settings (`add_sampling_arguments`: one flag per shown `Sampling` field), so
+every command spells them the same way.
 """
 
 from __future__ import annotations
@@ -82,3 +83,21 @@ def data_settings(args: argparse.Namespace) -> dict[str, Any]:
                 raise ValueError(f"{s.flag} must be a mapping such as '{s.example}', got {value!r}")
         given[s.name] = value
     return given
+
+
+def add_sampling_arguments(command: argparse.ArgumentParser) -> None:
+    """One flag per sampling setting a person sets (`mmadapt.sampling.sampling_settings`: the `Sampling` fields the
+    page shows too: `--max-new-tokens`, `--temperature`, ...), its type, default and help from the field; a flag not
+    given stays out of the namespace, so the field's one default holds: `sampling_from` builds the `Sampling`."""
+    from mmadapt.sampling import sampling_settings
+
+    for s in sampling_settings():
+        command.add_argument(s.flag, type=s.kind, default=argparse.SUPPRESS,
+                             help=f"{s.help} (default: {s.default})".replace("%", "%%"))
+
+
+def sampling_from(args: argparse.Namespace) -> object:
+    """The `Sampling` of the flags given (`add_sampling_arguments`); the others keep their defaults."""
+    from mmadapt.sampling import Sampling, sampling_settings
+
+    return Sampling(**{s.name: getattr(args, s.name) for s in sampling_settings() if hasattr(args, s.name)})

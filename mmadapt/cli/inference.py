@@ -7,16 +7,21 @@ import argparse
 import sys
 from typing import Any
 
-from mmadapt.cli.common import add_data_arguments, add_model_arguments, data_settings
+from mmadapt.cli.common import (
+    add_data_arguments,
+    add_model_arguments,
+    add_sampling_arguments,
+    data_settings,
+    sampling_from,
+)
 from mmadapt.cli.explain import write_evidence
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Answer PROMPT and exit, or hold a conversation read from stdin (one user turn per line)."""
-    from mmadapt.inference import Chat, Sampling
+    from mmadapt.inference import Chat
 
-    chat = Chat.load(args.model, args.adapters, sampling=Sampling(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+    chat = Chat.load(args.model, args.adapters, sampling=sampling_from(args))
     chat.attach(images=args.image, videos=args.video)
 
     def answer(text: str) -> None:
@@ -46,10 +51,7 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--image", action="append", default=[], help="an image for the first turn (repeatable)")
     chat.add_argument("--video", action="append", default=[], help="a video file for the first turn (repeatable; "
                       "Qwen3.5 / Qwen3-VL models; sampled at 2 fps as their processor does)")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
 
