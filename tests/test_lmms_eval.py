@@ -159,7 +159,7 @@ def test_lmms_eval_model_mmadapt_scores_the_direct_answers(probe, tmp_path):
     assert record["model"]["sha256"] == state_sha256(probe.model)
     assert record["template"]["name"] == "qwen3_vl" and record["mmadapt_version"] == mmadapt.__version__
     assert "max_pixels=" in record["image_processor"] and record["generation"]["batch_size"] == 2
-    assert record["generation"]["by_task"][STOP_TASK]["decoding"]["until"] == [probe.stop]
+    assert record["generation"]["by_task"][STOP_TASK]["decoding"]["stop"] == [probe.stop]
 
 
 def free_port() -> int:
@@ -202,7 +202,7 @@ def test_lmms_eval_model_openai_against_mmadapt_serve_gives_the_same_score(probe
 
 # ---- in this process ----------------------------------------------------------------------------------------------
 def state_sha256(model) -> str:
-    from mmadapt.train.lmms import state_sha256 as of
+    from mmadapt.lmms_eval.model import state_sha256 as of
 
     return of(model)
 
@@ -270,7 +270,7 @@ def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
     from lmms_eval.api.instance import Instance
 
     from mmadapt.lmms_eval import MmadaptModel, parse_batch_size
-    from mmadapt.train.lmms import Decoding
+    from mmadapt.lmms_eval.model import sampling_of
 
     lm = MmadaptModel.from_model(probe.model, probe.tokenizer)
     request = Instance("loglikelihood", ("ctx", "target", None, 0, TASK, "test"), idx=0,
@@ -280,33 +280,33 @@ def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
     with pytest.raises(NotImplementedError, match=r"multi-round.*--model vllm"):
         lm.generate_until_multi_round([request])
     with pytest.raises(ValueError, match=r"num_beams=4.*--gen_kwargs num_beams=1"):
-        Decoding.resolve({"num_beams": 4}, max_new_tokens=8, seed=0, task=TASK)
+        sampling_of({"num_beams": 4}, max_new_tokens=8, seed=0, task=TASK)
     with pytest.raises(ValueError, match=r"no 'auto'"):
         parse_batch_size("auto")
     with pytest.raises(TypeError, match=r"takes no model_args \['prettrained'\]"):
         MmadaptModel(prettrained=str(probe.model_dir))
 
 
-def test_decoding_follows_the_task_gen_kwargs():
-    from mmadapt.train.lmms import Decoding
+def test_sampling_follows_the_task_gen_kwargs():
+    from mmadapt.lmms_eval.model import sampling_of
 
     def resolve(**gen_kwargs):
-        return Decoding.resolve(gen_kwargs, max_new_tokens=64, seed=7, task=TASK)
+        return sampling_of(gen_kwargs, max_new_tokens=64, seed=7, task=TASK)
 
     greedy, ignored = resolve(until=["\n\n"], do_sample=False, temperature=0.7, num_beams=1, image_aspect_ratio="pad")
-    assert (greedy.temperature, greedy.max_new_tokens, greedy.until, greedy.seed) == (0.0, 64, ("\n\n",), 7)
+    assert (greedy.temperature, greedy.max_new_tokens, greedy.stop, greedy.seed) == (0.0, 64, ("\n\n",), 7)
     assert ignored == ["image_aspect_ratio"]
     sampled, _ = resolve(do_sample=True, top_p=0.9, until="Q:", max_new_tokens=3, seed=1)
-    assert (sampled.temperature, sampled.top_p, sampled.until, sampled.max_new_tokens, sampled.seed) == (
+    assert (sampled.temperature, sampled.top_p, sampled.stop, sampled.max_new_tokens, sampled.seed) == (
         1.0, 0.9, ("Q:",), 3, 1)
     assert resolve(temperature=0.5)[0].temperature == 0.5
-    assert Decoding(8, 0.0, 1.0, 1.0, 0, ("B", "A")).cut("xxAyyB") == "xx"
+    assert resolve(until=["B", "", "A"])[0].stop == ("B", "A")  # the answer is cut before the first (TextStream)
 
 
 # ---- a training run's train.eval_tasks ------------------------------------------------------------------------------
 def test_eval_tasks_are_checked_before_training_starts(probe, tmp_path):
+    from mmadapt.lmms_eval.tasks import check_eval_tasks
     from mmadapt.train.config import RunConfig
-    from mmadapt.train.lmms import check_eval_tasks
 
     with pytest.raises(ValueError, match=r"train.eval_tasks must be a list"):
         RunConfig.from_dict({"train": {"eval_tasks": [""]}})
@@ -322,7 +322,7 @@ def test_eval_tasks_are_checked_before_training_starts(probe, tmp_path):
 
 @pytest.mark.slow
 def test_an_unknown_eval_task_name_is_refused_before_training(probe):
-    from mmadapt.train.lmms import check_eval_tasks
+    from mmadapt.lmms_eval.tasks import check_eval_tasks
 
     with pytest.raises(ValueError, match=r"knows no task 'no_such_task'.*lmms-eval tasks list"):
         check_eval_tasks(["no_such_task"], world=1, tokenizer=probe.tokenizer)

@@ -7,12 +7,14 @@
 Modules: `methods` (`Occlusion`, `Rise`, `Integrated`: how scores are made, one interface), `maps` (`evidence`,
 `EvidenceMap`: scores -> a map per image over its token grid and its original pixels), `measure` (`faithfulness`,
 `Faithfulness`: RISE's deletion / insertion against random orders), `drawing` (`render`: the PNG), `explanation`
-(`explain` -> `Explanation`; `explain_records` for `mmadapt eval --evidence`), `prompt` (one prompt with its answer
-and the forwards every method makes). How the methods work, how to read a map and what was measured:
+(`explain` -> `Explanation`; `explain_records` for `mmadapt eval --evidence`), `effect` (`image_effect` -> `Effect`:
+the answer and its log p with the image blanked or swapped; the page's evidence view), `prompt` (one prompt with its
+answer and the forwards every method makes). How the methods work, how to read a map and what was measured:
 docs/evidence.md.
 """
 
 from mmadapt.evidence.drawing import render
+from mmadapt.evidence.effect import Effect, image_effect
 from mmadapt.evidence.explanation import EvidenceReport, Explanation, SampleEvidence, explain, explain_records
 from mmadapt.evidence.maps import (
     MIN_EFFECT,
@@ -58,6 +60,7 @@ __all__ = [
     "QUADRANTS",
     "RANDOM_ORDERS",
     "RULES",
+    "Effect",
     "EvidenceMap",
     "EvidenceReport",
     "Explanation",
@@ -76,6 +79,7 @@ __all__ = [
     "explain_records",
     "faithfulness",
     "geometry_for",
+    "image_effect",
     "integrated_scores",
     "masked_objectives",
     "occlusion_blocks",

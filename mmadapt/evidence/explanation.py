@@ -4,10 +4,11 @@
     result.answer, result.quadrants, result.map.pixels          # (H, W) over the original image
     print("\n".join(result.lines()))                            # what `mmadapt explain` prints
 
-Contract: `explain` answers greedily, explains that answer with its `method` (default `Occlusion()`), measures the
-map's faithfulness (`curve_steps` 0 skips it), draws it when `out` is given and returns an `Explanation` that
-formats itself (`lines()`, `summary()`). `explain_records` does it for the single-image records of an eval file
-(`mmadapt eval --evidence`): one `SampleEvidence` per map, gathered in an `EvidenceReport`.
+Contract: `explain` answers greedily (`mmadapt.answering.answer_prompts`, as `mmadapt chat` answers; a question with
+its image is the parts [image, text], as everywhere), explains that answer with its `method` (default
+`Occlusion()`), measures the map's faithfulness (`curve_steps` 0 skips it), draws it when `out` is given and returns
+an `Explanation` that formats itself (`lines()`, `summary()`). `explain_records` does it for the single-image
+records of an eval file (`mmadapt eval --evidence`): one `SampleEvidence` per map, gathered in an `EvidenceReport`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from typing import Any
 
 import torch
 
+from mmadapt.answering import PromptInputs, answer_prompts
 from mmadapt.data.geometry import Box
 from mmadapt.evidence.drawing import render
 from mmadapt.evidence.maps import MIN_EFFECT, EvidenceMap, completeness, evidence
 from mmadapt.evidence.measure import CURVE_STEPS, Faithfulness, faithfulness
 from mmadapt.evidence.methods import DEFAULT_METHOD, Method
 from mmadapt.evidence.prompt import observed
-from mmadapt.modes import eval_mode
+from mmadapt.sampling import Sampling
 
 EVIDENCE_INDEX = "index.json"  # beside the maps of `explain_records`: record id -> picture
 
@@ -129,15 +131,15 @@ def explain(model: Any, processor: Any, image: Any, prompt: str | Sequence[Mappi
                         "Rise(samples=128) or Integrated(steps=32) from mmadapt.evidence")
     picture = processor.image(image)
     if isinstance(prompt, str):
-        question, text = prompt, prompt if "<image>" in prompt else f"<image>\n{prompt}"
+        question, text = prompt, prompt if "<image>" in prompt else f"<image>{prompt}"  # the parts [image, text]
     else:
         text = list(prompt)
         question = next((str(m.get("content", "")) for m in reversed(text) if m.get("role") == "user"), "")
-    inputs = processor(text, images=[picture])
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if answer_ids is None:
-        answer_ids, target = _answer(model, processor, inputs, max_new_tokens)
+    prompted = PromptInputs.of(model, processor, processor(text, images=[picture]))
+    inputs = prompted.inputs
+    if answer_ids is None:  # the greedy answer, as `mmadapt chat` gives it
+        (answer,) = answer_prompts(model, processor, prompted, sampling=Sampling(max_new_tokens=max_new_tokens))
+        answer_ids, target = _until_end(torch.tensor(answer.token_ids, dtype=torch.long), processor.eos_token_ids)
     else:
         answer_ids, target = _until_end(torch.as_tensor(answer_ids, dtype=torch.long).flatten().cpu(),
                                         processor.eos_token_ids)
@@ -158,14 +160,6 @@ def explain(model: Any, processor: Any, image: Any, prompt: str | Sequence[Mappi
     png = None if out is None else render(picture, heat, out, prompt=question, answer=answer)
     return Explanation(answer, tuple(answer_ids.tolist()), heat, png, question,
                        os.fspath(image) if isinstance(image, (str, os.PathLike)) else None)
-
-
-def _answer(model: Any, processor: Any, inputs: dict[str, Any], max_new_tokens: int) -> tuple[torch.Tensor, ...]:
-    """The greedy answer's ids up to its end token, and the ids to explain (the end token for an empty answer)."""
-    with eval_mode(model):
-        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=processor.eos_token_ids,
-                                   pad_token_id=processor.encoder.pad_token_id)[0].cpu()
-    return _until_end(generated, processor.eos_token_ids)
 
 
 def _until_end(generated: torch.Tensor, ends: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

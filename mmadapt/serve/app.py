@@ -5,7 +5,7 @@
     GET  /v1/models/{name}
     POST /v1/chat/completions    a conversation with images / videos -> one answer, whole or streamed (SSE)
 
-Each request is answered by `mmadapt.inference.respond` (the code `mmadapt chat` runs: the model's chat template and
+Each request is answered by `mmadapt.answering.respond` (the code `mmadapt chat` runs: the model's chat template and
 `template_kwargs`, the same decoding), on the model's one worker thread (`ModelWorker`: one generation at a time, at
 most `max_queue` waiting, a full queue a 429 with `Retry-After`). A request's images are fetched and decoded before
 it queues, in a thread of its own (`mmadapt.serve.media`), so a bad image fails that request alone and costs the
@@ -35,12 +35,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmadapt.inference import Answer, Prompt, Sampling, TokenLogprob, respond
+from mmadapt.answering import Answer, PromptInputs, Sampling, TokenLogprob, respond
 from mmadapt.serve import protocol
 from mmadapt.serve.errors import APIError, bad_request
 from mmadapt.serve.media import MediaPolicy, load_image_url, video_file
 from mmadapt.serve.protocol import ChatCompletionRequest
-from mmadapt.serve.worker import ModelWorker, QueueFull
+from mmadapt.serve.worker import Cancelled, ModelWorker, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,6 @@ class ServeSettings:
             raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens_limit {self.max_tokens_limit}")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for a server without one")
-
-
-class Cancelled(Exception):
-    """A queued job whose client left before it started."""
 
 
 def create_app(model: Any, processor: Any, settings: ServeSettings = ServeSettings()) -> FastAPI:
@@ -304,7 +300,7 @@ class Job:
         try:
             if self.cancel.is_set():
                 raise Cancelled()
-            prompt = Prompt.build(service.model, service.processor, self.messages)
+            prompt = PromptInputs.build(service.model, service.processor, self.messages)
             self.emit("prompt", prompt.usage)
             answer = respond(service.model, service.processor, prompt, sampling=self.sampling,
                              on_token=self.token, on_text=self.text, cancelled=self.cancel.is_set)

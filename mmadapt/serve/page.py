@@ -5,15 +5,16 @@
 
 Three tabs over the server's one model (`Service`):
 - Chat: images (upload, paste, or an example), videos for the Qwen families, multi-turn, the answer streamed, Stop /
-  Regenerate / Clear, the sampling settings `mmadapt chat` has. Each answer is `Chat.ask` (`mmadapt chat`'s own
-  code: the same prompt, the same decoding), run on the model's one worker thread (`ModelWorker`), so the page and
-  the API answer one request at a time; gradio's queue (`concurrency_id="model"`) shows a page's place in line and
-  the status line the worker's own count (API requests included).
+  Regenerate / Clear, the sampling settings `mmadapt chat` has (both generated from `mmadapt.sampling.Sampling`).
+  Each answer is `Chat.ask` (`mmadapt chat`'s own code: the same prompt, the same decoding), run on the model's one
+  worker thread (`ModelWorker`), so the page and the API answer one request at a time; gradio's queue
+  (`concurrency_id="model"`) shows a page's place in line and the status line the worker's own count (API requests
+  included).
 - Evidence: for the latest answer, the evidence map as `mmadapt explain` draws it (the answer shown in the chat,
   sampled or not, is the one explained), its faithfulness and the verdict in words, and the image effect: what the
   model answers with the image blanked (the processor's mean colour) and with another image (an example), with the
-  change of log p(answer). It costs about a hundred forwards, so it runs when asked, with progress, and Cancel
-  stops it at the next batch.
+  change of log p(answer) (`mmadapt.evidence.effect`). It costs about a hundred forwards, so it runs when asked,
+  with progress, and Cancel stops it at the next batch.
 - Model card: `mmadapt.serve.card.ModelCard`.
 
 Uploads are untrusted: each file is checked as an API request's image is (`load_image_file`: size before reading,
@@ -24,7 +25,6 @@ into a directory the page owns; nothing is read from a path a client names.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -39,20 +39,18 @@ from typing import Any
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # the page never phones home
 
 import gradio as gr
-import torch
 from fastapi import FastAPI
 
 from mmadapt.data.problems import DataProblem
 from mmadapt.evidence import Integrated, Occlusion, Rise, explain
-from mmadapt.evidence import Prompt as EvidencePrompt
+from mmadapt.evidence.effect import Effect, image_effect
 from mmadapt.evidence.maps import MIN_EFFECT
-from mmadapt.evidence.prompt import answer_log_probs
-from mmadapt.inference import Answer, Chat, Prompt, Sampling, respond
-from mmadapt.modes import eval_mode
+from mmadapt.inference import Answer, Chat
+from mmadapt.sampling import Sampling, sampling_settings
 from mmadapt.serve.card import ModelCard
 from mmadapt.serve.errors import APIError
 from mmadapt.serve.media import VIDEO_TYPES, load_image_file
-from mmadapt.serve.worker import QueueFull
+from mmadapt.serve.worker import Cancelled, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -186,19 +184,18 @@ class Page:
         yield "done", future.result()
 
     # ---- chat ------------------------------------------------------------------------------------------------------
-    def sampling(self, session: Session, max_new_tokens: float, temperature: float, top_p: float, seed: float | None,
-                 repetition_penalty: float) -> None:
-        sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
-                            seed=int(seed or 0), repetition_penalty=float(repetition_penalty))
+    def sampling(self, session: Session, values: tuple[Any, ...]) -> None:
+        """The chat's `Sampling` from the controls' values (`sampling_controls`, in `sampling_settings` order)."""
+        sampling = Sampling(**{s.name: s.kind(s.default if v is None else v)
+                               for s, v in zip(sampling_settings(), values, strict=True)})
         chat = session.chat
         if sampling.seed != chat.sampling.seed:
             chat.generator.manual_seed(sampling.seed)
         chat.sampling = sampling
 
-    def send(self, message: dict[str, Any] | None, history: list[dict[str, Any]], max_new_tokens: float,
-             temperature: float, top_p: float, seed: float | None, repetition_penalty: float,
+    def send(self, message: dict[str, Any] | None, history: list[dict[str, Any]], *controls: Any,
              request: gr.Request) -> Iterator[tuple[Any, ...]]:
-        """The user's turn: checked, shown, answered in a stream."""
+        """The user's turn: checked, shown, answered in a stream (`controls`: the sampling controls' values)."""
         message = message or {}
         text, files = str(message.get("text") or "").strip(), list(message.get("files") or [])
         images, videos, kept, problems = self.uploads(files)
@@ -217,7 +214,7 @@ class Page:
             yield history, gr.skip(), gr.skip()
             return
         session = self.session(request)
-        self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
+        self.sampling(session, controls)
         shown = [*history, {"role": "user", "content": [*({"path": f} for f in kept), text]}]
         chat = session.chat  # this conversation, even if Clear replaces the page's conversation meanwhile
 
@@ -227,15 +224,14 @@ class Page:
 
         yield from self.stream(session, shown, answer)
 
-    def regenerate(self, history: list[dict[str, Any]], max_new_tokens: float, temperature: float, top_p: float,
-                   seed: float | None, repetition_penalty: float,
+    def regenerate(self, history: list[dict[str, Any]], *controls: Any,
                    request: gr.Request) -> Iterator[tuple[Any, ...]]:
         session = self.session(request)
         if not session.chat.turns or session.chat.turns[-1].role != "assistant":
             self.say("There is no answer to regenerate yet.")
             yield history, gr.skip(), gr.skip()
             return
-        self.sampling(session, max_new_tokens, temperature, top_p, seed, repetition_penalty)
+        self.sampling(session, controls)
         shown = list(history)
         while shown and shown[-1]["role"] == "assistant":
             shown.pop()
@@ -386,15 +382,7 @@ class Page:
                                         inputs=[box], label="examples",
                                         example_labels=[e.name for e in self.examples])
                         with gr.Accordion("Sampling (as mmadapt chat)", open=False):
-                            limit = self.service.settings.max_tokens_limit
-                            settings = [
-                                gr.Slider(1, limit, value=min(256, limit), step=1, label="max new tokens",
-                                          elem_id="max-new-tokens"),
-                                gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)"),
-                                gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top p"),
-                                gr.Number(value=0, precision=0, label="seed"),
-                                gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition penalty (1 = off)"),
-                            ]
+                            settings = sampling_controls(self.service.settings.max_tokens_limit)
                 with gr.Tab("Evidence", id="evidence"), gr.Row():
                     with gr.Column(scale=3):
                         picture = gr.Image(elem_id="evidence-map", label="evidence map of the latest answer",
@@ -428,46 +416,21 @@ class Page:
         return page
 
 
-class Cancelled(Exception):
-    """The evidence was cancelled from the page."""
-
-
 # ---- what the evidence view says ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Effect:
-    """The answer with the image blanked / another image: the greedy answer then, and the change of log p(answer)
-    (the displayed answer's) from the real image, in nats (negative: less likely without this image)."""
-
-    blank_answer: str
-    blank_change: float
-    other_answer: str | None
-    other_change: float | None
-
-
-def image_effect(model: Any, processor: Any, messages: list[dict[str, str]], image: Any, other: Any,
-                 answer: Answer, max_new_tokens: int) -> Effect:
-    """`Effect` of the conversation's one image on `answer`: the same conversation with the image's pixel values
-    zeroed (the processor's mean colour, as `mmadapt eval` blanks) and with `other` in its place."""
-    greedy = Sampling(max_new_tokens=max_new_tokens)
-    real = Prompt.build(model, processor, messages, images=[image])
-    blank = dataclasses.replace(real, inputs={**real.inputs, "pixel_values": torch.zeros_like(
-        real.inputs["pixel_values"])})
-    ids = [t for t in answer.token_ids if t not in processor.eos_token_ids] or list(answer.token_ids[:1])
-    base = log_p(model, real.inputs, ids)
-    blank_text = respond(model, processor, blank, sampling=greedy).text
-    blank_change = log_p(model, blank.inputs, ids) - base
-    if other is None:
-        return Effect(blank_text, blank_change, None, None)
-    swapped = Prompt.build(model, processor, messages, images=[other])
-    return Effect(blank_text, blank_change, respond(model, processor, swapped, sampling=greedy).text,
-                  log_p(model, swapped.inputs, ids) - base)
-
-
-def log_p(model: Any, inputs: dict[str, Any], ids: list[int]) -> float:
-    """log p(ids | prompt) under the model (teacher forcing through its one input path)."""
-    prompt = EvidencePrompt.of(model, inputs, ids)
-    with eval_mode(model), torch.no_grad():
-        return float(answer_log_probs(model, prompt.ids, prompt.answer, prompt.visual(model), None, copies=1)[0])
+def sampling_controls(max_tokens_limit: int) -> list[Any]:
+    """One control per sampling setting (`mmadapt.sampling.sampling_settings`: the flags of `mmadapt chat`, with
+    their defaults and help): a slider over the setting's range (max new tokens up to the server's limit), or a
+    number box for a seed."""
+    controls = []
+    for s in sampling_settings():
+        elem_id, info = s.name.replace("_", "-"), s.help
+        if s.name == "seed":
+            controls.append(gr.Number(value=s.default, precision=0, label=s.label, info=info, elem_id=elem_id))
+            continue
+        high = min(s.high, max_tokens_limit) if s.name == "max_new_tokens" else s.high
+        controls.append(gr.Slider(s.low, high, value=min(s.default, high), step=s.step, label=s.label, info=info,
+                                  elem_id=elem_id))
+    return controls
 
 
 def stage_fraction(state: dict[str, Any]) -> float:
@@ -497,16 +460,7 @@ def verdict_words(result: Any, effect: Effect, other: Example | None) -> str:
                      "answer's support lies.")
     shares = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in result.quadrants.items())
     lines += ["", f"Evidence by quadrant: {shares}.", "", "**Image effect**",
-              f"- image blanked (the mean colour): the model answers “{effect.blank_answer or '(empty)'}”; "
-              f"log p(answer) {effect.blank_change:+.2f} nats"]
-    if effect.other_answer is not None and other is not None:
-        lines.append(f"- another image ({other.name}): “{effect.other_answer or '(empty)'}”; log p(answer) "
-                     f"{effect.other_change:+.2f} nats")
-    changes = [c for c in (effect.blank_change, effect.other_change) if c is not None]
-    rests = all(c <= -MIN_EFFECT for c in changes)
-    lines.append("- so the answer **rests on this image**: without it the model is less sure of it." if rests else
-                 "- so the answer does **not clearly rest on this image**: the model gives it about as readily "
-                 "without it.")
+              *effect.lines(None if other is None else other.name)]
     return "\n".join(lines)
 
 
@@ -636,5 +590,5 @@ CSS = """
 footer { display: none !important; }
 """
 
-__all__ = ["Example", "Page", "builtin_examples", "default_examples", "examples_from", "image_effect",
-           "mount_page", "verdict_words"]
+__all__ = ["Example", "Page", "builtin_examples", "default_examples", "examples_from", "mount_page",
+           "sampling_controls", "verdict_words"]

@@ -1,5 +1,5 @@
 """The OpenAI chat-completions protocol as `mmadapt serve` speaks it: the request (pydantic), its checks, and the
-response and stream-chunk bodies built from an `mmadapt.inference.Answer`.
+response and stream-chunk bodies built from an `mmadapt.answering.Answer`.
 
 A request field the server does not implement is refused (400, code `unsupported_parameter`, the field in `param`),
 never ignored; so is a value it cannot honour (`n` > 1, a non-zero `frequency_penalty` / `presence_penalty`, a
@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mmadapt.inference import Answer, Sampling, TokenLogprob, Usage
+from mmadapt.answering import Answer, Sampling, TokenLogprob, Usage
 from mmadapt.serve.errors import APIError, bad_request
 
 UNSUPPORTED = {

@@ -17,6 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
+class Cancelled(Exception):
+    """A job whose client went away: a queued request whose client left before it started, or the page's evidence
+    cancelled from the page. The worker counts it as "cancelled"."""
+
+
 class QueueFull(RuntimeError):
     """The worker already has one job running and `max_queue` waiting."""
 
