@@ -404,8 +404,8 @@ class Page:
                     gr.Markdown(self.card.markdown(), elem_id="card")
 
             model = {"concurrency_limit": 1, "concurrency_id": "model"}
-            sent = box.submit(self.send, [box, chatbot, *settings], [chatbot, box, finish], **model)
-            redo = again.click(self.regenerate, [chatbot, *settings], [chatbot, box, finish], **model)
+            sent = box.submit(requested(self.send), [box, chatbot, *settings], [chatbot, box, finish], **model)
+            redo = again.click(requested(self.regenerate), [chatbot, *settings], [chatbot, box, finish], **model)
             stop.click(self.stop, None, None, queue=False)  # the answer ends at its next token and the box unlocks
             for emptied in (clear.click, chatbot.clear):  # the button, and the chat's own bin icon
                 emptied(self.clear, None, [chatbot, box, finish, picture, words], queue=False, cancels=[sent, redo])
@@ -417,20 +417,25 @@ class Page:
 
 
 # ---- what the evidence view says ---------------------------------------------------------------------------------
+def requested(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    """`method(*inputs, request=)` as gradio calls it (it passes the request by position, before `*inputs`)."""
+    def call(request: gr.Request, *inputs: Any) -> Iterator[Any]:
+        yield from method(*inputs, request=request)
+
+    return call
+
+
 def sampling_controls(max_tokens_limit: int) -> list[Any]:
     """One control per sampling setting (`mmadapt.sampling.sampling_settings`: the flags of `mmadapt chat`, with
     their defaults and help): a slider over the setting's range (max new tokens up to the server's limit), or a
     number box for a seed."""
-    controls = []
-    for s in sampling_settings():
-        elem_id, info = s.name.replace("_", "-"), s.help
-        if s.name == "seed":
-            controls.append(gr.Number(value=s.default, precision=0, label=s.label, info=info, elem_id=elem_id))
-            continue
-        high = min(s.high, max_tokens_limit) if s.name == "max_new_tokens" else s.high
-        controls.append(gr.Slider(s.low, high, value=min(s.default, high), step=s.step, label=s.label, info=info,
-                                  elem_id=elem_id))
-    return controls
+    def control(s: Any) -> Any:
+        high, shown = min(s.high, max_tokens_limit) if s.name == "max_new_tokens" else s.high, {
+            "label": s.label, "info": s.help, "elem_id": s.name.replace("_", "-")}
+        return (gr.Number(value=s.default, precision=0, **shown) if s.name == "seed" else
+                gr.Slider(s.low, high, value=min(s.default, high), step=s.step, **shown))
+
+    return [control(s) for s in sampling_settings()]
 
 
 def stage_fraction(state: dict[str, Any]) -> float:
