@@ -141,7 +141,7 @@ def main() -> None:
     import transformers
     from transformers import AutoModelForImageTextToText
 
-    from mmadapt.inference import Prompt
+    from mmadapt.answering import PromptInputs as Prompt
     from mmadapt.processor import Processor
     from mmadapt.serve import BackgroundServer, ServeSettings, create_app
 

@@ -10,8 +10,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 import mmadapt
 from mmadapt import Processor
+from mmadapt.answering import Decoding, Sampling, TextStream, respond
 from mmadapt.data import char_tokenizer
-from mmadapt.inference import Decoding, Sampling, TextStream, respond
 from mmadapt.model import GenerationStep, penalize_repetition, placeholder_ids, seen_tokens
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
