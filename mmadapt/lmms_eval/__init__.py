@@ -7,8 +7,8 @@ implementation of `--model mmadapt`. Installed with the optional extra: `pip ins
 The package holds everything mmadapt does with lmms-eval: `model` (`LmmsChatModel`: lmms-eval's chat model over a
 model in memory, answering by `mmadapt.answering`), `plugin` (`MmadaptModel`: the same over a model loaded from disk)
 and `tasks` (a training run's `train.eval_tasks`: `check_eval_tasks`, `evaluate_tasks`; the trainer imports it only
-when they are set). Importing the package imports lmms-eval's model registry only; `MmadaptModel` and the plugin's
-helpers are read from `plugin` when first asked for.
+when they are set). Importing the package imports nothing of lmms-eval: `MANIFEST`, `MmadaptModel` and the plugin's
+helpers are built when first asked for.
 
 `MmadaptModel` loads `pretrained` as `mmadapt chat` does (`load_for_inference`: a model directory, a run, a
 checkpoint, a run's adapters directory, or a base model with `adapters=DIR`) and answers lmms-eval's chat requests
@@ -34,15 +34,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmms_eval.models.registry_v2 import ModelManifest
-
-MANIFEST = ModelManifest(model_id="mmadapt", chat_class_path="mmadapt.lmms_eval.plugin.MmadaptModel")
-
 PLUGIN = ("MmadaptModel", "default_device", "parse_batch_size", "parse_kwargs")
 
 
 def __getattr__(name: str) -> Any:
-    """The plugin's names (`PLUGIN`), imported when first asked for: `from mmadapt.lmms_eval import MmadaptModel`."""
+    """`MANIFEST` and the plugin's names (`PLUGIN`), built when first asked for: importing `mmadapt.lmms_eval.model`
+    or `.tasks` (the trainer does) must not import lmms-eval's model registry, which loads this entry point and would
+    find this package half-imported."""
+    if name == "MANIFEST":
+        from lmms_eval.models.registry_v2 import ModelManifest
+
+        manifest = ModelManifest(model_id="mmadapt", chat_class_path="mmadapt.lmms_eval.plugin.MmadaptModel")
+        globals()["MANIFEST"] = manifest  # one object, however often it is asked for
+        return manifest
     if name in PLUGIN:
         from mmadapt.lmms_eval import plugin
 
