@@ -240,9 +240,11 @@ def safe_deepspeed_config(stage: int, *, micro_batch: int | str = "auto", grad_a
 
 def deepspeed_config_for_run(run: Any, stage: int) -> dict[str, Any]:
     """`safe_deepspeed_config` with a `RunConfig`'s micro-batch, accumulation, clipping and precision policy."""
+    import torch
+
     return safe_deepspeed_config(stage, micro_batch=run.data.batch_size, grad_accum=run.train.grad_accum,
                                  gradient_clipping=run.train.clip_grad_norm,
-                                 bf16=run.precision.policy == "bf16-autocast")
+                                 bf16=run.precision.mode.compute_dtype is torch.bfloat16)
 
 
 def _zero_section(stage: int) -> dict[str, Any]:
