@@ -134,7 +134,7 @@ def verdict(accuracy: Mapping[str, float], *, chance: float, margin: float) -> t
     labels = [c.label(inputs) for c in without]
     scores = ", ".join(f"{label} {accuracy[c.name]:.3f}" for c, label in zip(without, labels, strict=True))
     winner, best, read = (("real inputs", "the best of", "the images and the order of the videos' frames") if videos
-                          else ("real images", "the better of", "the images"))
+                          else (REAL.label(), "the better of", "the images"))
     text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with {REAL.label(inputs)} {real:.3f}, {scores} "
             f"(chance {chance:.3f}); {winner} beat {best} {' / '.join(labels)} by "
             f"{gap:+.3f}, {'>=' if passed else '<'} the margin {margin:.2f}: the model "
