@@ -8,9 +8,13 @@ for parts that came from checkpoints, where they came from (`source`: path and S
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 DEFAULT_PRESET = "tiny"
+# the parts a model is built from when none are named: `mmadapt demo`, the commands that build from names
+# (`--encoder / --projector / --backbone`) and the examples of the docs
+DEFAULT_PARTS = MappingProxyType({"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"})
 DEEPSTACK_MODES = ("use", "drop")
 COMPONENT_KEYS = ("name", "preset", "options", "pretrained", "dtype", "source")
 

@@ -1,7 +1,7 @@
 """`mmadapt demo`: train a tiny model to read handwritten digits, and prove it reads the images.
 
-    report = run_demo(out="runs/demo")          # the embedded default: qwen3_5_vit + qwen_merger + qwen3_5 (tiny)
-    report.evaluation.accuracy["images"], report.evaluation.accuracy["blank"], report.passed
+    report = run_demo(out="runs/demo")          # the default parts (`mmadapt.config.DEFAULT_PARTS`), tiny
+    report.evaluation.accuracy["real"], report.evaluation.accuracy["blanked"], report.passed
     print(report)                               # what `mmadapt demo` prints after training; OUT/report.json too
 
 The task ships offline: scikit-learn's 1,797 scanned handwritten digits (8 x 8 px, 16 grey
@@ -12,10 +12,10 @@ and the answer is the digit. The data go through mmadapt's own pipeline (`Sample
 `VLMDataset`, `Collator`) and trainer (`Trainer`, every component trained in full: the tiny
 models start from random weights).
 
-After training, greedy answers on the held-out split are scored three ways by `mmadapt.evaluate`
-(what `mmadapt eval` runs): with the real images, with blanked images (pixel_values zeroed = the
-processor's mean colour) and with images shuffled across samples (each prompt gets the next
-prompt's image). A model that reads the images beats both by a clear margin (`margin`, default 0.2
+After training, greedy answers on the held-out split are scored under the three image controls of
+`mmadapt.controls` by `mmadapt.evaluate` (what `mmadapt eval` runs): with the real images, with blanked images
+(pixel_values zeroed = the processor's mean colour) and with images shuffled across samples (each prompt gets the
+next prompt's image). A model that reads the images beats both by a clear margin (`margin`, default 0.2
 accuracy points); one that answers from the text alone scores about the same on all three. `sees_images` runs on one
 batch before and after training, as the quick check a user can run without training.
 
@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mmadapt.config import DEFAULT_PARTS, DEFAULT_PRESET
+from mmadapt.controls import BLANKED, IMAGE_CONTROLS, REAL, SHUFFLED
+
 if TYPE_CHECKING:
     from mmadapt.evaluate import EvalReport
     from mmadapt.sees import SeesImagesReport
@@ -45,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 QUESTION = "What digit is this?"
-DEFAULT_COMPONENTS = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 # The default run: held-out accuracy 0.96 with images, 0.10 / 0.09 blanked / shuffled, in 90-105 s of
 # wall time on 2 shared CPU cores (`time mmadapt demo`; 75-92 s of it training).
 DEFAULTS: dict[str, Any] = {"steps": 300, "lr": 1e-3, "batch_size": 32, "warmup_steps": 20, "image_size": 32}
@@ -85,7 +87,8 @@ def answer_of(record: dict[str, Any]) -> str:
 # ---- figures --------------------------------------------------------------------------------------
 def plot_predictions(path: Path, image_root: Path, records: Sequence[dict[str, Any]],
                      predictions: dict[str, list[str]], count: int = 24, columns: int = 8) -> Path:
-    """A grid of held-out images titled with answer and predictions (real / blanked / shuffled images)."""
+    """A grid of held-out images titled with answer and predictions (`predictions[control name]`: real / blanked /
+    shuffled images)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,9 +104,10 @@ def plot_predictions(path: Path, image_root: Path, records: Sequence[dict[str, A
             continue
         record, answer = records[k], answer_of(records[k])
         ax.imshow(Image.open(image_root / record["image"]), cmap="gray", vmin=0, vmax=255)
-        guess = predictions["images"][k]
-        ax.set_title(f"answer {answer}  pred {guess or '-'}\nblank {predictions['blank'][k] or '-'}  "
-                     f"shuf {predictions['shuffled'][k] or '-'}", fontsize=8,
+        guess = predictions[REAL.name][k]
+        ax.set_title(f"answer {answer}  {REAL.name} {guess or '-'}\n{BLANKED.name} "
+                     f"{predictions[BLANKED.name][k] or '-'}  {SHUFFLED.name} {predictions[SHUFFLED.name][k] or '-'}",
+                     fontsize=8,
                      color="tab:green" if guess == answer else "tab:red")
     fig.suptitle(f"held-out digits; question: {QUESTION!r} (green: correct with the real image)", fontsize=10)
     fig.tight_layout()
@@ -155,8 +159,7 @@ class DemoReport:
         return [f"trained {self.steps} steps on {self.train_samples} digits in {self.train_seconds:.0f} s "
                 f"(final loss {self.final_loss:.3f}); total {self.seconds:.0f} s",
                 f"held-out answer accuracy ({self.eval_samples} digits, chance {self.evaluation.chance:.3f}):",
-                *(f"  {name:<16} {accuracy[key]:.3f}" for name, key in (
-                    ("real images", "images"), ("blanked images", "blank"), ("shuffled images", "shuffled"))),
+                *(f"  {control.label():<16} {accuracy[control.name]:.3f}" for control in IMAGE_CONTROLS),
                 f"report {self.report_file}; loss curve {self.files['loss_curve']}; "
                 f"predictions {self.files['predictions']}",
                 self.verdict]
@@ -165,11 +168,9 @@ class DemoReport:
         return "\n".join(self.lines())
 
     def to_dict(self) -> dict[str, Any]:
-        """OUT/report.json: accuracy_<variant> (real, blanked, shuffled), chance, margin, the training, the sees
+        """OUT/report.json: accuracy_<control> (real, blanked, shuffled), chance, margin, the training, the sees
         reports, passed, verdict, files, seconds."""
-        from mmadapt.evaluate import VARIANTS
-
-        return {**{f"accuracy_{name}": self.evaluation.accuracy[name] for name in VARIANTS},
+        return {**{f"accuracy_{c.name}": self.evaluation.accuracy[c.name] for c in IMAGE_CONTROLS},
                 "chance": self.evaluation.chance, "margin": self.evaluation.margin, "steps": self.steps,
                 "skipped": self.skipped, "train_seconds": self.train_seconds, "final_loss": self.final_loss,
                 "model": self.model, "hyperparameters": self.hyperparameters, "train_samples": self.train_samples,
@@ -217,8 +218,8 @@ def run_config(out: Path, *, steps: int, lr: float, batch_size: int, warmup_step
     return RunConfig.load(None, overrides)
 
 
-def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_COMPONENTS[1],
-             backbone: str = DEFAULT_COMPONENTS[2], preset: str = "tiny", steps: int | None = None,
+def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAULT_PARTS["projector"],
+             backbone: str = DEFAULT_PARTS["backbone"], preset: str = DEFAULT_PRESET, steps: int | None = None,
              lr: float | None = None, batch_size: int | None = None, warmup_steps: int | None = None,
              image_size: int | None = None, margin: float = 0.2, out: str | Path = "runs/demo",
              seed: int = 0, progress: bool = True, deepstack: str = "use") -> DemoReport:
@@ -228,7 +229,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     """
     import mmadapt
     from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
-    from mmadapt.evaluate import VARIANTS, evaluate_records
+    from mmadapt.evaluate import evaluate_records
     from mmadapt.sees import sees_images
     from mmadapt.train import Trainer
 
@@ -256,7 +257,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     summary = Trainer(model, config, train_data, collate, tokenizer=tokenizer).fit()  # OUT/model: chat-ready
 
     scored = evaluate_records(model, sample_encoder, collate, eval_records, margin=margin, classes=10)
-    predictions = {name: scored.answers(name) for name in VARIANTS}
+    predictions = {c.name: scored.answers(c.name) for c in IMAGE_CONTROLS}
     sees_after = sees_images(model, probe)
     files = {"loss_curve": str(out / "loss.png"), "predictions": str(
         plot_predictions(out / "predictions.png", out / "data", eval_records, predictions)),

@@ -1,35 +1,34 @@
-"""Evaluation that proves a model reads its images (and videos): answers with real, blanked and shuffled inputs.
+"""Evaluation that proves a model reads its images (and videos): answers under each image control.
 
     report = evaluate_records(model, encoder, collate, records)    # an EvalReport
     print(report)                                                   # the table `mmadapt eval MODEL DATA` prints
-    report.accuracy["images"], report.accuracy["blank"], report.accuracy["shuffled"], report.passed
-    for name in report.variants: report.accuracy[name]             # + "time_shuffled" when there are videos
+    report.accuracy["real"], report.accuracy["blanked"], report.accuracy["shuffled"], report.passed
+    for name in report.variants: report.accuracy[name]             # + "reversed" when there are videos
     report.to_dict()                                                # the JSON of `mmadapt eval --json`
 
 Greedy answers to each record's question (its last assistant turn is the reference), by the one answering function
 of `mmadapt chat` and the server (`mmadapt.answering.answer_prompts`, batched), are scored per
 sample by normalised exact match (case, surrounding whitespace and final punctuation ignored;
-`accuracy`) and by "reference contained in the answer" (`contained`), each three ways: with the
-real images, with blanked images (pixel_values zeroed = the processor's mean colour: same size,
-grid and token count, no content) and with images shuffled across samples (each sample gets the
-next sample's image of the same grid, so its span still fits). The verdict: images must beat the
+`accuracy`) and by "reference contained in the answer" (`contained`), each under the image controls of
+`mmadapt.controls` (their names are the report's keys): `real` images, `blanked` images (pixel_values zeroed = the
+processor's mean colour: same size, grid and token count, no content) and `shuffled` images (each sample gets the
+next sample's image of the same grid, so its span still fits). The verdict: real images must beat the
 better of blanked / shuffled by `margin` accuracy points. `chance` is the best constant answer's
 accuracy (the majority reference's share). `max_new_tokens` defaults to fit the longest reference.
 The digits demo (`mmadapt demo`) reports through this same code.
 
-Videos (prompts with `pixel_values_videos`): "images" means the real inputs, images and videos; blanking zeroes
+Videos (prompts with `pixel_values_videos`): "real" means the real inputs, images and videos; blanking zeroes
 the videos' pixels too and shuffling also moves each video to the next sample whose videos have the same grids
-(images and videos move independently). When any prompt has a video a fourth variant is scored,
-"time_shuffled" (`accuracy["time_shuffled"]`, `contained["time_shuffled"]`, and a `time_shuffled` answer per
-prediction): each video's temporal patches in reverse order (`mmadapt.data.video.reverse_frames`), the same frames in
-the wrong order; prompts without a video (or with a one-patch video) are unchanged in it. The verdict then needs
-real inputs to beat the best of blanked / shuffled / time-shuffled by the margin. Reports of image-only data are
-unchanged (three variants, `VARIANTS`); `report.variants` lists the variants a report holds.
+(images and videos move independently). When any prompt has a video a fourth control is scored,
+`reversed` (`accuracy["reversed"]`, `contained["reversed"]`, and a `reversed` answer per prediction): each video's
+temporal patches in reverse order (`mmadapt.data.video.reverse_frames`), the same frames in the wrong order;
+prompts without a video (or with a one-patch video) are unchanged in it. The verdict then needs real inputs to beat
+the best of blanked / shuffled / reversed by the margin. Reports of image-only data hold three controls
+(`VARIANTS`); `report.variants` lists the ones a report holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import string
 from collections.abc import Mapping, Sequence
@@ -39,11 +38,12 @@ from typing import Any
 
 import torch
 
+from mmadapt.controls import CONTROLS, IMAGE_CONTROLS, REAL, REVERSED, VIDEO_CONTROLS, VIDEOS, Control
+
 DEFAULT_MARGIN = 0.2
 EVAL_BATCH = 64
-VARIANTS = ("images", "blank", "shuffled")
-VIDEO_VARIANTS = (*VARIANTS, "time_shuffled")
-LABELS = {"images": "real images", "blank": "blanked", "shuffled": "shuffled", "time_shuffled": "frames reversed"}
+VARIANTS = tuple(c.name for c in IMAGE_CONTROLS)  # real, blanked, shuffled: the report's keys
+VIDEO_VARIANTS = tuple(c.name for c in VIDEO_CONTROLS)  # ... and reversed
 
 
 def reference_of(record: dict[str, Any]) -> str:
@@ -77,68 +77,12 @@ def chance_level(references: Sequence[str], classes: int | None = None) -> float
 
 def has_videos(samples: Sequence[Any]) -> bool:
     """Whether any sample carries a video (`pixel_values_videos`)."""
-    return any(getattr(s, "pixel_values_videos", None) is not None for s in samples)
+    return any(VIDEOS.of(s) is not None for s in samples)
 
 
-def zeros_or_none(pixels: torch.Tensor | None) -> torch.Tensor | None:
-    return None if pixels is None else torch.zeros_like(pixels)
-
-
-def blanked(samples: Sequence[Any]) -> list[Any]:
-    """Each image and video replaced by the processor's mean colour (normalised pixels = 0); token counts unchanged."""
-    out = []
-    for s in samples:
-        blank = dataclasses.replace(s, pixel_values=zeros_or_none(s.pixel_values))
-        if getattr(s, "pixel_values_videos", None) is not None:
-            blank = dataclasses.replace(blank, pixel_values_videos=zeros_or_none(s.pixel_values_videos))
-        out.append(blank)
-    return out
-
-
-def shuffled(samples: Sequence[Any]) -> list[Any]:
-    """Each sample gets the images of the next sample with the same grids (cyclic), so its spans still fit, and
-    likewise the videos of the next sample with the same video grids (images and videos move independently).
-
-    A sample whose grids no other sample shares keeps its images (videos)."""
-    def key(s: Any) -> tuple:
-        grid = () if s.image_grid_thw is None else tuple(s.image_grid_thw.flatten().tolist())
-        return tuple(s.tokens_per_image), grid
-
-    def video_key(s: Any) -> tuple:
-        grid = getattr(s, "video_grid_thw", None)
-        return tuple(getattr(s, "tokens_per_video", ())), () if grid is None else tuple(grid.flatten().tolist())
-
-    out = list(samples)
-    for members in groups_of(samples, key):
-        for k, i in enumerate(members):
-            donor = samples[members[(k + 1) % len(members)]]
-            out[i] = dataclasses.replace(samples[i], pixel_values=donor.pixel_values,
-                                         image_grid_thw=donor.image_grid_thw)
-    if has_videos(samples):
-        for members in groups_of(samples, video_key):
-            for k, i in enumerate(members):
-                donor = samples[members[(k + 1) % len(members)]]
-                out[i] = dataclasses.replace(out[i], pixel_values_videos=donor.pixel_values_videos,
-                                             video_grid_thw=donor.video_grid_thw)
-    return out
-
-
-def time_shuffled(samples: Sequence[Any]) -> list[Any]:
-    """Each video's temporal patches in reverse order (`mmadapt.data.video.reverse_frames`): the same frames, in the
-    wrong order, with the same grids and token counts. Samples without a video are returned as they are."""
-    from mmadapt.data.video import reverse_frames
-
-    return [s if getattr(s, "pixel_values_videos", None) is None else
-            dataclasses.replace(s, pixel_values_videos=reverse_frames(s.pixel_values_videos, s.video_grid_thw)[0])
-            for s in samples]
-
-
-def groups_of(samples: Sequence[Any], key: Any) -> list[list[int]]:
-    """Indices of `samples` grouped by `key(sample)`, in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(key(s), []).append(i)
-    return list(groups.values())
+def controls_for(samples: Sequence[Any]) -> tuple[Control, ...]:
+    """The controls `samples` are scored under: real, blanked, shuffled (and reversed when a sample has a video)."""
+    return VIDEO_CONTROLS if has_videos(samples) else IMAGE_CONTROLS
 
 
 def answer_budget(encoder: Any, references: Sequence[str], slack: int = 4) -> int:
@@ -167,19 +111,20 @@ def predict(model: Any, encoder: Any, collate: Any, prompts: Sequence[Any], max_
 
 
 def verdict(accuracy: Mapping[str, float], *, chance: float, margin: float) -> tuple[bool, str]:
-    """(passed, the verdict's sentence) for per-variant accuracies: passed when accuracy with real images beats
-    blanked and shuffled images by >= `margin` (and, for videos, frames in reversed order: a "time_shuffled"
-    accuracy)."""
-    videos = "time_shuffled" in accuracy
-    without = [v for v in (VIDEO_VARIANTS if videos else VARIANTS) if v != "images"]
-    gap = accuracy["images"] - max(accuracy[v] for v in without)
+    """(passed, the verdict's sentence) for accuracies by control name: passed when accuracy with real images beats
+    blanked and shuffled images by >= `margin` (and, for videos, frames in reversed order: a "reversed" accuracy)."""
+    videos = REVERSED.name in accuracy
+    without = [c for c in (VIDEO_CONTROLS if videos else IMAGE_CONTROLS) if c is not REAL]
+    real = accuracy[REAL.name]
+    gap = real - max(accuracy[c.name] for c in without)
     passed = gap >= margin
-    scores = ", ".join(f"{LABELS[v]} {accuracy[v]:.3f}" for v in without)
-    inputs, winner, best, read = (("real images and videos", "real inputs", "the best of",
-                                   "the images and the order of the videos' frames") if videos else
-                                  ("images", "images", "the better of", "the images"))
-    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with {inputs} {accuracy['images']:.3f}, {scores} "
-            f"(chance {chance:.3f}); {winner} beat {best} {'/'.join(LABELS[v] for v in without)} by "
+    inputs = "images and videos" if videos else "images"
+    labels = [c.label(inputs) for c in without]
+    scores = ", ".join(f"{label} {accuracy[c.name]:.3f}" for c, label in zip(without, labels, strict=True))
+    winner, best, read = (("real inputs", "the best of", "the images and the order of the videos' frames") if videos
+                          else (REAL.label(), "the better of", "the images"))
+    text = (f"{'PASSED' if passed else 'FAILED'}: accuracy with {REAL.label(inputs)} {real:.3f}, {scores} "
+            f"(chance {chance:.3f}); {winner} beat {best} {' / '.join(labels)} by "
             f"{gap:+.3f}, {'>=' if passed else '<'} the margin {margin:.2f}: the model "
             f"{'reads' if passed else 'does not clearly read'} {read}")
     return passed, text
@@ -187,15 +132,15 @@ def verdict(accuracy: Mapping[str, float], *, chance: float, margin: float) -> t
 
 @dataclass(frozen=True, kw_only=True)
 class EvalReport:
-    """What `evaluate_records` measured: per-variant accuracies (`VARIANTS`, + "time_shuffled" with videos), the
-    verdict over them, and each sample's answers (`predictions`: id, reference, one answer per variant, `exact`).
+    """What `evaluate_records` measured: accuracies by control name (`VARIANTS`, + "reversed" with videos), the
+    verdict over them, and each sample's answers (`predictions`: id, reference, one answer per control, `exact`).
 
     `skipped_samples` are the records that could not be encoded (`DataProblem.to_dict()`); `max_new_tokens` the
     answer budget used. `print(report)` gives the table of `mmadapt eval`, `to_dict()` its `--json` file.
     """
 
-    accuracy: Mapping[str, float]  # variant -> normalised exact-match accuracy
-    contained: Mapping[str, float]  # variant -> share of answers that contain the reference
+    accuracy: Mapping[str, float]  # control name -> normalised exact-match accuracy
+    contained: Mapping[str, float]  # control name -> share of answers that contain the reference
     chance: float
     margin: float
     samples: int
@@ -205,8 +150,13 @@ class EvalReport:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        """The variants scored: `VARIANTS`, plus "time_shuffled" when the prompts had videos."""
+        """The names of the controls scored: `VARIANTS`, plus "reversed" when the prompts had videos."""
         return tuple(self.accuracy)
+
+    @property
+    def controls(self) -> tuple[Control, ...]:
+        """The controls scored (`mmadapt.controls`), in report order."""
+        return tuple(CONTROLS[name] for name in self.accuracy)
 
     @property
     def skipped(self) -> int:
@@ -221,11 +171,11 @@ class EvalReport:
         return verdict(self.accuracy, chance=self.chance, margin=self.margin)[1]
 
     def answers(self, variant: str) -> list[str]:
-        """Each sample's answer with `variant` inputs, in record order."""
+        """Each sample's answer under the control named `variant`, in record order."""
         return [row[variant] for row in self.predictions]
 
     def lines(self) -> list[str]:
-        """The table of `mmadapt eval`: samples, one row per variant (exact, contained), chance, the verdict."""
+        """The table of `mmadapt eval`: samples, one row per control (exact, contained), chance, the verdict."""
         return [f"{self.samples} samples ({self.skipped} skipped), up to {self.max_new_tokens} new tokens",
                 f"{'with':<13} {'exact':>7} {'contained':>10}",
                 *(f"{name:<13} {self.accuracy[name]:>7.3f} {self.contained[name]:>10.3f}" for name in self.variants),
@@ -236,7 +186,7 @@ class EvalReport:
         return "\n".join(self.lines())
 
     def to_dict(self) -> dict[str, Any]:
-        """The `--json` report: accuracy_<variant> and contained_<variant> for each variant, chance, margin,
+        """The `--json` report: accuracy_<control> and contained_<control> for each control, chance, margin,
         samples, skipped, skipped_samples, max_new_tokens, passed, verdict (the predictions go to
         `write_predictions`)."""
         scores = {f"{kind}_{name}": value[name] for name in self.variants
@@ -249,7 +199,7 @@ class EvalReport:
 def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[dict[str, Any]], *,
                      margin: float = DEFAULT_MARGIN, max_new_tokens: int | None = None, classes: int | None = None,
                      progress: bool = False) -> EvalReport:
-    """The three-way evaluation of `records` (four-way with videos; see module docstring), with each sample's
+    """`records` answered under each image control (see module docstring), with each sample's
     answers.
 
     Records that cannot be encoded (a `DataProblem`) are skipped and counted in `skipped`."""
@@ -268,15 +218,14 @@ def evaluate_records(model: Any, encoder: Any, collate: Any, records: Sequence[d
         raise ValueError(f"none of the {len(records)} records can be evaluated: {skipped[:3]}")
     references = [reference_of(r) for r in kept]
     budget = max_new_tokens or answer_budget(encoder, references)
-    variants = {"images": prompts, "blank": blanked(prompts), "shuffled": shuffled(prompts)}
-    if has_videos(prompts):
-        variants["time_shuffled"] = time_shuffled(prompts)
+    controls = controls_for(prompts)
+    variants = {control.name: control.samples(prompts) for control in controls}
     names = tuple(variants)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(names) * len(prompts), desc=f"eval ({', '.join(LABELS[n] for n in names)})",
+        bar = tqdm(total=len(names) * len(prompts), desc=f"eval ({', '.join(c.label() for c in controls)})",
                    unit="answer")
     answers = {name: predict(model, encoder, collate, variant, budget, bar) for name, variant in variants.items()}
     if bar is not None:
@@ -297,7 +246,7 @@ def score(match: Any, answers: Sequence[str], references: Sequence[str]) -> floa
 
 
 def write_predictions(report: EvalReport, path: str | Path) -> None:
-    """One JSON line per sample: id, reference, one answer per variant, `exact` per variant."""
+    """One JSON line per sample: id, reference, one answer per control, `exact` per control."""
     with open(path, "w") as f:
         for row in report.predictions:
             f.write(json.dumps(row) + "\n")
@@ -317,7 +266,7 @@ def plot_report(report: EvalReport, path: str | Path) -> Path:
     ax.bar([x - 0.2 for x in xs], [report.accuracy[v] for v in names], 0.4, label="exact match")
     ax.bar([x + 0.2 for x in xs], [report.contained[v] for v in names], 0.4, label="reference contained")
     ax.axhline(report.chance, color="gray", linestyle="--", label=f"chance {report.chance:.2f}")
-    ax.set_xticks(list(xs), [LABELS[v] for v in names])
+    ax.set_xticks(list(xs), [c.label() for c in report.controls])
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
     ax.set_title(("PASSED" if report.passed else "FAILED") + f" (margin {report.margin:.2f}, "

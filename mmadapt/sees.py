@@ -5,7 +5,8 @@
     reports = sees_records(model, encoder, collate, records, batches=4, batch_size=8)   # `mmadapt sees MODEL DATA`
     print(reports); assert reports.ok          # one table row per batch, then the verdict over all of them
 
-Measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens):
+Measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens), under the image controls of
+`mmadapt.controls` (their names are the report's: `loss_blanked`, `blanked_change`, ...):
 
 1. gradients: the norm of d(loss)/d(projector parameters) and, when the encoder has trainable
    parameters, d(loss)/d(encoder parameters). A zero norm means the visual tokens never reach
@@ -22,7 +23,7 @@ Measurements on the answer loss (the batch's `labels`, i.e. the assistant tokens
 When the batch has videos (`pixel_values_videos`, `video_grid_thw`; dynamic encoders), three more:
 
 4. blanked videos: the loss with `pixel_values_videos` zeroed (every frame the processor's mean colour).
-5. time-shuffled videos: the loss with each video's temporal patches in reverse order
+5. reversed videos (frames reversed): the loss with each video's temporal patches in reverse order
    (`mmadapt.data.video.reverse_frames`: the rows of temporal patch j, the block [j*h*w, (j+1)*h*w) of the
    video's rows, move to patch t-1-j), so the
    same frames arrive in the wrong order. A video with t == 1 cannot be shuffled (counted in
@@ -57,8 +58,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.controls import BLANKED, IMAGE_CONTROLS, IMAGES, REAL, REVERSED, SHUFFLED, VIDEOS, Control, count
 from mmadapt.data import DataProblem
-from mmadapt.data.video import reverse_frames
 from mmadapt.modes import eval_mode
 
 NOT_APPLICABLE = "not applicable: no two images share a patch grid"
@@ -70,28 +71,28 @@ NO_MOTION = "not applicable: no video has two different temporal patches"
 class SeesImagesReport:
     """Losses with real / blanked / shuffled images (and videos) and the visual path's gradient norms.
 
-    `loss_blank` is None when the batch has no images (a batch of videos only); `loss_shuffled` is None when
-    shuffling images is not applicable; `grad_encoder` is None when the encoder has no trainable parameters.
-    Video fields (None / 0 for a batch without videos): `loss_blank_videos` (frames blanked),
-    `loss_time_shuffled` (temporal patches reversed; None when no video can be reordered),
+    `loss` is the answer loss with the real inputs. `loss_blanked` is None when the batch has no images (a batch of
+    videos only); `loss_shuffled` is None when shuffling images is not applicable; `grad_encoder` is None when the
+    encoder has no trainable parameters. Video fields (None / 0 for a batch without videos): `loss_blanked_videos`
+    (frames blanked), `loss_reversed` (temporal patches reversed; None when no video can be reordered),
     `loss_shuffled_videos` (another sample's video; None when no two videos share a grid); `videos`,
-    `videos_time_shuffled` (reordered), `videos_single_frame` (t == 1: cannot be reordered),
+    `videos_reversed` (reordered), `videos_single_frame` (t == 1: cannot be reordered),
     `videos_shuffled` (replaced). A loss change counts when |change| > `tolerance` * max(1, loss).
     """
 
     loss: float
-    loss_blank: float | None
+    loss_blanked: float | None
     loss_shuffled: float | None
     grad_projector: float
     grad_encoder: float | None
     images: int
     images_shuffled: int
     tolerance: float = 1e-6
-    loss_blank_videos: float | None = None
-    loss_time_shuffled: float | None = None
+    loss_blanked_videos: float | None = None
+    loss_reversed: float | None = None
     loss_shuffled_videos: float | None = None
     videos: int = 0
-    videos_time_shuffled: int = 0
+    videos_reversed: int = 0
     videos_single_frame: int = 0
     videos_shuffled: int = 0
 
@@ -100,20 +101,20 @@ class SeesImagesReport:
         return None if loss is None else loss - self.loss
 
     @property
-    def blank_change(self) -> float | None:
-        return self.change(self.loss_blank)
+    def blanked_change(self) -> float | None:
+        return self.change(self.loss_blanked)
 
     @property
     def shuffled_change(self) -> float | None:
         return self.change(self.loss_shuffled)
 
     @property
-    def blank_videos_change(self) -> float | None:
-        return self.change(self.loss_blank_videos)
+    def blanked_videos_change(self) -> float | None:
+        return self.change(self.loss_blanked_videos)
 
     @property
-    def time_shuffled_change(self) -> float | None:
-        return self.change(self.loss_time_shuffled)
+    def reversed_change(self) -> float | None:
+        return self.change(self.loss_reversed)
 
     @property
     def shuffled_videos_change(self) -> float | None:
@@ -135,13 +136,9 @@ class SeesImagesReport:
                        "the visual tokens do not reach the LLM")
         if self.grad_encoder is not None and not (math.isfinite(self.grad_encoder) and self.grad_encoder > 0):
             out.append(f"no gradient reaches the trainable encoder parameters (norm {self.grad_encoder:.3g})")
-        checks = (("blanking the images", self.blank_change), ("shuffling the images", self.shuffled_change),
-                  ("blanking the videos", self.blank_videos_change),
-                  ("reversing the order of the videos' frames", self.time_shuffled_change),
-                  ("shuffling the videos", self.shuffled_videos_change))
-        for what, change in checks:
+        for control, kind, change in self.changes():
             if change is not None and not self.changed(change):
-                out.append(f"{what} does not change the answer loss ({change:+.3g})")
+                out.append(f"the answer loss does not change with {control.label(kind)} ({change:+.3g})")
         return out
 
     @property
@@ -159,33 +156,39 @@ class SeesImagesReport:
     def verdict(self) -> str:
         return f"sees its {self.seen}" if self.ok else f"does NOT see its {self.seen}: " + "; ".join(self.problems)
 
+    def changes(self) -> list[tuple[Control, str, float | None]]:
+        """(control, "images" / "videos", loss change) of each measurement, in the table's order."""
+        return [(BLANKED, "images", self.blanked_change), (SHUFFLED, "images", self.shuffled_change),
+                (BLANKED, "videos", self.blanked_videos_change), (REVERSED, "videos", self.reversed_change),
+                (SHUFFLED, "videos", self.shuffled_videos_change)]
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "blank_change": self.blank_change, "shuffled_change": self.shuffled_change,
-                "blank_videos_change": self.blank_videos_change, "time_shuffled_change": self.time_shuffled_change,
+        return {**asdict(self), "blanked_change": self.blanked_change, "shuffled_change": self.shuffled_change,
+                "blanked_videos_change": self.blanked_videos_change, "reversed_change": self.reversed_change,
                 "shuffled_videos_change": self.shuffled_videos_change, "ok": self.ok, "problems": self.problems}
 
     def __str__(self) -> str:
         encoder = "frozen (not measured)" if self.grad_encoder is None else f"{self.grad_encoder:.4g}"
-        head = f"answer loss, real {self.seen}:"
-        lines = [f"{head:<29} {self.loss:.4f}"]
+        lines = [line(REAL.label(self.seen), f"{self.loss:.4f}")]
         if self.images:
             shuffled = (NOT_APPLICABLE if self.loss_shuffled is None else
                         f"{self.loss_shuffled:.4f} ({self.shuffled_change:+.4f}; {self.images_shuffled} of "
                         f"{self.images} images moved)")
-            blank = "not measured" if self.loss_blank is None else f"{self.loss_blank:.4f} ({self.blank_change:+.4f})"
-            lines += [f"answer loss, blanked images:  {blank}", f"answer loss, shuffled images: {shuffled}"]
+            blank = ("not measured" if self.loss_blanked is None else
+                     f"{self.loss_blanked:.4f} ({self.blanked_change:+.4f})")
+            lines += [line(BLANKED.label("images"), blank), line(SHUFFLED.label("images"), shuffled)]
         if self.videos:
-            blank = ("not measured" if self.loss_blank_videos is None else
-                     f"{self.loss_blank_videos:.4f} ({self.blank_videos_change:+.4f})")
+            blank = ("not measured" if self.loss_blanked_videos is None else
+                     f"{self.loss_blanked_videos:.4f} ({self.blanked_videos_change:+.4f})")
             single = f", {self.videos_single_frame} with one temporal patch" if self.videos_single_frame else ""
-            reordered = (f"{NO_MOTION}{single}" if self.loss_time_shuffled is None else
-                         f"{self.loss_time_shuffled:.4f} ({self.time_shuffled_change:+.4f}; "
-                         f"{self.videos_time_shuffled} of {self.videos} videos reordered{single})")
+            reordered = (f"{NO_MOTION}{single}" if self.loss_reversed is None else
+                         f"{self.loss_reversed:.4f} ({self.reversed_change:+.4f}; "
+                         f"{self.videos_reversed} of {self.videos} videos reordered{single})")
             shuffled = (NO_TWO_VIDEOS if self.loss_shuffled_videos is None else
                         f"{self.loss_shuffled_videos:.4f} ({self.shuffled_videos_change:+.4f}; "
                         f"{self.videos_shuffled} of {self.videos} videos moved)")
-            lines += [f"answer loss, blanked videos:  {blank}", f"answer loss, frames reversed: {reordered}",
-                      f"answer loss, shuffled videos: {shuffled}"]
+            lines += [line(BLANKED.label("videos"), blank), line(REVERSED.label("videos"), reordered),
+                      line(SHUFFLED.label("videos"), shuffled)]
         return "\n".join([
             *lines,
             f"gradient norm at projector:   {self.grad_projector:.4g}",
@@ -211,13 +214,20 @@ def sees_images(model: nn.Module, batch: dict[str, Any], *, tolerance: float = 1
         images = image_losses(model, batch) if has_images else {"images": 0, "images_shuffled": 0}
         videos = video_losses(model, batch) if has_videos else {}
     return SeesImagesReport(loss=loss, grad_projector=grad_projector, grad_encoder=grad_encoder, tolerance=tolerance,
-                            **{"loss_blank": None, "loss_shuffled": None, **images}, **videos)
+                            **{"loss_blanked": None, "loss_shuffled": None, **images}, **videos)
 
 
-# (title, SeesImagesReport field) of the table's loss columns; the video columns when a batch has videos
-COLUMNS = (("loss", "loss"), ("blanked", "loss_blank"), ("shuffled", "loss_shuffled"))
-VIDEO_COLUMNS = (("v blank", "loss_blank_videos"), ("reversed", "loss_time_shuffled"),
-                 ("v other", "loss_shuffled_videos"))
+def line(what: str, value: str) -> str:
+    """A row of the printed report: "answer loss, blanked images:" and its value, aligned."""
+    head = f"answer loss, {what}:"
+    return f"{head:<29} {value}"
+
+
+# (title, SeesImagesReport field) of the table's loss columns, titled by the controls' names; the video columns
+# ("v " + the name) when a batch has videos
+COLUMNS = (("loss", "loss"), (BLANKED.name, "loss_blanked"), (SHUFFLED.name, "loss_shuffled"))
+VIDEO_COLUMNS = ((f"v {BLANKED.name}", "loss_blanked_videos"), (f"v {REVERSED.name}", "loss_reversed"),
+                 (f"v {SHUFFLED.name}", "loss_shuffled_videos"))
 
 
 @dataclass(frozen=True)
@@ -248,10 +258,10 @@ class SeesRecordsReport:
 
     def lines(self) -> list[str]:
         columns = COLUMNS + VIDEO_COLUMNS if self.videos else COLUMNS
-        rows = [f"{'batch':>5} " + " ".join(f"{title:>8}" for title, _ in columns) + f" {'grad proj':>10}  verdict"]
+        rows = [f"{'batch':>5} " + " ".join(f"{title:>10}" for title, _ in columns) + f" {'grad proj':>10}  verdict"]
         for b, report in enumerate(self.batches):
             values = [getattr(report, key) for _, key in columns]
-            cells = " ".join("     n/a" if v is None else f"{v:>8.4f}" for v in values)
+            cells = " ".join(f"{'n/a':>10}" if v is None else f"{v:>10.4f}" for v in values)
             rows.append(f"{b:>5} {cells} {report.grad_projector:>10.3g}  {report.verdict}")
         rows.append(f"the model {'sees' if self.ok else 'does NOT see'} its {self.seen} on {len(self.batches)} "
                     f"batch(es) of {self.source}")
@@ -287,31 +297,31 @@ def sees_records(model: nn.Module, encoder: Any, collate: Any, records: Sequence
 @torch.no_grad()
 def image_losses(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """Report fields of the image measurements: losses with blanked and shuffled images, image counts."""
-    pixels, grids = batch["pixel_values"], batch.get("image_grid_thw")
-    shuffled = shuffle_images(pixels, grids)
-    return {"loss_blank": float(model(**{**batch, "pixel_values": torch.zeros_like(pixels)}).loss),
-            "loss_shuffled": None if shuffled is None else float(model(**{**batch, "pixel_values": shuffled[0]}).loss),
-            "images": num_images(pixels, grids), "images_shuffled": 0 if shuffled is None else shuffled[1]}
+    pixels, grids = batch[IMAGES.pixels], batch.get(IMAGES.grids)
+    blanked, shuffled = BLANKED.pixels(pixels, grids), SHUFFLED.pixels(pixels, grids)
+    return {"loss_blanked": loss_with(model, batch, IMAGES, blanked),
+            "loss_shuffled": loss_with(model, batch, IMAGES, shuffled),
+            "images": count(pixels, grids), "images_shuffled": 0 if shuffled is None else shuffled.moved}
 
 
 @torch.no_grad()
 def video_losses(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
-    """Report fields of the video measurements: losses with blanked, time-shuffled and shuffled videos, counts."""
-    pixels, grids = batch["pixel_values_videos"], batch.get("video_grid_thw")
+    """Report fields of the video measurements: losses with blanked, reversed and shuffled videos, counts."""
+    pixels, grids = batch[VIDEOS.pixels], batch.get(VIDEOS.grids)
     if grids is None:
         raise ValueError("sees_images: the batch has pixel_values_videos but no video_grid_thw")
-
-    def loss_with(videos: torch.Tensor) -> float:
-        return float(model(**{**batch, "pixel_values_videos": videos}).loss)
-
-    reordered, moved = reverse_frames(pixels, grids)
-    shuffled = shuffle_images(pixels, grids)
-    return {"loss_blank_videos": loss_with(torch.zeros_like(pixels)),
-            "loss_time_shuffled": loss_with(reordered) if moved else None,
-            "loss_shuffled_videos": None if shuffled is None else loss_with(shuffled[0]),
-            "videos": int(grids.shape[0]), "videos_time_shuffled": moved,
+    reordered, shuffled = REVERSED.pixels(pixels, grids), SHUFFLED.pixels(pixels, grids)
+    return {"loss_blanked_videos": loss_with(model, batch, VIDEOS, BLANKED.pixels(pixels, grids)),
+            "loss_reversed": loss_with(model, batch, VIDEOS, reordered),
+            "loss_shuffled_videos": loss_with(model, batch, VIDEOS, shuffled),
+            "videos": count(pixels, grids), "videos_reversed": 0 if reordered is None else reordered.moved,
             "videos_single_frame": int((grids[:, 0] == 1).sum()),
-            "videos_shuffled": 0 if shuffled is None else shuffled[1]}
+            "videos_shuffled": 0 if shuffled is None else shuffled.moved}
+
+
+def loss_with(model: nn.Module, batch: dict[str, Any], kind: Any, changed: Any) -> float | None:
+    """The answer loss with `kind`'s pixels replaced by a control's (None when the control does not apply)."""
+    return None if changed is None else float(model(**{**batch, kind.pixels: changed.pixels}).loss)
 
 
 def loss_and_gradients(model: nn.Module, batch: dict[str, Any]) -> tuple[float, float, float | None]:
@@ -330,36 +340,6 @@ def grad_norm(grads: tuple[torch.Tensor | None, ...]) -> float:
     return float(torch.stack(present).norm()) if present else 0.0
 
 
-def num_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> int:
-    return int(image_grid_thw.shape[0]) if image_grid_thw is not None else int(pixel_values.shape[0])
-
-
-def shuffle_images(pixel_values: torch.Tensor,
-                   image_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
-    """Pixels with each image replaced by the next image of the same grid (cyclic), and how many moved.
-
-    Fixed-size pixels (I, C, H, W) have no `image_grid_thw`: all images share one grid. Returns None
-    when no two images share a grid (nothing can move without changing a span's token count).
-    Videos work the same way (`pixel_values_videos`, `video_grid_thw`): each video gets another's.
-    """
-    if image_grid_thw is None:
-        count = pixel_values.shape[0]
-        return (pixel_values.roll(1, dims=0), count) if count > 1 else None
-    rows = image_grid_thw.prod(-1).tolist()
-    chunks = list(pixel_values.split(rows))
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, grid in enumerate(image_grid_thw.tolist()):
-        groups.setdefault(tuple(grid), []).append(i)
-    moved = 0
-    out = list(chunks)
-    for members in groups.values():
-        if len(members) > 1:
-            for k, i in enumerate(members):
-                out[i] = chunks[members[k - 1]]
-            moved += len(members)
-    return (torch.cat(out), moved) if moved else None
-
-
 @contextmanager
 def projector_requires_grad(model: nn.Module) -> Iterator[None]:
     """Projector parameters require grad for the block (so a frozen projector is measured too); flags restored."""
@@ -374,12 +354,10 @@ def projector_requires_grad(model: nn.Module) -> Iterator[None]:
 
 
 # ---- preference pairs: does the preference rest on the image? --------------------------------------------------------
-PREFERENCE_CONDITIONS = ("real", "blanked", "shuffled")
-
-
 @dataclass
 class PreferenceView:
-    """Per condition (real / blanked / shuffled images): the mean margin over pairs and the share of pairs whose
+    """Per image control (`margin["real"]`, `["blanked"]`, `["shuffled"]`): the mean margin over pairs and the share
+    of pairs whose
     chosen answer wins. The margin is log pi(chosen) - log pi(rejected) (summed answer log-probs), minus the
     reference's under the same images when a reference model is given (then it is the DPO reward margin / beta).
     `pairs`: pairs scored; `moved`: pairs whose image the shuffle replaced (None: no two pairs share a grid)."""
@@ -395,16 +373,17 @@ class PreferenceView:
     def ok(self) -> bool:
         """The preference rests on the image: the real margin is above the blanked one (and the shuffled one, when
         images could be shuffled)."""
-        m = self.margin
-        return m["real"] > m["blanked"] and (self.moved is None or m["real"] > m["shuffled"])
+        real, m = self.margin[REAL.name], self.margin
+        return real > m[BLANKED.name] and (self.moved is None or real > m[SHUFFLED.name])
 
     def __str__(self) -> str:
         what = "reward margin / beta (policy - reference)" if self.with_reference else "log-prob margin"
         lines = [f"preference view: {self.pairs} pairs, {what} of chosen over rejected"
                  + (f" ({self.problems} bad pairs skipped)" if self.problems else ""),
                  f"{'images':<10}{'margin':>10}{'chosen wins':>13}"]
-        for name in PREFERENCE_CONDITIONS:
-            if name == "shuffled" and self.moved is None:
+        for control in IMAGE_CONTROLS:
+            name = control.name
+            if name not in self.margin:
                 lines.append(f"{name:<10}{'n/a':>10}{'n/a':>13}   {NOT_APPLICABLE}")
                 continue
             lines.append(f"{name:<10}{self.margin[name]:>10.3f}{self.accuracy[name]:>13.1%}")
@@ -418,7 +397,7 @@ def preference_view(model: nn.Module, batches: Sequence[dict[str, Any]], *,
                     reference: nn.Module | None = None) -> PreferenceView:
     """The margins of `PairCollator` batches with their real images, blanked images (pixels zeroed: the processor's
     mean colour) and shuffled images (each pair gets another pair's image of the same grid, both rows)."""
-    sums = {name: [0.0, 0.0] for name in PREFERENCE_CONDITIONS}
+    sums = {control.name: [0.0, 0.0] for control in IMAGE_CONTROLS}
     pairs, moved, problems = 0, 0, 0
     shuffle_possible = False
     for batch in batches:
@@ -429,13 +408,14 @@ def preference_view(model: nn.Module, batches: Sequence[dict[str, Any]], *,
         pixels, grids = batch.get("pixel_values"), batch.get("image_grid_thw")
         if pixels is None:
             raise ValueError("the preference view needs pairs with images")
-        shuffled = shuffle_images(pixels, grids)
-        variants = {"real": pixels, "blanked": torch.zeros_like(pixels)}
-        if shuffled is not None:
-            variants["shuffled"], count = shuffled
-            moved += count
+        variants = {c.name: c.pixels(pixels, grids) for c in IMAGE_CONTROLS}  # None: the control does not apply
+        if variants[SHUFFLED.name] is not None:
+            moved += variants[SHUFFLED.name].moved
             shuffle_possible = True
-        for name, values in variants.items():
+        for name, changed in variants.items():
+            if changed is None:
+                continue
+            values = changed.pixels
             margins = pair_margins(model, {**batch, "pixel_values": values})
             if reference is not None:
                 margins = margins - pair_margins(reference, {**batch, "pixel_values": values})
@@ -444,9 +424,10 @@ def preference_view(model: nn.Module, batches: Sequence[dict[str, Any]], *,
         pairs += n
     if not pairs:
         raise ValueError(f"no pair could be scored ({problems} bad pairs): check the file with `mmadapt data check`")
-    shuffled_pairs = pairs if shuffle_possible else 1
-    margin = {k: v[0] / (shuffled_pairs if k == "shuffled" else pairs) for k, v in sums.items()}
-    accuracy = {k: v[1] / (shuffled_pairs if k == "shuffled" else pairs) for k, v in sums.items()}
+    if not shuffle_possible:
+        del sums[SHUFFLED.name]
+    margin = {k: v[0] / pairs for k, v in sums.items()}
+    accuracy = {k: v[1] / pairs for k, v in sums.items()}
     return PreferenceView(pairs, margin, accuracy, moved if shuffle_possible else None, reference is not None,
                           problems)
 

@@ -10,10 +10,11 @@ import torch
 import mmadapt
 from mmadapt import Processor, demo, evaluate
 from mmadapt.cli import main
+from mmadapt.controls import BLANKED, SHUFFLED
 from mmadapt.data import SampleEncoder, char_tokenizer
 from mmadapt.sees import SeesImagesReport
 
-REPORT_KEYS = {"accuracy_images", "accuracy_blank", "accuracy_shuffled", "chance", "margin", "passed", "verdict",
+REPORT_KEYS = {"accuracy_real", "accuracy_blanked", "accuracy_shuffled", "chance", "margin", "passed", "verdict",
                "steps", "seconds", "train_seconds", "sees_images_before", "sees_images_after", "files"}
 
 
@@ -65,7 +66,7 @@ def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digit
     model = mmadapt.build_model("qwen3_5_vit", "qwen_merger", "qwen3_5")
     encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root))
     prompts = [encoder.encode_prompt(r, i) for i, r in enumerate(held_out[:5])]
-    blank, shuffled = evaluate.blanked(prompts), evaluate.shuffled(prompts)
+    blank, shuffled = BLANKED.samples(prompts), SHUFFLED.samples(prompts)
     for k, p in enumerate(prompts):
         assert not blank[k].pixel_values.any() and torch.equal(blank[k].input_ids, p.input_ids)
         assert torch.equal(shuffled[k].pixel_values, prompts[(k + 1) % 5].pixel_values)
@@ -74,11 +75,11 @@ def test_blanked_and_shuffled_prompts_keep_every_span_and_move_every_image(digit
 
 
 def test_the_verdict_needs_the_margin_over_both_blank_and_shuffled():
-    base, given = {"images": 0.5, "blank": 0.1, "shuffled": 0.1}, {"chance": 0.1, "margin": 0.2}
+    base, given = {"real": 0.5, "blanked": 0.1, "shuffled": 0.1}, {"chance": 0.1, "margin": 0.2}
     assert evaluate.verdict(base, **given)[0]
     assert not evaluate.verdict({**base, "shuffled": 0.35}, **given)[0]
-    assert not evaluate.verdict({**base, "blank": 0.45}, **given)[0]
-    passed, text = evaluate.verdict({**base, "images": 0.12}, **given)
+    assert not evaluate.verdict({**base, "blanked": 0.45}, **given)[0]
+    passed, text = evaluate.verdict({**base, "real": 0.12}, **given)
     assert not passed and text.startswith("FAILED") and "margin 0.20" in text
 
 
@@ -101,8 +102,8 @@ def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, c
     report = json.loads((out / "report.json").read_text())
     assert REPORT_KEYS <= set(report)
     assert report["passed"] and report["steps"] == 100
-    assert report["accuracy_images"] >= report["accuracy_blank"] + report["margin"]
-    assert report["accuracy_images"] >= report["accuracy_shuffled"] + report["margin"]
+    assert report["accuracy_real"] >= report["accuracy_blanked"] + report["margin"]
+    assert report["accuracy_real"] >= report["accuracy_shuffled"] + report["margin"]
     assert report["chance"] == pytest.approx(0.1, abs=0.01)
     assert report["sees_images_before"]["ok"] and report["sees_images_after"]["ok"]
     for name in ("loss.png", "predictions.png", "log.jsonl", "data/train.jsonl", "data/eval.jsonl"):
@@ -113,10 +114,10 @@ def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, c
 
 def test_the_cli_exits_non_zero_when_the_model_does_not_read_the_images(monkeypatch, tmp_path, capsys):
     def blind_run(**kwargs):  # what a model that ignores its images scores
-        accuracy = {"images": 0.11, "blank": 0.10, "shuffled": 0.12}
+        accuracy = {"real": 0.11, "blanked": 0.10, "shuffled": 0.12}
         scored = evaluate.EvalReport(accuracy=accuracy, contained=accuracy, chance=0.10, margin=kwargs["margin"],
                                      samples=360, max_new_tokens=5)
-        sees = SeesImagesReport(loss=2.3, loss_blank=2.3, loss_shuffled=2.3, grad_projector=0.0, grad_encoder=None,
+        sees = SeesImagesReport(loss=2.3, loss_blanked=2.3, loss_shuffled=2.3, grad_projector=0.0, grad_encoder=None,
                                 images=16, images_shuffled=16)
         return demo.DemoReport(evaluation=scored, steps=kwargs["steps"], skipped=0, train_seconds=1.0, final_loss=1.2,
                                model={}, hyperparameters={}, train_samples=1437, eval_samples=360, sees_before=sees,

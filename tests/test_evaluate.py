@@ -4,8 +4,8 @@ The task: name the colour of a noisy solid-colour image (4 colours), learnable b
 dozen steps. A trained model must beat blanked and shuffled images; an untrained one must not.
 
 Videos (mechanics, untrained model, synthetic samples and a stand-in sample encoder): `predict` passes the videos
-to `generate`, the blanked / shuffled / time-shuffled variants change only the pixels they should, and a report of
-prompts with videos adds the time-shuffled variant while an image-only report keeps its keys.
+to `generate`, the blanked / shuffled / reversed controls change only the pixels they should, and a report of
+prompts with videos adds the reversed control while an image-only report keeps its keys.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from PIL import Image
 import mmadapt
 from mmadapt import evaluate
 from mmadapt.cli import main
+from mmadapt.controls import BLANKED, REVERSED, SHUFFLED
 from mmadapt.data import Collator
 from mmadapt.testing import synthetic_samples, synthetic_video_samples
 
@@ -63,12 +64,12 @@ def test_eval_reports_three_ways_and_the_trained_model_passes(trained, capsys):
             "--evidence-dir", str(root / "maps")]
     assert main(args) == 0
     report = json.loads((root / "r.json").read_text())
-    assert {"accuracy_images", "accuracy_blank", "accuracy_shuffled", "chance", "margin", "passed",
+    assert {"accuracy_real", "accuracy_blanked", "accuracy_shuffled", "chance", "margin", "passed",
             "verdict"} <= set(report)
-    assert report["accuracy_images"] >= 0.9 and report["passed"] and report["chance"] == 0.25
+    assert report["accuracy_real"] >= 0.9 and report["passed"] and report["chance"] == 0.25
     assert report["max_new_tokens"] >= len("yellow.")  # fits the longest reference (char tokenizer)
     rows = [json.loads(line) for line in (root / "p.jsonl").read_text().splitlines()]
-    assert len(rows) == 24 and {"id", "reference", "images", "blank", "shuffled", "exact"} <= set(rows[0])
+    assert len(rows) == 24 and {"id", "reference", "real", "blanked", "shuffled", "exact"} <= set(rows[0])
     assert (root / "r.png").stat().st_size > 1000
     assert [e["id"] for e in report["evidence"]] == ["eval-0", "eval-1"]
     assert all(Path(e["png"]).stat().st_size > 1000 and abs(sum(e["quadrants"].values()) - 1) < 1e-6
@@ -175,19 +176,19 @@ def test_predict_passes_videos_to_generate(qwen, monkeypatch):
     assert seen[0]["pixel_values_videos"].shape[0] == 2 * 2 * 24 + 16
 
 
-def test_blanked_shuffled_and_time_shuffled_videos(qwen):
+def test_blanked_shuffled_and_reversed_videos(qwen):
     prompts = video_prompts(qwen)
-    blank = evaluate.blanked(prompts)
+    blank = BLANKED.samples(prompts)
     assert all(b.pixel_values_videos is None or not b.pixel_values_videos.any() for b in blank)
     assert all(b.pixel_values is None or not b.pixel_values.any() for b in blank)
-    moved = evaluate.shuffled(prompts)
+    moved = SHUFFLED.samples(prompts)
     # the two 4-frame videos trade places; the 2-frame one has no partner; images move among equal grids
     assert torch.equal(moved[0].pixel_values_videos, prompts[1].pixel_values_videos)
     assert torch.equal(moved[1].pixel_values_videos, prompts[0].pixel_values_videos)
     assert torch.equal(moved[2].pixel_values_videos, prompts[2].pixel_values_videos)
     assert torch.equal(moved[2].pixel_values, prompts[3].pixel_values)
     assert moved[3].pixel_values_videos is None and torch.equal(moved[3].pixel_values, prompts[2].pixel_values)
-    reordered = evaluate.time_shuffled(prompts)
+    reordered = REVERSED.samples(prompts)
     first = prompts[0].pixel_values_videos
     assert torch.equal(reordered[0].pixel_values_videos, torch.cat([first[24:], first[:24]]))
     assert torch.equal(reordered[2].pixel_values_videos, prompts[2].pixel_values_videos)  # t == 1: nothing to reorder
@@ -195,14 +196,14 @@ def test_blanked_shuffled_and_time_shuffled_videos(qwen):
     assert all(len(a) == len(b) for a, b in zip(reordered, prompts, strict=True))
 
 
-def test_a_report_with_videos_adds_the_time_shuffled_variant(qwen):
+def test_a_report_with_videos_adds_the_reversed_control(qwen):
     prompts = video_prompts(qwen)
     collate = Collator.for_model(qwen, pad_token_id=0)
     report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
-    assert report.variants == ("images", "blank", "shuffled", "time_shuffled")
-    assert {"time_shuffled"} <= set(report.accuracy) & set(report.contained)
-    assert {"accuracy_time_shuffled", "contained_time_shuffled"} <= set(report.to_dict())
-    assert {"time_shuffled"} <= set(report.predictions[0]) and "time_shuffled" in report.predictions[0]["exact"]
+    assert report.variants == ("real", "blanked", "shuffled", "reversed") == evaluate.VIDEO_VARIANTS
+    assert {"reversed"} <= set(report.accuracy) & set(report.contained)
+    assert {"accuracy_reversed", "contained_reversed"} <= set(report.to_dict())
+    assert {"reversed"} <= set(report.predictions[0]) and "reversed" in report.predictions[0]["exact"]
     assert "frames reversed" in report.verdict
 
 
@@ -212,46 +213,46 @@ def test_an_image_only_report_keeps_its_keys(qwen):
     collate = Collator.for_model(qwen, pad_token_id=0)
     report = evaluate.evaluate_records(qwen, Encoder(prompts), collate, records_for(prompts), max_new_tokens=2)
     assert report.variants == evaluate.VARIANTS
-    assert not any("time_shuffled" in key for key in report.to_dict()) and set(report.predictions[0]) == {
-        "id", "reference", "images", "blank", "shuffled", "exact"}
-    assert "images beat the better of blanked/shuffled" in report.verdict
+    assert not any("reversed" in key for key in report.to_dict()) and set(report.predictions[0]) == {
+        "id", "reference", "real", "blanked", "shuffled", "exact"}
+    assert "real images beat the better of blanked images / shuffled images" in report.verdict
 
 
 def test_the_video_verdict_needs_real_inputs_to_beat_frames_reversed():
-    base = {"images": 0.95, "blank": 0.5, "shuffled": 0.5, "time_shuffled": 0.1}
+    base = {"real": 0.95, "blanked": 0.5, "shuffled": 0.5, "reversed": 0.1}
     given = {"chance": 0.5, "margin": 0.2}
     assert evaluate.verdict(base, **given)[0]
-    passed, text = evaluate.verdict({**base, "time_shuffled": 0.9}, **given)
+    passed, text = evaluate.verdict({**base, "reversed": 0.9}, **given)
     assert not passed and "frames reversed 0.900" in text and "FAILED" in text
-    assert not evaluate.verdict({**base, "blank": 0.8}, **given)[0]
-    image_only = {k: v for k, v in base.items() if k != "time_shuffled"}
+    assert not evaluate.verdict({**base, "blanked": 0.8}, **given)[0]
+    image_only = {k: v for k, v in base.items() if k != "reversed"}
     assert evaluate.verdict(image_only, **given)[0] and "frames" not in evaluate.verdict(image_only, **given)[1]
 
 
 def test_the_report_prints_the_eval_table_and_writes_the_json_keys(tmp_path):
-    report = evaluate.EvalReport(accuracy={"images": 0.95, "blank": 0.25, "shuffled": 0.5, "time_shuffled": 0.125},
-                                 contained={"images": 1.0, "blank": 0.25, "shuffled": 0.5, "time_shuffled": 0.25},
+    report = evaluate.EvalReport(accuracy={"real": 0.95, "blanked": 0.25, "shuffled": 0.5, "reversed": 0.125},
+                                 contained={"real": 1.0, "blanked": 0.25, "shuffled": 0.5, "reversed": 0.25},
                                  chance=0.25, margin=0.2, samples=8, max_new_tokens=6,
                                  skipped_samples=({"id": "x", "problem": "bad"},),
-                                 predictions=({"id": "a", "reference": "red", "images": "red", "blank": "blue",
-                                               "shuffled": "red", "time_shuffled": "green",
-                                               "exact": {"images": True, "blank": False, "shuffled": True,
-                                                         "time_shuffled": False}},))
+                                 predictions=({"id": "a", "reference": "red", "real": "red", "blanked": "blue",
+                                               "shuffled": "red", "reversed": "green",
+                                               "exact": {"real": True, "blanked": False, "shuffled": True,
+                                                         "reversed": False}},))
     passed, text = evaluate.verdict(report.accuracy, chance=0.25, margin=0.2)
     assert (report.passed, report.verdict) == (passed, text) and passed and report.skipped == 1
     assert str(report).splitlines() == [
         "8 samples (1 skipped), up to 6 new tokens",
         "with            exact  contained",
-        "images          0.950      1.000",
-        "blank           0.250      0.250",
+        "real            0.950      1.000",
+        "blanked         0.250      0.250",
         "shuffled        0.500      0.500",
-        "time_shuffled   0.125      0.250",
+        "reversed        0.125      0.250",
         "chance          0.250",
         text]
     assert list(report.to_dict()) == [
-        "accuracy_images", "contained_images", "accuracy_blank", "contained_blank", "accuracy_shuffled",
-        "contained_shuffled", "accuracy_time_shuffled", "contained_time_shuffled", "chance", "margin", "samples",
+        "accuracy_real", "contained_real", "accuracy_blanked", "contained_blanked", "accuracy_shuffled",
+        "contained_shuffled", "accuracy_reversed", "contained_reversed", "chance", "margin", "samples",
         "skipped", "skipped_samples", "max_new_tokens", "passed", "verdict"]
-    assert report.to_dict()["accuracy_time_shuffled"] == 0.125 and report.answers("blank") == ["blue"]
+    assert report.to_dict()["accuracy_reversed"] == 0.125 and report.answers("blanked") == ["blue"]
     evaluate.write_predictions(report, tmp_path / "p.jsonl")
     assert [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()] == list(report.predictions)

@@ -222,7 +222,7 @@ def test_the_model_card_names_parts_provenance_template_and_the_runs_final_numbe
                                 {"name": "step-0000020", "step": 20, "complete": False}]
     assert card.evaluation == {"log.jsonl, step 20": {"eval_loss": 1.25, "lmms/mme/score": 0.5},
                                "report.json (held-out answers: real / blanked / shuffled images)":
-                                   {"accuracy_images": 0.9, "accuracy_blank": 0.1}}
+                                   {"accuracy_real": 0.9, "accuracy_blanked": 0.1}}  # an older report's keys, renamed
     assert card.chat_template == "qwen3_5" and '{"enable_thinking": false}' in text
     assert "incomplete" in text and "eval_loss 1.25" in text
     prompt = card.example_prompt  # a 64 px image: 8 x 8 patches of 8 px, merged 2 x 2 -> 16 visual tokens

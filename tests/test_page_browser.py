@@ -170,7 +170,7 @@ def test_the_pages_answer_is_mmadapt_chats_answer(browser, served, capsys, tmp_p
     next(tab for tab in browser.find_elements(By.CSS_SELECTOR, "button[role=tab]") if tab.text == "Model card").click()
     card = until("the model card", lambda: (text := browser.find_element(By.CSS_SELECTOR, "#card").text)
                  and "Final evaluation" in text and text)
-    assert "qwen3_5_vit" in card and "step-0000150" in card and "accuracy_images" in card and "SHA-256" in card
+    assert "qwen3_5_vit" in card and "step-0000150" in card and "accuracy_real" in card and "SHA-256" in card
     photograph(browser, shots(tmp_path) / "page_card.png")
 
 

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import mmadapt
+from mmadapt.controls import shuffle_images
 from mmadapt.data.video import reverse_frames
-from mmadapt.sees import SeesImagesReport, sees_images, sees_records, shuffle_images
+from mmadapt.sees import SeesImagesReport, sees_images, sees_records
 from mmadapt.testing import synthetic_batch, synthetic_samples, synthetic_video_batch
 
 COMBINATIONS = [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")]
@@ -55,7 +56,7 @@ def test_a_normal_model_sees_its_images(names):
     report = sees_images(model, batch_for(model))
     assert report.ok, str(report)
     assert report.grad_projector > 0 and report.grad_encoder is not None and report.grad_encoder > 0
-    assert report.blank_change != 0 and report.shuffled_change not in (None, 0.0)
+    assert report.blanked_change != 0 and report.shuffled_change not in (None, 0.0)
     assert report.images == 4 and report.images_shuffled == (3 if model.encoder.dynamic else 4)
     assert "sees its images" in str(report) and "shuffled images" in str(report)
 
@@ -86,8 +87,8 @@ def test_a_projector_that_outputs_nothing_is_reported_as_not_seeing(names):
     before = snapshot(model)
     report = sees_images(model, batch_for(model))
     assert not report.ok
-    assert report.blank_change == 0.0 and report.shuffled_change == 0.0
-    assert any("blanking the images does not change" in p for p in report.problems)
+    assert report.blanked_change == 0.0 and report.shuffled_change == 0.0
+    assert any("the answer loss does not change with blanked images" in p for p in report.problems)
     assert "does NOT see its images" in str(report)
     assert_unchanged(model, before)
 
@@ -139,11 +140,11 @@ def test_a_batch_without_answers_or_images_is_refused():
 
 
 def test_report_tolerance_and_dict():
-    report = SeesImagesReport(loss=2.0, loss_blank=2.0 + 1e-9, loss_shuffled=None, grad_projector=1.0,
+    report = SeesImagesReport(loss=2.0, loss_blanked=2.0 + 1e-9, loss_shuffled=None, grad_projector=1.0,
                               grad_encoder=None, images=2, images_shuffled=0)
     assert not report.ok and report.to_dict()["ok"] is False  # a change of 1e-9 is float noise, not an image
-    seen = dataclasses.replace(report, loss_blank=2.1)
-    assert seen.ok and seen.to_dict()["blank_change"] == pytest.approx(0.1)
+    seen = dataclasses.replace(report, loss_blanked=2.1)
+    assert seen.ok and seen.to_dict()["blanked_change"] == pytest.approx(0.1)
 
 
 # ---- videos ----------------------------------------------------------------------------------------------
@@ -161,17 +162,17 @@ def test_a_normal_model_sees_its_videos():
     before = snapshot(model)
     report = sees_images(model, video_batch(model))
     assert report.ok, str(report)
-    assert report.images == 1 and report.loss_shuffled is None and report.blank_change not in (None, 0.0)
-    assert (report.videos, report.videos_time_shuffled, report.videos_single_frame, report.videos_shuffled) == (
+    assert report.images == 1 and report.loss_shuffled is None and report.blanked_change not in (None, 0.0)
+    assert (report.videos, report.videos_reversed, report.videos_single_frame, report.videos_shuffled) == (
         3, 2, 1, 2)
-    for change in (report.blank_videos_change, report.time_shuffled_change, report.shuffled_videos_change):
+    for change in (report.blanked_videos_change, report.reversed_change, report.shuffled_videos_change):
         assert change is not None and change != 0.0
     text = str(report)
     assert "real images and videos" in text and "sees its images and videos" in text
     assert "2 of 3 videos reordered, 1 with one temporal patch" in text and "2 of 3 videos moved" in text
     data = report.to_dict()
-    assert data["videos_single_frame"] == 1 and data["time_shuffled_change"] == pytest.approx(
-        report.loss_time_shuffled - report.loss)
+    assert data["videos_single_frame"] == 1 and data["reversed_change"] == pytest.approx(
+        report.loss_reversed - report.loss)
     assert_unchanged(model, before)
 
 
@@ -179,7 +180,7 @@ def test_a_batch_of_videos_only_is_measured():
     model = tiny(COMBINATIONS[0])
     report = sees_images(model, video_batch(model, (("video",), ("video",)), VIDEO_SHAPES[:2], image_sides=()))
     assert report.ok, str(report)
-    assert report.images == 0 and report.loss_blank is None and report.blank_change is None
+    assert report.images == 0 and report.loss_blanked is None and report.blanked_change is None
     assert report.videos == 2 and report.videos_shuffled == 2 and report.videos_single_frame == 0
     text = str(report)
     assert "real videos" in text and "sees its videos" in text and "images:" not in text
@@ -189,8 +190,8 @@ def test_videos_of_one_temporal_patch_or_distinct_grids_are_not_applicable():
     model = tiny(COMBINATIONS[0])
     report = sees_images(model, video_batch(model, (("video",), ("video",)), ((2, 32, 32), (2, 32, 48)),
                                             image_sides=()))
-    assert report.loss_time_shuffled is None and report.loss_shuffled_videos is None
-    assert report.videos_single_frame == 2 and report.videos_time_shuffled == 0
+    assert report.loss_reversed is None and report.loss_shuffled_videos is None
+    assert report.videos_single_frame == 2 and report.videos_reversed == 0
     assert "no video has two different temporal patches, 2 with one temporal patch" in str(report)
     assert "no two videos share a patch grid" in str(report)
     assert report.ok, str(report)  # the gradient and the blanked videos still show they are seen
@@ -203,17 +204,17 @@ def test_a_projector_that_outputs_nothing_does_not_see_videos():
         layer.weight.zero_()
         layer.bias.zero_()
     report = sees_images(model, video_batch(model))
-    assert not report.ok and report.time_shuffled_change == 0.0 and report.blank_videos_change == 0.0
+    assert not report.ok and report.reversed_change == 0.0 and report.blanked_videos_change == 0.0
     problems = " | ".join(report.problems)
-    assert "blanking the videos does not change" in problems and "reversing the order of the videos' frames" in \
-        problems and "shuffling the videos does not change" in problems
+    assert "does not change with blanked videos" in problems and "does not change with frames reversed" in \
+        problems and "does not change with shuffled videos" in problems
     assert "does NOT see its images and videos" in str(report)
 
 
 def test_image_only_reports_keep_their_fields_and_text():
     model = tiny(COMBINATIONS[0])
     report = sees_images(model, batch_for(model))
-    assert (report.videos, report.loss_blank_videos, report.loss_time_shuffled, report.loss_shuffled_videos) == (
+    assert (report.videos, report.loss_blanked_videos, report.loss_reversed, report.loss_shuffled_videos) == (
         0, None, None, None)
     lines = str(report).splitlines()
     assert [line.split(":")[0] for line in lines] == [

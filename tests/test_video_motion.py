@@ -36,10 +36,11 @@ import pytest
 import torch
 
 import mmadapt
+from mmadapt.controls import shuffle_images
 from mmadapt.data import Collator
 from mmadapt.data.samples import EncodedSample
-from mmadapt.data.video import Video, VideoProcessor
-from mmadapt.sees import reverse_frames, sees_images, shuffle_images
+from mmadapt.data.video import Video, VideoProcessor, reverse_frames
+from mmadapt.sees import sees_images
 
 HEIGHT, WIDTH, FRAMES = 16, 16, 4  # one merge window: one LLM token per temporal patch; 4 frames = 2 temporal patches
 BAR, STRIDE, POSITIONS, NOISE = 6, 5, 3, 30  # a 16 x 6 px bar at x = 0, 5 or 10 px; background noise 0..29
@@ -212,5 +213,5 @@ def test_sees_images_shows_the_trained_model_uses_frame_order(trained):
     _, batch = measure(model, seed=0, n=32)
     report = sees_images(model, {k: v for k, v in batch.items() if k != "meta"})
     assert report.ok, str(report)
-    assert report.loss_time_shuffled is not None and report.loss_time_shuffled > report.loss + 0.5, str(report)
-    assert report.loss_blank_videos > report.loss and report.videos == 32 and report.videos_time_shuffled == 32
+    assert report.loss_reversed is not None and report.loss_reversed > report.loss + 0.5, str(report)
+    assert report.loss_blanked_videos > report.loss and report.videos == 32 and report.videos_reversed == 32

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-DEFAULT_PARTS = {"encoder": "qwen3_5_vit", "projector": "qwen_merger", "backbone": "qwen3_5"}
+from mmadapt.config import DEFAULT_PARTS
+
 BUILD_DEFAULTS = {**DEFAULT_PARTS, "preset": "tiny", "deepstack": "use"}
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 from mmadapt.cli.common import add_build_arguments, build_from_args
+from mmadapt.precision import FP32, PRECISIONS, Precision
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -85,8 +86,6 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_numerics_dump(args: argparse.Namespace) -> int:
     """Dump per-layer statistics of one forward + backward on a synthetic batch (same on every machine)."""
-    import contextlib
-
     import torch
 
     from mmadapt import VisionLanguageModel
@@ -101,9 +100,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
     model = model.to(args.device)
     batch = {k: v.to(args.device) for k, v in synthetic_batch(model, args.images, seed=args.seed).items()}
     device_type = torch.device(args.device).type
-    autocast = (torch.autocast(device_type, dtype=torch.bfloat16) if args.autocast == "bf16"
-                else contextlib.nullcontext())
-    with autocast:
+    with Precision.from_flag(args.autocast).autocast(device_type):
         result = dump(model, batch, args.out, seed=args.seed)
     print(f"{args.out}: {len(result.forward)} forward rows, {len(result.grads)} gradient rows, "
           f"loss {result.meta['loss']}, {os.path.getsize(args.out)} bytes")
@@ -174,7 +171,7 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
     dump.add_argument("--images", type=int, nargs="+", default=[1, 2], help="images per sample (default 1 2)")
     dump.add_argument("--seed", type=int, default=0, help="seeds the weights (registry builds) and the batch")
     dump.add_argument("--device", default="cpu")
-    dump.add_argument("--autocast", choices=("none", "bf16"), default="none")
+    dump.add_argument("--autocast", choices=[p.flag for p in PRECISIONS], default=FP32.flag)
     dump.set_defaults(func=cmd_numerics_dump)
 
     comp = commands.add_parser("compare", help="compare two dumps; name the first divergent layer forward and "

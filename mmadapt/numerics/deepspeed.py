@@ -59,6 +59,7 @@ READ_AT: dict[str, str] = {
 PYDANTIC_SECTIONS = frozenset({"bf16", "bfloat16", "fp16", "zero_optimization"})  # extra="forbid", drop "auto"
 SCANNED_SECTIONS = (*sorted(PYDANTIC_SECTIONS), "data_types")
 DTYPES = ("fp32", "bf16", "fp16")
+LEGACY_SECTIONS = {"bf16": "bfloat16"}  # a section's older name, read when the current one is absent
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def _bf16_reduction(cfg: Mapping[str, Any]) -> list[Finding]:
 
 # ---- helpers -------------------------------------------------------------------------------------
 def _enabled(cfg: Mapping[str, Any], name: str) -> Any:
-    section = cfg.get(name) if name in cfg or name != "bf16" else cfg.get("bfloat16")
+    section = cfg.get(name) if name in cfg else cfg.get(LEGACY_SECTIONS.get(name, name))
     return section.get("enabled", False) if isinstance(section, Mapping) else False
 
 
@@ -240,9 +241,11 @@ def safe_deepspeed_config(stage: int, *, micro_batch: int | str = "auto", grad_a
 
 def deepspeed_config_for_run(run: Any, stage: int) -> dict[str, Any]:
     """`safe_deepspeed_config` with a `RunConfig`'s micro-batch, accumulation, clipping and precision policy."""
+    import torch
+
     return safe_deepspeed_config(stage, micro_batch=run.data.batch_size, grad_accum=run.train.grad_accum,
                                  gradient_clipping=run.train.clip_grad_norm,
-                                 bf16=run.precision.policy == "bf16-autocast")
+                                 bf16=run.precision.mode.compute_dtype is torch.bfloat16)
 
 
 def _zero_section(stage: int) -> dict[str, Any]:

@@ -187,6 +187,8 @@ def example_prompt(processor: Any, notes: list[str]) -> str:
 
 def evaluation(run: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
     """{where: {metric: value}}: the last eval metrics of `log.jsonl` and the accuracies of `report.json`."""
+    from mmadapt.controls import IMAGE_CONTROLS, current_key
+
     found: dict[str, dict[str, Any]] = {}
     log_file = run / "log.jsonl"
     if log_file.is_file():
@@ -211,9 +213,10 @@ def evaluation(run: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
     if report.is_file():
         try:
             data = json.loads(report.read_text())
-            numbers = {k: v for k, v in data.items() if k.startswith("accuracy") or k == "chance"}
+            # keys in the image controls' vocabulary, an older version's report too (accuracy_blank -> _blanked)
+            numbers = {current_key(k): v for k, v in data.items() if k.startswith("accuracy") or k == "chance"}
             if numbers:
-                found["report.json (held-out answers: real / blanked / shuffled images)"] = numbers
+                found[f"report.json (held-out answers: {' / '.join(c.name for c in IMAGE_CONTROLS)} images)"] = numbers
         except (OSError, ValueError) as e:
             notes.append(f"{report} could not be read: {e}")
     return found

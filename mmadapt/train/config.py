@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
 from mmadapt.data.config import DataConfig, about
+from mmadapt.precision import FP32, Precision
 
 COMPONENT_MODES = ("frozen", "full", "lora")
 REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
@@ -164,8 +165,18 @@ class TrainSection:
 
 @dataclass(kw_only=True)
 class PrecisionSection:
-    # bf16-autocast: bf16 compute, fp32 master weights / optimizer state / grad accumulation and reduction.
-    policy: Literal["fp32", "bf16-autocast"] = "fp32"
+    """`policy`: a `mmadapt.precision.Precision` by name (`fp32`, or `bf16-autocast`: bf16 compute, fp32 master
+    weights / optimizer state / grad accumulation and reduction), parsed once: readers ask `mode`."""
+
+    policy: str = FP32.name
+
+    def __post_init__(self) -> None:
+        Precision.named(self.policy)  # an unknown name fails here, at load time, listing the known ones
+
+    @property
+    def mode(self) -> Precision:
+        """The policy as an object: its autocast context, dtypes and description."""
+        return Precision.named(self.policy)
 
 
 @dataclass(kw_only=True)

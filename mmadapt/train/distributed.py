@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmadapt.precision import Precision, as_precision
+
 log = logging.getLogger(__name__)
 BLOCK_LISTS = ("layers", "blocks")  # ModuleLists whose children are transformer blocks
 
@@ -62,11 +64,13 @@ def is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: str) -> nn.Module:
+def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: Precision | str) -> nn.Module:
+    """`model` for `ctx`'s ranks: as it is for one process, else FSDP2 (`shard`, under `precision`'s mixed precision:
+    a `Precision` or its name) or DDP."""
     if not ctx.active:
         return model
     if strategy in ("auto", "fsdp"):
-        return shard(model, ctx, precision)
+        return shard(model, ctx, as_precision(precision))
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -76,13 +80,12 @@ def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: str) -> n
     raise ValueError(f"distributed.strategy must be 'auto', 'ddp' or 'fsdp', got {strategy!r}")
 
 
-def shard(model: nn.Module, ctx: DistContext, precision: str) -> nn.Module:
+def shard(model: nn.Module, ctx: DistContext, precision: Precision) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16-autocast" else None,
-                              reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
     for block in blocks_to_shard(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from mmadapt.loss import chunk_rows
+from mmadapt.precision import Precision
 from mmadapt.train.config import RunConfig
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
@@ -41,7 +42,8 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     peak, acts = sweep(forward, load, checkpointed, shard)
     _, acts_off = sweep(forward, load, set(), shard)
     _, acts_all = sweep(forward, load, {"encoder", "backbone"}, shard)
-    transient = at(_transient(probe, config.precision.policy), load["backbone"])
+    precision = config.precision.mode
+    transient = at(_transient(probe, precision), load["backbone"])
     recompute = max((at(s.acts, load[s.part]) for s in forward if s.part in checkpointed), default=0.0)
 
     params = list(unique_parameters(model))
@@ -51,15 +53,14 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     trained = [p for p in params if p.requires_grad]
     trained_bytes = sum(p.numel() * 4 for p in trained)
     width = model.backbone.config.hidden_size
-    hidden_bytes = 2 if config.precision.policy == "bf16-autocast" else 4
     vocab = model.backbone.get_output_embeddings().weight.shape[0]
     # the supervised rows' gradients (kept from the forward to the backward) and the chunk of logits
-    loss = work.supervised * width * hidden_bytes + _chunk_bytes(work.supervised, vocab, config.precision.policy)
+    loss = work.supervised * width * precision.hidden_bytes + _chunk_bytes(work.supervised, vocab, precision)
     parameters = sum(by_dtype.values()) // shard
     gradients = trained_bytes // shard
     optimizer_state = 2 * trained_bytes // shard
     step_temp = _optimizer_temporaries(trained, device) // shard
-    sharding = _sharding_bytes(strategy, forward, trained_bytes, config.precision.policy)
+    sharding = _sharding_bytes(strategy, forward, trained_bytes, precision)
     # the step's peak: the backward sweep (gradients appear as the saved activations go) with its temporaries and
     # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
     backward = peak + transient + recompute + loss
@@ -111,7 +112,7 @@ def attention_paths(model: Any, forward: list[Segment], load: dict[str, tuple[fl
     return out
 
 
-def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: str) -> int:
+def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: Precision) -> int:
     """FSDP2: the root unit (everything outside the blocks) stays unsharded through the step, two block units are
     gathered at a time (the current one and the prefetched next), and one unit's gradients are unsharded before
     their reduce-scatter; in the compute dtype. DDP: its gradient buckets, one more copy of the gradients."""
@@ -119,20 +120,20 @@ def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, 
         return trained_bytes
     if strategy != "fsdp2":
         return 0
-    compute = 0.5 if precision == "bf16-autocast" else 1.0
+    compute = precision.hidden_bytes / 4  # the gathered parameters in the compute dtype, counted in fp32 bytes
     units = [s for s in segments if s.key.is_block]
     biggest = max((s.param_bytes for s in units), default=0)
     root = sum(s.param_bytes for s in segments if not s.key.is_block)
     return int((2 * biggest + root) * compute + max((s.trained_bytes for s in units), default=0))
 
 
-def _chunk_bytes(rows: int, vocab: int, precision: str) -> int:
-    """The chunked loss's logits alive at once: one fp32 chunk (fp32), or the bf16 logits, their fp32 copy and the
-    bf16 gradient (autocast)."""
-    return min(rows, chunk_rows(vocab)) * vocab * (8 if precision == "bf16-autocast" else 4)
+def _chunk_bytes(rows: int, vocab: int, precision: Precision) -> int:
+    """The chunked loss's logits alive at once (`Precision.logit_bytes` each): one fp32 chunk (fp32), or the bf16
+    logits, their fp32 copy and the bf16 gradient (autocast)."""
+    return min(rows, chunk_rows(vocab)) * vocab * precision.logit_bytes
 
 
-def _transient(probe: dict[str, Any], precision: str) -> Line:
+def _transient(probe: dict[str, Any], precision: Precision) -> Line:
     """The probe's measured dynamic peak minus its own sweep and loss, fitted in tokens: the backward's
     temporaries (of one block at a time, so counted once)."""
     excess = []

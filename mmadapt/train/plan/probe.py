@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -135,8 +134,7 @@ def run_probe(config: RunConfig) -> dict[str, Any]:
     step = model.encoder.patch_size * getattr(model.projector, "merge_size", 1) * getattr(model.encoder,
                                                                                           "merge_size", 1)
     sides = [step * k if model.encoder.dynamic else None for k in PROBE_SIDES]
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if config.precision.policy == "bf16-autocast"
-                else nullcontext())
+    autocast = config.precision.mode.autocast("cpu")
     points = []
     for text, side in zip(PROBE_TEXT, sides, strict=True):
         batch = _probe_batch(model, text, side, config.data.packing)
@@ -202,6 +200,6 @@ def probe_key(config: RunConfig) -> str:
     model_config, _ = available_parts(config)
     shape = {"model": model_config.to_dict() if model_config is not None else config.model.pretrained,
              "stages": config.stages.modes(), "router": config.stages.router, "lora": asdict(config.lora),
-             "precision": config.precision.policy, "packed": config.data.packing, "torch": torch.__version__,
+             "precision": config.precision.mode.name, "packed": config.data.packing, "torch": torch.__version__,
              "version": PROBE_VERSION, "text": PROBE_TEXT, "sides": PROBE_SIDES}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:24]
