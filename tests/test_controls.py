@@ -25,7 +25,7 @@ from mmadapt.serve.card import evaluation
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mmadapt"
 # the modules that show the controls; none spells a control's name or label itself
-READERS = ("evaluate.py", "sees.py", "demo.py", "serve/card.py")
+READERS = ("evaluate.py", "sees.py", "demo.py", "serve/card.py", "serve/page.py", "evidence/effect.py")
 
 
 def spellings() -> set[str]:

@@ -1,8 +1,8 @@
 """The image effect of an answer: what the model says, and how sure it stays of its answer, without its image.
 
     effect = image_effect(model, processor, messages, image, other, answer, max_new_tokens=32)
-    effect.blank_answer, effect.blank_change        # the greedy answer with the image blanked; change of log p, nats
-    effect.other_answer, effect.other_change        # the same with `other` in the image's place (None without one)
+    effect.blanked_answer, effect.blanked_change    # the greedy answer with the image blanked; change of log p, nats
+    effect.other_answer, effect.other_change    # the same with `other` in the image's place (None without one)
 
 Contract: the conversation (`messages`, one image) is answered again greedily - by the one answering function,
 `mmadapt.answering.answer_prompts` - with the image's pixel values zeroed (the processor's mean colour, as `mmadapt
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mmadapt.answering import Answer, PromptInputs, respond
+from mmadapt.controls import BLANKED
 from mmadapt.evidence.maps import MIN_EFFECT
 from mmadapt.evidence.prompt import Prompt, answer_log_probs
 from mmadapt.modes import eval_mode
@@ -32,20 +33,20 @@ class Effect:
     """The answer with the image blanked / another image: the greedy answer then, and the change of log p(answer)
     (the displayed answer's) from the real image, in nats (negative: less likely without this image)."""
 
-    blank_answer: str
-    blank_change: float
+    blanked_answer: str
+    blanked_change: float
     other_answer: str | None
     other_change: float | None
 
     @property
     def rests_on_image(self) -> bool:
         """Whether every change lowers log p(answer) by at least `MIN_EFFECT`: without the image, less sure."""
-        return all(c <= -MIN_EFFECT for c in (self.blank_change, self.other_change) if c is not None)
+        return all(c <= -MIN_EFFECT for c in (self.blanked_change, self.other_change) if c is not None)
 
     def lines(self, other_name: str | None = None) -> list[str]:
         """The effect in words (Markdown list items; `other_name`: what the other image is called)."""
-        lines = [f"- image blanked (the mean colour): the model answers “{self.blank_answer or '(empty)'}”; "
-                 f"log p(answer) {self.blank_change:+.2f} nats"]
+        lines = [f"- image blanked (the mean colour): the model answers “{self.blanked_answer or '(empty)'}”; "
+                 f"log p(answer) {self.blanked_change:+.2f} nats"]
         if self.other_answer is not None and other_name is not None:
             lines.append(f"- another image ({other_name}): “{self.other_answer or '(empty)'}”; log p(answer) "
                          f"{self.other_change:+.2f} nats")
@@ -61,16 +62,16 @@ def image_effect(model: Any, processor: Any, messages: Sequence[Mapping[str, Any
     zeroed and with `other` (None: not asked) in its place."""
     greedy = Sampling(max_new_tokens=max_new_tokens)
     real = PromptInputs.build(model, processor, messages, images=[image])
-    blank = dataclasses.replace(real, inputs={**real.inputs, "pixel_values": torch.zeros_like(
-        real.inputs["pixel_values"])})
+    blank = dataclasses.replace(real, inputs={**real.inputs, "pixel_values": BLANKED.pixels(
+        real.inputs["pixel_values"]).pixels})
     ids = list(answer.content_ids) or list(answer.token_ids[:1])  # an empty answer: its end token
     base = log_p(model, real.inputs, ids)
-    blank_text = respond(model, processor, blank, sampling=greedy).text
-    blank_change = log_p(model, blank.inputs, ids) - base
+    blanked_text = respond(model, processor, blank, sampling=greedy).text
+    blanked_change = log_p(model, blank.inputs, ids) - base
     if other is None:
-        return Effect(blank_text, blank_change, None, None)
+        return Effect(blanked_text, blanked_change, None, None)
     swapped = PromptInputs.build(model, processor, messages, images=[other])
-    return Effect(blank_text, blank_change, respond(model, processor, swapped, sampling=greedy).text,
+    return Effect(blanked_text, blanked_change, respond(model, processor, swapped, sampling=greedy).text,
                   log_p(model, swapped.inputs, ids) - base)
 
 
