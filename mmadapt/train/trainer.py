@@ -1,32 +1,34 @@
-"""The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks.
+"""The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks, for every training objective.
 
-One optimizer step = `grad_accum` micro-batches per rank. The loss of every micro-batch is a
-*sum* over its supervised tokens divided by the supervised tokens of the whole global batch
-(all micro-batches, all ranks), so accumulation and data parallelism equal one big batch.
-Before the optimizer step the loss and the gradient norm are checked: a non-finite step is
-skipped (gradients dropped), counted and logged; after `max_consecutive_skips` in a row the
-run stops with `NonFiniteError`, naming the first module that produced non-finite values.
-Bad samples (`DataProblem`s: a missing image, too long, ...) are dropped by the collator, counted
-and logged (the first of each reason with its sample id and file); once more than
-`data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`
-(`BadSampleBudget` in `mmadapt.data.report`; the trainer only sums the counts over the ranks).
-The counters, the step and the log records are one `TrainerState`, saved with every checkpoint.
+One optimizer step = `grad_accum` micro-batches per rank. What a step learns is the run's objective's
+(`train.objective`, `mmadapt.train.objectives`: next-token SFT, DPO and its variants, or any registered one): its
+`backward` accumulates the gradients of the global batch, its loss normalised over the whole global batch (all
+micro-batches, all ranks) so that accumulation and data parallelism equal one big batch; it prepares what it needs
+before the first step (a preference reference), may make the rows it trains on before each step, evaluates, and
+keeps its own state in the checkpoints. The trainer owns the rest: data order, the guards, the optimizer, logging,
+checkpoints and the final model directory.
 
-Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with
-fp32 master weights, fp32 AdamW state, fp32 gradient accumulation and fp32 gradient
-reduction (DDP reduces the fp32 grads; FSDP2 uses `reduce_dtype=float32`).
+Before the optimizer step the loss and the gradient norm are checked: a non-finite step is skipped (gradients
+dropped), counted and logged; after `max_consecutive_skips` in a row the run stops with `NonFiniteError`, naming the
+first module that produced non-finite values (`mmadapt.train.guard`). Bad samples (`DataProblem`s: a missing image,
+too long, ...) are dropped by the collator, counted and logged (the first of each reason with its sample id and
+file); once more than `data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`
+(`BadSampleBudget` in `mmadapt.data.report`; the trainer only sums the counts over the ranks). The counters, the
+step, the log records and the objective's state are one `TrainerState`, saved with every checkpoint.
 
-Data order is a pure function of (seed, step), so `resume` continues exactly: the sampler
-starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
+Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with fp32 master weights,
+fp32 AdamW state, fp32 gradient accumulation and fp32 gradient reduction (DDP reduces the fp32 grads; FSDP2 uses
+`reduce_dtype=float32`).
+
+Data order is a pure function of (seed, step) (`mmadapt.train.batches.GlobalBatchSampler`), so `resume` continues
+exactly: the sampler starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
 Rank 0 chooses the checkpoint to resume and every rank checks that it holds the same one (its `COMPLETE` marker,
 which lists every file's checksum), so a node-local `OUT` never starts ranks at different steps.
 
-A step means the same on every world size. When no rank's micro-batches hold an image or a video, the vision side
-(encoder and projector) gets no gradient, as in one process: under torchrun every rank still runs its forward and
-backward (the zero-effect `vision_placeholder`, so that the collectives stay paired), and its exactly-zero gradients
-are dropped before the optimizer step, so AdamW applies neither momentum nor weight decay to it. An exception on one
-rank ends every rank promptly with that rank's message (`distributed.failing_together`); rank 0 writes the final
-model directory after the last collective, so no rank waits for it.
+A step means the same on every world size: a step in which no rank saw an image or a video leaves the vision side
+untouched, as in one process (`guard.drop_unseen_vision_gradients`). An exception on one rank ends every rank
+promptly with that rank's message (`distributed.failing_together`); rank 0 writes the final model directory after
+the last collective, so no rank waits for it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from mmadapt.train.guard import NonFiniteError as NonFiniteError  # moved; impor
 from mmadapt.train.guard import drop_unseen_vision_gradients, non_finite_error
 from mmadapt.train.objectives import objective_for
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
+from mmadapt.train.optim import upcast_trainable as upcast_trainable  # moved; imported from here too (plan, benchmarks)
 from mmadapt.train.plots import plot_history
 from mmadapt.train.records import learning_rates, step_speed
 from mmadapt.train.stages import apply_stages, save_adapters
@@ -63,21 +66,6 @@ from mmadapt.train.state import TrainerState, state_field
 from mmadapt.train.tracking import PartClock, Tracker, peak_tflops, speed_summary
 
 log = logging.getLogger(__name__)
-
-
-def upcast_trainable(model: torch.nn.Module) -> int:
-    """fp32 master weights: trainable parameters loaded in bf16/fp16 (a pretrained part's dtype) become fp32.
-
-    Frozen parts keep their dtype (a frozen bf16 LLM costs half the memory); the model casts at part
-    boundaries. Returns the number of tensors upcast.
-    """
-    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
-    if low:
-        log.info("master weights fp32: upcasting %d trainable tensors (%s parameters) from %s", len(low),
-                 f"{sum(p.numel() for p in low):,}", sorted({str(p.dtype) for p in low}))
-    for p in low:
-        p.data = p.data.float()
-    return len(low)
 
 
 class Trainer:
@@ -204,12 +192,9 @@ class Trainer:
             every = self.cfg.checkpoint.every
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self.save()
-        if progress is not None:
-            progress.close()
-        if clock is not None:
-            clock.close()
-        if self.tracker is not None:
-            self.tracker.close()
+        for opened in (progress, clock, self.tracker):
+            if opened is not None:
+                opened.close()
         if last_eval is not None:  # the last step was just evaluated
             final_eval = last_eval
         elif self.eval_data is not None or self.evaluate is not None or t.eval_tasks:
