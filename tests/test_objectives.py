@@ -76,6 +76,7 @@ def config(tmp_path, *overrides):
                                  "stages.encoder=full", "data.batch_size=2", "train.grad_accum=2", *overrides])
 
 
+@pytest.mark.slow  # trains 6 steps
 def test_a_toy_objective_registered_in_a_few_lines_trains_with_the_trainer(registered, tmp_path):
     model = tiny()
     samples, collate = samples_for(model, 4), Collator.for_model(model, 0)  # every step: the same 4 samples
@@ -98,6 +99,7 @@ def test_a_toy_objective_registered_in_a_few_lines_trains_with_the_trainer(regis
     assert history[-1]["loss"] < 0.8 * history[0]["loss"]
 
 
+@pytest.mark.slow  # trains 3 steps, then resumes
 def test_an_objectives_state_is_saved_with_the_checkpoint_and_restored_on_resume(registered, tmp_path):
     model = tiny()
     samples, collate = samples_for(model), Collator.for_model(model, 0)
