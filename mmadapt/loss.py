@@ -1,4 +1,9 @@
-"""The training loss without the full logits: supervised positions only, `lm_head` + cross-entropy in chunks.
+"""The training objectives' quantities without the full logits: supervised positions only, `lm_head` in chunks.
+
+Two uses, one method: SFT's token loss (`causal_lm_loss`, below) and the preference objectives' per-row sequence
+log-probs (`sequence_logps`, at the end: each row's summed answer log-probs, and optionally the token KL against a
+reference's hidden states), both computed over the supervised (answer) positions only, chunk by chunk, for the
+objectives of `mmadapt.train.objectives`.
 
 transformers' causal LMs compute logits (B, L, V) for every position and then the loss. At a real
 vocabulary (Qwen3.5: V = 248,320) those logits and their fp32 copies dominate a training step's memory

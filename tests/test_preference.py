@@ -34,10 +34,10 @@ from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
 from mmadapt.loss import sequence_logps, supervised_rows
 from mmadapt.sees import preference_view
 from mmadapt.train import RunConfig, Trainer, latest_checkpoint
+from mmadapt.train.batches import inputs_of
 from mmadapt.train.objectives import (
     ReferenceTable,
     adapters_disabled,
-    inputs_of,
     preference_losses,
     reference_kind,
 )
@@ -188,12 +188,12 @@ def test_the_prompts_images_are_decoded_and_encoded_once_per_pair(encoder, model
 def test_a_batch_whose_rows_disagree_about_a_pairs_images_is_refused(encoder, model):
     from mmadapt.contract import ImageTokenContractError
     from mmadapt.train.config import DpoSection
-    from mmadapt.train.objectives import PreferenceObjective
+    from mmadapt.train.objectives import PairScorer
 
     pairs = PairEncoder(encoder)
     batch = PairCollator.for_model(model, encoder.pad_token_id)([pairs.encode(trl_record(), 0),
                                                                  pairs.encode(trl_record(images=["1.png"]), 1)])
-    objective = PreferenceObjective(DpoSection(loss_type="simpo"), model, None)
+    objective = PairScorer(DpoSection(loss_type="simpo"), model, None)
     objective.terms(model, batch, torch.device("cpu"))  # as collated: fine
     swapped = {**batch, "image_index": torch.tensor([0, 1, 1, 0])}  # rejected rows read the other pair's image
     with pytest.raises(ImageTokenContractError, match=r"pair 'p' .*reading other encoded images"):

@@ -5,7 +5,7 @@ real Qwen3 tokenizer and its official template, thinking off) is exported with `
 "transformers")`; trl 1.16's `DPOTrainer` loads the export (policy and reference) and computes its sigmoid loss on one
 batch of two image pairs through its own code path (`get_train_dataloader` -> `compute_loss` -> `backward`). mmadapt
 encodes the same records (`PairEncoder`, `PairCollator`: the prompt's image once per pair), takes its reference from
-the starting model (as `compute_table` precomputes it) and runs `PreferenceObjective.terms` on the model whose lm_head
+the starting model (as `compute_table` precomputes it) and runs `PairScorer.terms` on the model whose lm_head
 moved by the same delta as trl's policy. Asserted: the same token rows and answer positions as trl's, and the loss and
 every gradient (mapped to transformers' names by the export's own key map) within 1e-5 (fp32; gradients: 1e-5 +
 1e-5 x |trl's|, per element).
@@ -25,8 +25,9 @@ from mmadapt import Processor
 from mmadapt.convert import ARCHITECTURES, export_architecture, rename
 from mmadapt.data import TEMPLATES
 from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+from mmadapt.train.batches import inputs_of
 from mmadapt.train.config import DpoSection
-from mmadapt.train.objectives import PreferenceObjective, ReferenceTable, inputs_of
+from mmadapt.train.objectives import PairScorer, ReferenceTable
 
 trl = pytest.importorskip("trl")
 
@@ -140,7 +141,7 @@ def test_the_dpo_loss_and_gradients_equal_trls_dpo_trainer(family, tmp_path):
     table = torch.stack(start.chunk(2), dim=1)
     with torch.no_grad():
         model.backbone.get_output_embeddings().weight.add_(delta)
-    objective = PreferenceObjective(DpoSection(beta=0.1), model, "precomputed", ReferenceTable({"train": table}, {}))
+    objective = PairScorer(DpoSection(beta=0.1), model, "precomputed", ReferenceTable({"train": table}, {}))
     terms, _ = objective.terms(model, batch, torch.device("cpu"))
     loss = terms.losses.mean()
     loss.backward()

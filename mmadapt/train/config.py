@@ -88,8 +88,9 @@ class DataSection(DataConfig):
 @dataclass(kw_only=True)
 class TrainSection:
     steps: int = 100
-    # sft: next-token loss on the answers; dpo: preference pairs (chosen / rejected answers, section `dpo`)
-    objective: Literal["sft", "dpo"] = "sft"
+    # a registered objective (`mmadapt.train.objectives.OBJECTIVES`, checked when the run is built): sft, next-token
+    # loss on the answers; dpo, preference pairs (chosen / rejected answers, settings in section `dpo`)
+    objective: str = "sft"
     # the run's length in epochs instead of steps (each epoch: the samples' full global batches); when set, it
     # decides the steps
     epochs: float | None = None
@@ -206,7 +207,8 @@ class LoraSection:
 
 @dataclass(kw_only=True)
 class DpoSection:
-    """`train.objective: dpo` (`mmadapt.train.objectives`): the loss and its reference."""
+    """The settings of the preference objective (`train.objective: dpo`, `mmadapt.train.objectives.preference`, whose
+    `section` this is): the loss and its reference."""
 
     # sigmoid (DPO), ipo, and the reference-free simpo and orpo
     loss_type: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"

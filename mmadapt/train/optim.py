@@ -10,15 +10,19 @@ length of a run in epochs, warmup as a share of it.
   global batches).
 - `warmup_steps`: `train.warmup_steps`, or `train.warmup_ratio` x the total steps rounded up (as transformers).
 - `enable_activation_checkpointing`: `train.activation_checkpointing`, per decoder layer / vision block.
+- `upcast_trainable`: fp32 master weights (the optimizer updates fp32 copies of what trains).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
+import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
 PARTS = ("encoder", "projector", "backbone")
 NO_DECAY_NAMES = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]  # transformers'
 
@@ -83,3 +87,18 @@ def enable_activation_checkpointing(model: nn.Module, parts: list[str] | str) ->
         else:
             model.encoder.enable_activation_checkpointing()
     return chosen
+
+
+def upcast_trainable(model: torch.nn.Module) -> int:
+    """fp32 master weights: trainable parameters loaded in bf16/fp16 (a pretrained part's dtype) become fp32.
+
+    Frozen parts keep their dtype (a frozen bf16 LLM costs half the memory); the model casts at part
+    boundaries. Returns the number of tensors upcast.
+    """
+    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        log.info("master weights fp32: upcasting %d trainable tensors (%s parameters) from %s", len(low),
+                 f"{sum(p.numel() for p in low):,}", sorted({str(p.dtype) for p in low}))
+    for p in low:
+        p.data = p.data.float()
+    return len(low)

@@ -1,7 +1,8 @@
 """`mmadapt train CONFIG`: build the model, tokenizer, datasets and collator a config names, then train.
 
-`build_run(config)` returns the pieces (for notebooks that want to change one); `run(config)`
-trains and returns the trainer's summary. Works the same under torchrun.
+`build_run(config)` returns the pieces (for notebooks that want to change one): the datasets and the collator are the
+run's objective's (`train.objective`, `mmadapt.train.objectives`); `run(config)` trains and returns the trainer's
+summary. Works the same under torchrun.
 """
 
 from __future__ import annotations
@@ -78,15 +79,18 @@ def load_tokenizer(path: str | None) -> Any:
 
 
 def build_run(config: RunConfig, model: Any = None) -> RunParts:
+    """The model, tokenizer, sample encoder, and the datasets and collator of the run's objective (`Objective.data`)."""
     import torch
 
-    from mmadapt.data import Collator, SampleEncoder, VLMDataset
+    from mmadapt.data import SampleEncoder
+    from mmadapt.train.objectives import objective_for
 
     if config.data.train is None:
         raise ValueError("data.train is not set: give a LLaVA or messages .json/.jsonl file (data.train=PATH)")
     from mmadapt import directory as model_directory
     from mmadapt.data.config import DataConfig
 
+    objective = objective_for(config)  # an unknown train.objective fails before anything is built
     torch.manual_seed(config.train.seed)
     model = model if model is not None else build_model_from(config)
     tokenizer = load_tokenizer(tokenizer_source(config))
@@ -95,20 +99,8 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     # exports, the defaults of Processor.for_model (chat, eval, serving)
     model_directory.set_data_settings(model, DataConfig.of(d).preprocessing())
     encoder = SampleEncoder.for_model(model, tokenizer, config=d)
-    if config.train.objective == "dpo":
-        from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
-
-        if d.packing:
-            raise ValueError("train.objective dpo pads its pairs (chosen and rejected rows side by side); set "
-                             "data.packing: false")
-        pairs = PairEncoder(encoder)
-        collate = PairCollator.for_model(model, encoder.pad_token_id)
-        return RunParts(model, tokenizer, encoder, PreferenceDataset(d.train, pairs),
-                        PreferenceDataset(d.eval, pairs) if d.eval else None, collate)
-    collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
-    train = VLMDataset(d.train, encoder)
-    evaluation = VLMDataset(d.eval, encoder) if d.eval else None
-    return RunParts(model, tokenizer, encoder, train, evaluation, collate)
+    data = objective.data(model, encoder)
+    return RunParts(model, tokenizer, encoder, data.train, data.eval, data.collate)
 
 
 def run(config: RunConfig) -> dict[str, Any]:

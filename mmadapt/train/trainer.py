@@ -1,32 +1,34 @@
-"""The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks.
+"""The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks, for every training objective.
 
-One optimizer step = `grad_accum` micro-batches per rank. The loss of every micro-batch is a
-*sum* over its supervised tokens divided by the supervised tokens of the whole global batch
-(all micro-batches, all ranks), so accumulation and data parallelism equal one big batch.
-Before the optimizer step the loss and the gradient norm are checked: a non-finite step is
-skipped (gradients dropped), counted and logged; after `max_consecutive_skips` in a row the
-run stops with `NonFiniteError`, naming the first module that produced non-finite values.
-Bad samples (`DataProblem`s: a missing image, too long, ...) are dropped by the collator, counted
-and logged (the first of each reason with its sample id and file); once more than
-`data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`
-(`BadSampleBudget` in `mmadapt.data.report`; the trainer only sums the counts over the ranks).
-The counters, the step and the log records are one `TrainerState`, saved with every checkpoint.
+One optimizer step = `grad_accum` micro-batches per rank. What a step learns is the run's objective's
+(`train.objective`, `mmadapt.train.objectives`: next-token SFT, DPO and its variants, or any registered one): its
+`backward` accumulates the gradients of the global batch, its loss normalised over the whole global batch (all
+micro-batches, all ranks) so that accumulation and data parallelism equal one big batch; it prepares what it needs
+before the first step (a preference reference), may make the rows it trains on before each step, evaluates, and
+keeps its own state in the checkpoints. The trainer owns the rest: data order, the guards, the optimizer, logging,
+checkpoints and the final model directory.
 
-Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with
-fp32 master weights, fp32 AdamW state, fp32 gradient accumulation and fp32 gradient
-reduction (DDP reduces the fp32 grads; FSDP2 uses `reduce_dtype=float32`).
+Before the optimizer step the loss and the gradient norm are checked: a non-finite step is skipped (gradients
+dropped), counted and logged; after `max_consecutive_skips` in a row the run stops with `NonFiniteError`, naming the
+first module that produced non-finite values (`mmadapt.train.guard`). Bad samples (`DataProblem`s: a missing image,
+too long, ...) are dropped by the collator, counted and logged (the first of each reason with its sample id and
+file); once more than `data.max_bad_fraction` of the samples seen were bad, the run stops with `BadDataError`
+(`BadSampleBudget` in `mmadapt.data.report`; the trainer only sums the counts over the ranks). The counters, the
+step, the log records and the objective's state are one `TrainerState`, saved with every checkpoint.
 
-Data order is a pure function of (seed, step), so `resume` continues exactly: the sampler
-starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
+Precision (printed at start): `fp32`, or `bf16-autocast` = bf16 compute under autocast with fp32 master weights,
+fp32 AdamW state, fp32 gradient accumulation and fp32 gradient reduction (DDP reduces the fp32 grads; FSDP2 uses
+`reduce_dtype=float32`).
+
+Data order is a pure function of (seed, step) (`mmadapt.train.batches.GlobalBatchSampler`), so `resume` continues
+exactly: the sampler starts at the checkpoint's step, and model, optimizer, scheduler and RNG states are restored.
 Rank 0 chooses the checkpoint to resume and every rank checks that it holds the same one (its `COMPLETE` marker,
 which lists every file's checksum), so a node-local `OUT` never starts ranks at different steps.
 
-A step means the same on every world size. When no rank's micro-batches hold an image or a video, the vision side
-(encoder and projector) gets no gradient, as in one process: under torchrun every rank still runs its forward and
-backward (the zero-effect `vision_placeholder`, so that the collectives stay paired), and its exactly-zero gradients
-are dropped before the optimizer step, so AdamW applies neither momentum nor weight decay to it. An exception on one
-rank ends every rank promptly with that rank's message (`distributed.failing_together`); rank 0 writes the final
-model directory after the last collective, so no rank waits for it.
+A step means the same on every world size: a step in which no rank saw an image or a video leaves the vision side
+untouched, as in one process (`guard.drop_unseen_vision_gradients`). An exception on one rank ends every rank
+promptly with that rank's message (`distributed.failing_together`); rank 0 writes the final model directory after
+the last collective, so no rank waits for it.
 """
 
 from __future__ import annotations
@@ -41,101 +43,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import save_tokenizer, write_config
-from mmadapt.flops import PARTS, step_flops
 from mmadapt.train import distributed as dist_utils
+from mmadapt.train.batches import GlobalBatchSampler
 from mmadapt.train.checkpoint import MARKER, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from mmadapt.train.config import RunConfig
 from mmadapt.train.cpu_memory import return_freed_memory
 from mmadapt.train.export import export
+from mmadapt.train.guard import NonFiniteError as NonFiniteError  # moved; imported from here too (mmadapt.train)
+from mmadapt.train.guard import drop_unseen_vision_gradients, non_finite_error
+from mmadapt.train.objectives import objective_for
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
+from mmadapt.train.optim import upcast_trainable as upcast_trainable  # moved; imported from here too (plan, benchmarks)
 from mmadapt.train.plots import plot_history
+from mmadapt.train.records import learning_rates, step_speed
 from mmadapt.train.stages import apply_stages, save_adapters
-from mmadapt.train.state import TrainerState
-from mmadapt.train.tracking import PartClock, Tracker, batch_counts, peak_memory_mib, peak_tflops, speed_summary
+from mmadapt.train.state import TrainerState, state_field
+from mmadapt.train.tracking import PartClock, Tracker, peak_tflops, speed_summary
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive non-finite steps; `report` names the first module with non-finite values."""
-
-    def __init__(self, message: str, report: Any = None) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-class GlobalBatchSampler(Sampler[list[int]]):
-    """Micro-batches of sample indices for this rank, from `start_step` on, forever.
-
-    Step s takes global batch s of the seed's permutation of the epoch (tail dropped); rank r
-    gets its every world-th sample, cut into `grad_accum` micro-batches of `micro_batch`.
-    """
-
-    def __init__(self, num_samples: int, *, micro_batch: int, grad_accum: int = 1, seed: int = 0, rank: int = 0,
-                 world: int = 1, start_step: int = 0, shuffle: bool = True) -> None:
-        self.global_batch = micro_batch * grad_accum * world
-        if num_samples < self.global_batch:
-            raise ValueError(f"{num_samples} training samples cannot fill one global batch of {self.global_batch} "
-                             f"(batch_size {micro_batch} x grad_accum {grad_accum} x {world} ranks)")
-        self.num_samples, self.micro_batch, self.grad_accum = num_samples, micro_batch, grad_accum
-        self.seed, self.rank, self.world, self.start_step, self.shuffle = seed, rank, world, start_step, shuffle
-        self.steps_per_epoch = num_samples // self.global_batch
-
-    def indices(self, step: int) -> list[list[int]]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        order = (torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-                 if self.shuffle else torch.arange(self.num_samples))
-        mine = order[k * self.global_batch : (k + 1) * self.global_batch][self.rank :: self.world].tolist()
-        return [mine[m * self.micro_batch : (m + 1) * self.micro_batch] for m in range(self.grad_accum)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        step = self.start_step
-        while True:
-            yield from self.indices(step)
-            step += 1
-
-
-def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens that carry loss after the causal shift (transformers drops the first label of each row)."""
-    return (labels[..., 1:] != -100).sum()
-
-
-def placeholder_batch(batch: dict[str, Any], pad_token_id: int = 0) -> dict[str, Any]:
-    """One unsupervised pad token: keeps every rank's forward/backward (and collectives) in step, adds 0 loss."""
-    pad = torch.full((1, 1), pad_token_id, dtype=torch.long)
-    return {"input_ids": pad, "attention_mask": torch.ones(1, 1, dtype=torch.bool),
-            "labels": torch.full((1, 1), -100), "images_per_sample": torch.zeros(1, dtype=torch.long),
-            "meta": batch.get("meta", {})}
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def upcast_trainable(model: torch.nn.Module) -> int:
-    """fp32 master weights: trainable parameters loaded in bf16/fp16 (a pretrained part's dtype) become fp32.
-
-    Frozen parts keep their dtype (a frozen bf16 LLM costs half the memory); the model casts at part
-    boundaries. Returns the number of tensors upcast.
-    """
-    low = [p for p in model.parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
-    if low:
-        log.info("master weights fp32: upcasting %d trainable tensors (%s parameters) from %s", len(low),
-                 f"{sum(p.numel() for p in low):,}", sorted({str(p.dtype) for p in low}))
-    for p in low:
-        p.data = p.data.float()
-    return len(low)
-
-
-def state_field(name: str) -> property:
-    """`trainer.<name>` reads and writes `trainer.state.<name>` (the trainer's attributes before `TrainerState`)."""
-    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value),
-                    doc=f"`self.state.{name}`")
 
 
 class Trainer:
@@ -170,7 +100,8 @@ class Trainer:
                 model, config.train.activation_checkpointing)))
         if hasattr(model, "full_logits_loss"):
             model.full_logits_loss = config.train.full_logits
-        self.objective = self.preference_objective(model)
+        self.objective = objective_for(config)
+        self.objective.setup(model)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
         if not any(p.requires_grad for p in self.wrapped.parameters()):
@@ -195,59 +126,6 @@ class Trainer:
         if config.checkpoint.resume:
             with dist_utils.failing_together(), self.out_lock():
                 self.resume()
-
-    # ---- setup -------------------------------------------------------------------------------
-    def preference_objective(self, model: Any) -> Any:
-        """`train.objective: dpo`: the objective with its reference (`mmadapt.train.objectives`); None for SFT. A
-        precomputed reference notes the starting weights' checksum here, before they are moved or sharded."""
-        if self.cfg.train.objective != "dpo":
-            return None
-        from mmadapt.train.objectives import PreferenceObjective, model_checksum, reference_kind
-
-        kind = reference_kind(self.cfg.dpo.reference, self.cfg.dpo.loss_type, self.cfg.stages.modes(), model)
-        log.info("objective: dpo (loss %s, beta %g); reference: %s", self.cfg.dpo.loss_type, self.cfg.dpo.beta,
-                 {None: "none (reference-free)", "adapters": "the model with its LoRA adapters off, per batch",
-                  "precomputed": "the starting model's log-probs, computed before the first step"}[kind])
-        self.start_checksum = model_checksum(model) if kind == "precomputed" else None
-        return PreferenceObjective(self.cfg.dpo, model, kind)
-
-    def prepare_reference(self) -> None:
-        """A precomputed reference: OUT's table when its checksums match (the data; and the starting weights, unless
-        resuming: the weights moved on), else computed now by the starting model and saved (rank 0)."""
-        from mmadapt.data.config import DataConfig
-        from mmadapt.train.objectives import ReferenceTable, compute_table, data_checksum
-
-        if self.objective is None or self.objective.reference != "precomputed":
-            return
-        settings = DataConfig.of(self.cfg.data).preprocessing()
-        sets = {"train": self.train_data, **({"eval": self.eval_data} if self.eval_data is not None else {})}
-        wanted = {name: data_checksum(getattr(d, "records", None), settings) for name, d in sets.items()}
-        found = ReferenceTable.load(self.out) if self.is_main else None
-        found = dist_utils.broadcast_object(None if found is None else (found.tables, found.checksums))
-        table = None if found is None else ReferenceTable(*found)
-        same_data = table is not None and all(table.checksums.get(f"data.{k}") == v for k, v in wanted.items())
-        if self.step > 0:  # resumed: the reference is the one the run started with
-            if not same_data:
-                raise ValueError(f"resume: {self.out / ReferenceTable.FILE} (the starting model's reference log-probs) "
-                                 "is missing or was computed on other data; the starting model is gone, so the run "
-                                 "cannot resume exactly. Fix: restore the file and the data, or start a new run")
-            self.objective.table = table
-            return
-        if same_data and table.checksums.get("model") == self.start_checksum:
-            log.info("reference log-probs: reusing %s (same data and starting weights)", self.out / ReferenceTable.FILE)
-            self.objective.table = table
-            return
-        started = time.perf_counter()
-        tables = {name: compute_table(self.wrapped, data, self.collate_fn, batch_size=self.cfg.data.batch_size,
-                                      rank=self.dist.rank, world=self.dist.world, device=self.device,
-                                      precision=self.precision_context, gather=dist_utils.gather_objects)
-                  for name, data in sets.items()}
-        checksums = {"model": self.start_checksum, **{f"data.{k}": v for k, v in wanted.items()}}
-        self.objective.table = ReferenceTable(tables, checksums)
-        if self.is_main:
-            self.objective.table.save(self.out)
-        log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
-                 tables.values()), time.perf_counter() - started, self.out / ReferenceTable.FILE)
 
     @property
     def is_main(self) -> bool:
@@ -290,7 +168,7 @@ class Trainer:
                 self.check_fresh_out()
             self.cfg.save(self.out / "config.yaml")
             log.info(self.describe_precision())
-        self.prepare_reference()
+        self.objective.prepare(self)
         batches = self.loader(self.step)
         progress = self.progress_bar()
         self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict(), plan=self.plan) if self.is_main else None
@@ -301,6 +179,7 @@ class Trainer:
             step_started = time.perf_counter()
             micro = [next(batches) for _ in range(t.grad_accum)]
             waited = time.perf_counter() - step_started
+            micro = self.objective.training_rows(self, micro)
             record = self.train_step(micro, clock)
             self.step += 1
             record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
@@ -313,12 +192,9 @@ class Trainer:
             every = self.cfg.checkpoint.every
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self.save()
-        if progress is not None:
-            progress.close()
-        if clock is not None:
-            clock.close()
-        if self.tracker is not None:
-            self.tracker.close()
+        for opened in (progress, clock, self.tracker):
+            if opened is not None:
+                opened.close()
         if last_eval is not None:  # the last step was just evaluated
             final_eval = last_eval
         elif self.eval_data is not None or self.evaluate is not None or t.eval_tasks:
@@ -345,19 +221,17 @@ class Trainer:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
         seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time"."""
         started = time.perf_counter()
-        extra: dict[str, Any] = {}
-        if self.objective is not None:
-            loss_value, total_tokens, extra = self.preference_backward(micro, clock)
-        else:
-            loss_value, total_tokens = self.backward(micro, clock)
+        result = self.objective.backward(self, micro, clock)
+        loss_value = result.loss
         forward_backward = time.perf_counter() - started
         vision = clock.take() if clock is not None else 0.0
-        clip = self.cfg.train.clip_grad_norm
-        grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, clip)
-        record = {"loss": loss_value, "grad_norm": grad_norm, **self.learning_rates(),
-                  "tokens": total_tokens, "problems": self.count_problems(micro), **extra}
+        t = self.cfg.train
+        grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, t.clip_grad_norm)
+        record = {"loss": loss_value, "grad_norm": grad_norm, **learning_rates(self.scheduler, self.optimizer, t.lr,
+                                                                                t.lr_by_part),
+                  "tokens": result.tokens, "problems": self.count_problems(micro), **result.logged}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
-            self.drop_unseen_vision_gradients(micro)
+            drop_unseen_vision_gradients(self.model, micro, self.dist, self.device)
             self.optimizer.step()
             self.consecutive_skips = 0
         else:
@@ -376,41 +250,12 @@ class Trainer:
                           "optimizer": time.perf_counter() - started - forward_backward}
         return record
 
-    def drop_unseen_vision_gradients(self, micro: list[dict[str, Any]]) -> None:
-        """When no rank's micro-batches hold an image or a video, the vision side's gradients are dropped (`None`),
-        as one process leaves them: the zero gradients of the placeholder forward that kept the ranks' collectives
-        paired must not give AdamW a step (momentum, weight decay) that one process would not take."""
-        if not self.dist.active or not hasattr(self.model, "encoder"):
-            return
-        mine = sum(b.get(key) is not None for b in micro for key in ("pixel_values", "pixel_values_videos"))
-        if int(dist_utils.all_reduce_sum(torch.tensor(mine, device=self.device)).item()):
-            return
-        for part in (self.model.encoder, self.model.projector):
-            for p in part.parameters():
-                p.grad = None
-
     def add_speed(self, record: dict[str, Any], micro: list[dict[str, Any]], waited: float, seconds: float) -> None:
-        """The step's time split (data / vision / llm / optimizer, and the whole step), throughput over every rank
-        (tokens, supervised tokens, samples and images per second), peak memory; a one-time warning when the step
-        waits for data more than `train.slow_data_share` of its time."""
+        """The step's time split (data / vision / llm / optimizer, and the whole step) and speed (`step_speed`); a
+        one-time warning when the step waits for data more than `train.slow_data_share` of its time."""
         record["time"] = {"data": waited, **record["time"], "step": seconds}
-        counts = torch.tensor([sum(batch_counts(b)[k] for b in micro) for k in range(3)], dtype=torch.float64)
-        tokens, samples, images = dist_utils.all_reduce_sum(counts.to(self.device)).tolist()
-        record.update(tokens_per_s=tokens / seconds, supervised_per_s=record["tokens"] / seconds,
-                      samples_per_s=samples / seconds, images_per_s=images / seconds,
-                      peak_memory_mib=peak_memory_mib(self.device), skipped_steps=self.skipped,
-                      bad_samples=self.bad_samples)
-        if hasattr(self.model, "encoder"):  # FLOPs and MFU per device (this rank's micro-batches)
-            flops = dict.fromkeys(PARTS, 0.0)
-            for batch in micro:
-                if batch["input_ids"].shape[0]:
-                    for part, value in step_flops(self.model, batch).step.items():
-                        flops[part] += value
-            total = sum(flops.values())
-            record.update(flops={**flops, "total": total}, vision_flops_share=(flops["vision"] + flops[
-                "projector"]) / max(total, 1.0), tflops_per_s=total / seconds / 1e12)
-            if self.peak_tflops is not None:
-                record["mfu"] = record["tflops_per_s"] / self.peak_tflops
+        record.update(step_speed(self.model, micro, record["tokens"], seconds, self.device, self.peak_tflops),
+                      skipped_steps=self.skipped, bad_samples=self.bad_samples)
         share = self.cfg.train.slow_data_share
         if self.step > 2 and not self.warned_slow_data and waited > share * seconds:
             self.warned_slow_data = True
@@ -418,17 +263,6 @@ class Trainer:
                         "starved. Fix: more loader processes (data.num_workers, now %d), packing (data.packing), or "
                         "smaller images (the processor's max pixels)", self.step, 100 * waited / seconds, seconds,
                         100 * share, self.cfg.data.num_workers)
-
-    def learning_rates(self) -> dict[str, Any]:
-        """{"lr": this step's rate at train.lr} and, with train.lr_by_part, {"lr_by_part": {part: rate}}."""
-        rates, peak = self.scheduler.get_last_lr(), self.cfg.train.lr
-        groups = self.optimizer.param_groups
-        factor = rates[0] / groups[0]["initial_lr"]  # the schedule's share of the peak
-        at_peak = [rate for rate, group in zip(rates, groups, strict=True) if group["initial_lr"] == peak]
-        out: dict[str, Any] = {"lr": at_peak[0] if at_peak else factor * peak}
-        if self.cfg.train.lr_by_part:
-            out["lr_by_part"] = {part: factor * rate for part, rate in self.cfg.train.lr_by_part.items()}
-        return out
 
     def count_problems(self, micro: list[dict[str, Any]]) -> int:
         """Sum one global batch's samples and bad samples over the ranks and hand them to the bad-sample budget
@@ -447,95 +281,18 @@ class Trainer:
         """The budget of `data.max_bad_fraction`, counting into `self.state` (so its counts are checkpointed)."""
         return BadSampleBudget(self.state, self.cfg.data.max_bad_fraction, logger=log)
 
-    def backward(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> tuple[float, int]:
-        """Accumulate the gradients of one global batch; returns (its mean token loss, its supervised tokens)."""
-        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(self.device))
-        total_tokens = max(int(tokens.item()), 1)
-        loss_sum = torch.zeros((), device=self.device)
-        self.wrapped.train()
-        for k, batch in enumerate(micro):
-            if batch["input_ids"].shape[0] == 0:  # every sample of it was a problem (counted in the log)
-                batch = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
-            sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
-            with sync, self.precision_context():
-                loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=total_tokens).loss
-            (loss * self.dist.world).backward()  # ranks' gradients are averaged; the loss is already global
-            if clock is not None:
-                clock.backward_done()
-            loss_sum += loss.detach().float()
-        return float(dist_utils.all_reduce_sum(loss_sum)), total_tokens
-
-    def preference_backward(self, micro: list[dict[str, Any]],
-                            clock: PartClock | None = None) -> tuple[float, int, dict[str, float]]:
-        """The gradients of one global batch of preference pairs: each micro-batch's per-pair losses summed and divided
-        by the global batch's pairs (all micro-batches, all ranks), so accumulation and ranks equal one big batch.
-        Returns (the mean pair loss, the answer tokens, the logged means)."""
-        from mmadapt.train.objectives import STATS, PreferenceObjective
-
-        pairs = int(dist_utils.all_reduce_sum(torch.tensor(sum(b.get("pairs", 0) for b in micro),
-                                                           device=self.device)).item())
-        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(self.device))
-        sums = dict.fromkeys(STATS, 0.0)
-        self.wrapped.train()
-        for k, batch in enumerate(micro):
-            sync = dist_utils.no_sync(self.wrapped) if k < len(micro) - 1 else nullcontext()
-            with sync, self.precision_context():
-                if not batch.get("pairs"):  # every pair of it was a problem: a zero-loss forward keeps ranks in step
-                    placeholder = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
-                    loss = self.wrapped(**to_device(placeholder, self.device), num_items_in_batch=1).loss
-                else:
-                    terms, stats = self.objective.terms(self.wrapped, batch, self.device)
-                    loss = terms.losses.sum() / max(pairs, 1)
-                    for key, value in stats.items():
-                        sums[key] += value
-            (loss * self.dist.world).backward()
-            if clock is not None:
-                clock.backward_done()
-        totals = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in STATS], dtype=torch.float64,
-                                                        device=self.device)).tolist()
-        summary = PreferenceObjective.summary(dict(zip(STATS, totals, strict=True)), pairs)
-        loss_value = summary.pop("loss") if pairs else float("nan")
-        return loss_value, max(int(tokens.item()), 1), {"pairs": pairs, **summary}
-
     def stop_non_finite(self, batch: dict[str, Any]) -> None:
-        from mmadapt.numerics import find_nonfinite
-
-        inputs = to_device({k: v for k, v in batch.items() if k not in ("pairs", "meta")}, self.device)
-
-        def forward_backward() -> None:
-            with self.precision_context():
-                loss = self.model(**inputs).loss
-            loss.backward()
-
-        report = find_nonfinite(self.model, forward_backward)
-        self.model.zero_grad(set_to_none=True)
-        where = str(report) if report is not None else "the tracer found no non-finite module output or gradient " \
-            "when re-running the batch (the values may come from the optimizer state or the data)"
-        message = (f"stopping at step {self.step + 1}: {self.consecutive_skips} consecutive non-finite steps "
-                   f"({self.skipped} skipped in all). {where}")
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "nonfinite.txt").write_text(message + "\n")
-        raise NonFiniteError(message, report)
+        head = (f"stopping at step {self.step + 1}: {self.consecutive_skips} consecutive non-finite steps "
+                f"({self.skipped} skipped in all)")
+        raise non_finite_error(self.model, batch, self.device, self.precision_context, head,
+                               self.out / "nonfinite.txt" if self.is_main else None)
 
     # ---- evaluation, logging, checkpoints ------------------------------------------------------
     @torch.no_grad()
     def run_eval(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        if self.eval_data is not None and self.objective is not None:
-            out.update(self.preference_eval())
-        elif self.eval_data is not None:
-            loader = DataLoader(self.eval_data, batch_size=self.cfg.data.batch_size, collate_fn=self.collate_fn)
-            self.wrapped.eval()
-            total, tokens = 0.0, 0
-            for batch in loader:
-                if batch["input_ids"].shape[0] == 0:
-                    continue
-                with self.precision_context():
-                    n = int(supervised_tokens(batch["labels"]))
-                    loss = self.wrapped(**to_device(batch, self.device), num_items_in_batch=max(n, 1)).loss
-                total, tokens = total + float(loss) * n, tokens + n
-            out["eval_loss"] = total / max(tokens, 1)
+        if self.eval_data is not None:
+            out.update(self.objective.evaluate(self))
         if self.evaluate is not None:
             out.update(self.evaluate(self.model, self.step))
         if self.cfg.train.eval_tasks:
@@ -544,34 +301,6 @@ class Trainer:
             out.update(evaluate_tasks(self.model, self.tokenizer, self.cfg, step=self.step, out=self.out))
         self.wrapped.train()
         return out
-
-    def preference_eval(self) -> dict[str, float]:
-        """The preference metrics on the eval pairs (`eval_loss`, `eval_rewards/accuracy`, `eval_rewards/margin`,
-        ...): every rank scores its every world-th batch."""
-        from mmadapt.train.objectives import STATS, PreferenceObjective
-
-        sums, pairs = dict.fromkeys(STATS, 0.0), 0
-        size = self.cfg.data.batch_size
-        self.wrapped.eval()
-        starts = list(range(0, len(self.eval_data), size))
-        rounds = -(-len(starts) // self.dist.world)
-        for r in range(rounds):
-            k = r * self.dist.world + self.dist.rank
-            index = range(starts[k], min(starts[k] + size, len(self.eval_data))) if k < len(starts) else []
-            batch = self.collate_fn([self.eval_data[i] for i in index])
-            with self.precision_context():
-                if not batch.get("pairs"):
-                    placeholder = placeholder_batch(batch, getattr(self.collate_fn, "pad_token_id", 0))
-                    self.wrapped(**to_device(placeholder, self.device))
-                    continue
-                _, stats = self.objective.terms(self.wrapped, batch, self.device, split="eval")
-            pairs += batch["pairs"]
-            for key, value in stats.items():
-                sums[key] += value
-        totals = dist_utils.all_reduce_sum(torch.tensor([*(sums[k] for k in STATS), pairs], dtype=torch.float64,
-                                                        device=self.device)).tolist()
-        return PreferenceObjective.summary(dict(zip(STATS, totals[:-1], strict=True)), int(totals[-1]),
-                                           prefix="eval_")
 
     def progress_bar(self) -> Any:
         if not (self.is_main and self.cfg.train.progress):
@@ -598,6 +327,7 @@ class Trainer:
         optimizer_state = {"optimizer": dist_utils.full_optimizer_state(self.wrapped, self.optimizer),
                            "scheduler": self.scheduler.state_dict()}
         path = None
+        self.state.objective = self.objective.state_dict()
         if self.is_main:
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
@@ -634,6 +364,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
         set_rng_state(state["rng"])
         self.state = TrainerState.from_dict(state["trainer"])
+        self.objective.load_state_dict(self.state.objective)
         steps = dist_utils.gather_objects(self.step)
         if len(set(steps)) > 1:
             raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")

@@ -1,7 +1,8 @@
 """The longest micro-batch of a run, as the plan sizes it: `batch_size` samples of `max_length` tokens, each with
 one image at the processor's largest size that fits, or, for models that take video, one video at `data.video`'s
-largest when that has more visual tokens. `train.objective: dpo`: `batch_size` pairs, 2 rows each, the pair's image
-encoded once (the reference's no-grad forward is not counted: it is freed before the policy's)."""
+largest when that has more visual tokens; each sample is the objective's `rows_per_sample` rows (`train.objective:
+dpo`: `batch_size` pairs, 2 rows each, the pair's image encoded once; the reference's no-grad forward is not counted:
+it is freed before the policy's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from mmadapt.train.config import RunConfig
+from mmadapt.train.objectives import objective_for
 
 
 @dataclass
@@ -64,9 +66,9 @@ def workload(config: RunConfig, model: Any) -> Workload:
         tokens = rows * d.max_tokens
     supervised = d.batch_size * max(d.max_length - visual, 1)
     images = d.batch_size
-    if config.train.objective == "dpo":  # B pairs are 2B padded rows (chosen, rejected); each pair's image encoded
-        rows, tokens, supervised = 2 * rows, 2 * tokens, 2 * supervised  # once (a video: once per row)
-        images = 2 * images if frames else images
+    per_sample = objective_for(config).rows_per_sample  # a preference pair: 2 padded rows (chosen, rejected), the
+    rows, tokens, supervised = per_sample * rows, per_sample * tokens, per_sample * supervised  # pair's image encoded
+    images = per_sample * images if frames else images  # once; a video once per row
     return Workload(rows=rows, tokens=tokens, images=images, patches_per_image=patches, visual_per_image=visual,
                     supervised=supervised, image_side=side, video_frames=frames)
 

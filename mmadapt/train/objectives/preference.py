@@ -1,4 +1,5 @@
-"""Preference objectives (DPO and its variants) on the supervised-only path, with the reference model they need.
+"""`train.objective: dpo`: preference objectives (DPO and its variants) over chosen / rejected answer pairs; their
+settings are the run config's `dpo` section (`DpoSection`: the loss type, beta, the reference).
 
 A batch is `mmadapt.data.preference.PairCollator`'s: B chosen rows then B rejected rows, each pair's prompt images
 encoded once (`image_index`). One forward of the policy over the 2B rows gives each row's sequence log-prob
@@ -20,34 +21,39 @@ Rewards (logged): beta (pi - ref) for DPO and IPO, beta pi / |y| for SimPO and O
 the accuracy the share of pairs whose chosen reward is higher; `kl`: the mean over answer tokens of KL(policy ||
 reference) over the whole vocabulary (when the reference runs per batch).
 
-The reference (`Reference`) is the model the run starts from, never a second copy of its weights:
-- `adapters`: when every trained part is LoRA, the same model with its adapters switched off (peft's LoRA layers'
-  `disable_adapters`), run per batch under `torch.no_grad` through the same (DDP / FSDP2) wrapper;
-- `precomputed`: otherwise (or when asked), every pair's reference log-probs are computed once before the first step
-  by the starting model itself and cached in OUT/reference_logps.safetensors with the checksums of the data and of
-  the starting weights; a resumed run reads them back (its weights are no longer the start's).
+The reference (`mmadapt.train.objectives.reference`) is the model the run starts from, never a second copy of its
+weights: the same model with its LoRA adapters off, per batch (`adapters`), or its log-probs of every pair computed
+once before the first step (`precomputed`, `prepare`). A step's loss is the sum of its per-pair losses over the
+global batch's pairs (all micro-batches, all ranks), so accumulation and ranks equal one big batch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import logging
 import math
-from collections.abc import Iterator
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mmadapt.train import distributed as dist_utils
+from mmadapt.train.batches import inputs_of, placeholder_batch, supervised_tokens, to_device
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.objectives.reference import (
+    ReferenceTable,
+    adapters_disabled,
+    compute_table,
+    data_checksum,
+    model_checksum,
+    reference_kind,
+)
+
 log = logging.getLogger(__name__)
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
-NOT_INPUTS = ("pairs", "meta")  # batch keys the model does not take
 
 
 @dataclass(frozen=True)
@@ -95,149 +101,6 @@ def log1m_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-# ---- the reference ---------------------------------------------------------------------------------------------------
-def lora_layers(model: torch.nn.Module) -> list[Any]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The model as it was before LoRA: every LoRA layer's adapters off (peft's `disable_adapters` flag, which its
-    forward reads; `requires_grad` untouched), restored after."""
-    layers = lora_layers(model)
-    before = [layer._disable_adapters for layer in layers]
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer, state in zip(layers, before, strict=True):
-            layer._disable_adapters = state
-
-
-def reference_kind(requested: str, loss_type: str, modes: dict[str, str], model: torch.nn.Module) -> str | None:
-    """How the run gets its reference: None (a reference-free loss), "adapters" or "precomputed"."""
-    if loss_type in REFERENCE_FREE:
-        return None
-    trained_fully = [part for part, mode in modes.items() if mode == "full"]
-    if requested == "adapters":
-        if trained_fully:
-            raise ValueError(f"dpo.reference: adapters needs every trained part to be LoRA, but {trained_fully} "
-                             "train fully (the LoRA-disabled model would not be the starting model). Fix: "
-                             "dpo.reference: precomputed (or auto), or freeze / LoRA those parts")
-        if not lora_layers(model):
-            raise ValueError("dpo.reference: adapters needs LoRA layers (stages: lora)")
-        return "adapters"
-    if requested == "precomputed" or trained_fully:
-        return "precomputed"
-    return "adapters"
-
-
-def inputs_of(batch: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in batch.items() if k not in NOT_INPUTS}
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def model_checksum(model: torch.nn.Module) -> str:
-    """SHA-256 over the model's state (names, shapes, dtypes and bytes): which weights a reference was computed by."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def data_checksum(records: Any, settings: dict[str, Any]) -> str:
-    """SHA-256 over a data set's records (as read; a line that did not parse, by its problem) and the settings that
-    render them."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    for record in records or ():
-        digest.update(json.dumps(record, sort_keys=True, default=str).encode())
-    return digest.hexdigest()
-
-
-class ReferenceTable:
-    """Precomputed reference log-probs: per set ("train", "eval") a (N, 2) fp32 tensor (chosen, rejected) by the
-    dataset's index (NaN for a pair that could not be encoded), with the checksums they were made under."""
-
-    FILE = "reference_logps.safetensors"
-
-    def __init__(self, tables: dict[str, torch.Tensor], checksums: dict[str, str]) -> None:
-        self.tables, self.checksums = tables, checksums
-
-    def lookup(self, name: str, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.tables[name][torch.tensor(index, dtype=torch.long)]
-        missing = [i for i, row in zip(index, rows, strict=True) if bool(torch.isnan(row).any())]
-        if missing:
-            raise RuntimeError(f"the precomputed reference has no log-probs for pair(s) {missing[:5]} of the {name} "
-                               "set (they could not be encoded when it was computed, yet they were now): the data "
-                               f"changed under the run. Delete {self.FILE} and restart, or restore the data")
-        return rows[:, 0], rows[:, 1]
-
-    def save(self, out: Path) -> None:
-        import os
-
-        from mmadapt.atomic import fsync_path, save_safetensors
-
-        staged = out / f".{self.FILE}.{os.getpid()}.tmp"  # written whole, then renamed: a reader sees old or new
-        save_safetensors({k: v.contiguous() for k, v in self.tables.items()}, staged,
-                         metadata={k: str(v) for k, v in self.checksums.items()})
-        fsync_path(staged)
-        os.replace(staged, out / self.FILE)
-        fsync_path(out)
-
-    @classmethod
-    def load(cls, out: Path) -> ReferenceTable | None:
-        from safetensors import safe_open
-
-        path = out / cls.FILE
-        if not path.is_file():
-            return None
-        with safe_open(str(path), "pt") as f:
-            return cls({k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {}))
-
-
-@torch.no_grad()
-def compute_table(wrapped: Any, dataset: Any, collate: Any, *, batch_size: int, rank: int, world: int,
-                  device: torch.device, precision: Any, gather: Any) -> torch.Tensor:
-    """(N, 2) reference log-probs of every pair of `dataset`, each rank computing every world-th pair (the same
-    number of batches on every rank, so sharded models stay in step), gathered on every rank."""
-    n = len(dataset)
-    mine = list(range(rank, n, world))
-    per_rank = -(-n // world)
-    batches = -(-per_rank // batch_size) if per_rank else 0
-    found: dict[int, tuple[float, float]] = {}
-    wrapped.eval()
-    for b in range(batches):
-        index = mine[b * batch_size : (b + 1) * batch_size]
-        batch = collate([dataset[i] for i in index])
-        pair_index = batch["meta"].get("pair_index", [])
-        if not pair_index:  # nothing to score here: a placeholder forward keeps the ranks in step
-            batch = _placeholder(collate)
-        with precision():
-            out = wrapped(**to_device(inputs_of(batch), device), sequence_logps=True)
-        if pair_index:
-            chosen, rejected = out.logps.float().cpu().chunk(2)
-            found.update({i: (float(c), float(r)) for i, c, r in zip(pair_index, chosen, rejected, strict=True)})
-    table = torch.full((n, 2), float("nan"))
-    for part in gather(found):
-        for i, (c, r) in part.items():
-            table[i, 0], table[i, 1] = c, r
-    return table
-
-
-def _placeholder(collate: Any) -> dict[str, Any]:
-    pad = torch.full((1, 2), collate.pad_token_id, dtype=torch.long)
-    return {"input_ids": pad, "attention_mask": torch.ones(1, 2, dtype=torch.bool),
-            "labels": torch.tensor([[-100, pad[0, 1].item()]]), "images_per_sample": torch.zeros(1, dtype=torch.long)}
-
-
 def check_pairs(batch: dict[str, Any], image_token_id: int | None) -> None:
     """The contract on both rows of every pair of a `PairCollator` batch (rows b and B + b): the same image spans (the
     same positions in the prompt both rows share) and, when the pair shares its images, the same encoded images
@@ -272,8 +135,8 @@ def check_pairs(batch: dict[str, Any], image_token_id: int | None) -> None:
 STATS = ("loss", "chosen_reward", "rejected_reward", "correct", "chosen_logps", "rejected_logps", "kl", "kl_tokens")
 
 
-class PreferenceObjective:
-    """What the trainer runs for `train.objective: dpo`: per micro-batch, the reference's log-probs (per batch with
+class PairScorer:
+    """One micro-batch of pairs as the preference objective scores it: the reference's log-probs (per batch with
     the adapters off, from the precomputed table, or none), one policy forward over both rows, the per-pair terms,
     and the sums the step logs."""
 
@@ -288,7 +151,7 @@ class PreferenceObjective:
             return None, None, None
         if self.reference == "precomputed":
             if self.table is None:
-                raise RuntimeError("the precomputed reference was not computed (PreferenceObjective.table)")
+                raise RuntimeError("the precomputed reference was not computed (PairScorer.table)")
             chosen, rejected = self.table.lookup(split, batch["meta"]["pair_index"])
             device = inputs["input_ids"].device
             return chosen.to(device), rejected.to(device), None
@@ -345,3 +208,133 @@ class PreferenceObjective:
         if sums["kl_tokens"]:
             out[f"{prefix}kl"] = sums["kl"] / sums["kl_tokens"]
         return out
+
+
+class PreferenceObjective(Objective):
+    """`train.objective: dpo`: the loss of `dpo.loss_type` on preference pairs, with its reference."""
+
+    section = "dpo"
+    rows_per_sample = 2  # a pair is a chosen and a rejected row (the prompt's images encoded once)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.scorer: PairScorer | None = None
+        self.start_checksum: str | None = None
+
+    @property
+    def reference(self) -> str | None:
+        """None (a reference-free loss), "adapters" or "precomputed" (after `setup`)."""
+        return None if self.scorer is None else self.scorer.reference
+
+    def data(self, model: Any, encoder: Any) -> ObjectiveData:
+        from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+
+        d = self.config.data
+        if d.packing:
+            raise ValueError("train.objective dpo pads its pairs (chosen and rejected rows side by side); set "
+                             "data.packing: false")
+        pairs = PairEncoder(encoder)
+        collate = PairCollator.for_model(model, encoder.pad_token_id)
+        return ObjectiveData(PreferenceDataset(d.train, pairs), PreferenceDataset(d.eval, pairs) if d.eval else None,
+                             collate)
+
+    def setup(self, model: Any) -> None:
+        """The reference (`reference_kind`); a precomputed one notes the starting weights' checksum here, before they
+        are moved or sharded."""
+        s = self.settings
+        kind = reference_kind(s.reference, s.loss_type, self.config.stages.modes(), model)
+        log.info("objective: dpo (loss %s, beta %g); reference: %s", s.loss_type, s.beta,
+                 {None: "none (reference-free)", "adapters": "the model with its LoRA adapters off, per batch",
+                  "precomputed": "the starting model's log-probs, computed before the first step"}[kind])
+        self.start_checksum = model_checksum(model) if kind == "precomputed" else None
+        self.scorer = PairScorer(s, model, kind)
+
+    def prepare(self, run: Run) -> None:
+        """A precomputed reference: OUT's table when its checksums match (the data; and the starting weights, unless
+        resuming: the weights moved on), else computed now by the starting model and saved (rank 0)."""
+        from mmadapt.data.config import DataConfig
+
+        if self.reference != "precomputed":
+            return
+        settings = DataConfig.of(run.cfg.data).preprocessing()
+        sets = {"train": run.train_data, **({"eval": run.eval_data} if run.eval_data is not None else {})}
+        wanted = {name: data_checksum(getattr(d, "records", None), settings) for name, d in sets.items()}
+        found = ReferenceTable.load(run.out) if run.is_main else None
+        found = dist_utils.broadcast_object(None if found is None else (found.tables, found.checksums))
+        table = None if found is None else ReferenceTable(*found)
+        same_data = table is not None and all(table.checksums.get(f"data.{k}") == v for k, v in wanted.items())
+        if run.step > 0:  # resumed: the reference is the one the run started with
+            if not same_data:
+                raise ValueError(f"resume: {run.out / ReferenceTable.FILE} (the starting model's reference log-probs) "
+                                 "is missing or was computed on other data; the starting model is gone, so the run "
+                                 "cannot resume exactly. Fix: restore the file and the data, or start a new run")
+            self.scorer.table = table
+            return
+        if same_data and table.checksums.get("model") == self.start_checksum:
+            log.info("reference log-probs: reusing %s (same data and starting weights)", run.out / ReferenceTable.FILE)
+            self.scorer.table = table
+            return
+        started = time.perf_counter()
+        tables = {name: compute_table(run.wrapped, data, run.collate_fn, batch_size=run.cfg.data.batch_size,
+                                      rank=run.dist.rank, world=run.dist.world, device=run.device,
+                                      precision=run.precision_context, gather=dist_utils.gather_objects)
+                  for name, data in sets.items()}
+        checksums = {"model": self.start_checksum, **{f"data.{k}": v for k, v in wanted.items()}}
+        self.scorer.table = ReferenceTable(tables, checksums)
+        if run.is_main:
+            self.scorer.table.save(run.out)
+        log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
+                 tables.values()), time.perf_counter() - started, run.out / ReferenceTable.FILE)
+
+    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
+        """Each micro-batch's per-pair losses summed and divided by the global batch's pairs; logs the pairs and the
+        means of `PairScorer.summary` (rewards, log-probs, KL)."""
+        pairs = int(dist_utils.all_reduce_sum(torch.tensor(sum(b.get("pairs", 0) for b in micro),
+                                                           device=run.device)).item())
+        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(run.device))
+        sums = dict.fromkeys(STATS, 0.0)
+        run.wrapped.train()
+        for k, batch in enumerate(micro):
+            sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
+            with sync, run.precision_context():
+                if not batch.get("pairs"):  # every pair of it was a problem: a zero-loss forward keeps ranks in step
+                    placeholder = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
+                    loss = run.wrapped(**to_device(placeholder, run.device), num_items_in_batch=1).loss
+                else:
+                    terms, stats = self.scorer.terms(run.wrapped, batch, run.device)
+                    loss = terms.losses.sum() / max(pairs, 1)
+                    for key, value in stats.items():
+                        sums[key] += value
+            (loss * run.dist.world).backward()
+            if clock is not None:
+                clock.backward_done()
+        totals = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in STATS], dtype=torch.float64,
+                                                        device=run.device)).tolist()
+        summary = PairScorer.summary(dict(zip(STATS, totals, strict=True)), pairs)
+        loss_value = summary.pop("loss") if pairs else float("nan")
+        return StepResult(loss_value, max(int(tokens.item()), 1), {"pairs": pairs, **summary})
+
+    def evaluate(self, run: Run) -> dict[str, float]:
+        """The preference metrics on the eval pairs (`eval_loss`, `eval_rewards/accuracy`, `eval_rewards/margin`,
+        ...): every rank scores its every world-th batch."""
+        sums, pairs = dict.fromkeys(STATS, 0.0), 0
+        size, data = run.cfg.data.batch_size, run.eval_data
+        run.wrapped.eval()
+        starts = list(range(0, len(data), size))
+        rounds = -(-len(starts) // run.dist.world)
+        for r in range(rounds):
+            k = r * run.dist.world + run.dist.rank
+            index = range(starts[k], min(starts[k] + size, len(data))) if k < len(starts) else []
+            batch = run.collate_fn([data[i] for i in index])
+            with run.precision_context():
+                if not batch.get("pairs"):
+                    placeholder = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
+                    run.wrapped(**to_device(placeholder, run.device))
+                    continue
+                _, stats = self.scorer.terms(run.wrapped, batch, run.device, split="eval")
+            pairs += batch["pairs"]
+            for key, value in stats.items():
+                sums[key] += value
+        totals = dist_utils.all_reduce_sum(torch.tensor([*(sums[k] for k in STATS), pairs], dtype=torch.float64,
+                                                        device=run.device)).tolist()
+        return PairScorer.summary(dict(zip(STATS, totals[:-1], strict=True)), int(totals[-1]), prefix="eval_")

@@ -1,0 +1,47 @@
+"""Training objectives as registered parts: `train.objective` names one of `OBJECTIVES`.
+
+    objective = objective_for(config)           # the one place `train.objective` is read
+    parts = objective.data(model, encoder)      # its datasets and collator (mmadapt.train.run)
+    Trainer(model, config, parts.train, parts.collate, eval_data=parts.eval).fit()
+
+`sft` (`SupervisedObjective`): next-token loss on the answers; `dpo` (`PreferenceObjective`): DPO, IPO, SimPO and ORPO
+on preference pairs (`dpo.loss_type`), with their reference. `Objective` (`base.py`) is the interface the trainer
+runs; a new objective is one module that subclasses it and registers itself (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from mmadapt.train.config import RunConfig
+from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.objectives.preference import (
+    STATS,
+    PairScorer,
+    PreferenceObjective,
+    PreferenceTerms,
+    check_pairs,
+    preference_losses,
+)
+from mmadapt.train.objectives.reference import (
+    ReferenceTable,
+    adapters_disabled,
+    compute_table,
+    data_checksum,
+    model_checksum,
+    reference_kind,
+)
+from mmadapt.train.objectives.sft import SupervisedObjective
+
+OBJECTIVES.register("sft", SupervisedObjective)
+OBJECTIVES.register("dpo", PreferenceObjective)
+
+
+def objective_for(config: RunConfig) -> Objective:
+    """The objective `config.train.objective` names (`UnknownComponentError` listing the registered ones)."""
+    return OBJECTIVES.get(config.train.objective)(config)
+
+
+__all__ = [
+    "OBJECTIVES", "STATS", "Objective", "ObjectiveData", "PairScorer", "PreferenceObjective", "PreferenceTerms",
+    "ReferenceTable", "Run", "StepResult", "SupervisedObjective", "adapters_disabled", "check_pairs", "compute_table",
+    "data_checksum", "model_checksum", "objective_for", "preference_losses", "reference_kind",
+]
