@@ -16,9 +16,6 @@ from mmadapt.train import RunConfig
 PACKAGE = Path(__file__).resolve().parents[1] / "mmadapt"
 # the spellings of a policy: its config names and its command-line flags other than "none"
 SPELLINGS = {p.name for p in PRECISIONS} | {p.flag for p in PRECISIONS if p.autocasts}
-# modules another change moves to `Precision` (the trainer's `precision_context` / `describe_precision`); listed so
-# the test fails both on a new comparison and once the trainer's are gone (then empty this set)
-NOT_YET_MOVED = {"train/trainer.py"}
 
 
 def test_the_config_keeps_the_name_and_parses_it_once():
@@ -80,7 +77,7 @@ def test_no_module_compares_a_precision_string_outside_the_type():
             lines = precision_comparisons(ast.parse(path.read_text(), filename=str(path)))
             if lines:
                 found[name] = lines
-    assert set(found) == NOT_YET_MOVED, f"precision names compared outside mmadapt/precision.py: {found}"
+    assert not found, f"precision names compared outside mmadapt/precision.py: {found}"
 
 
 def test_the_check_finds_what_it_forbids():

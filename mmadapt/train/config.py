@@ -108,7 +108,7 @@ class TrainSection:
     seed: int = 0
     eval_every: int = 0
     # lmms-eval tasks (task names, or task YAML files) the model is evaluated on at each eval step and at the end, in
-    # this process, as `mmadapt chat` would answer (`mmadapt.train.lmms`; `pip install 'mmadapt[lmms]'`): scores
+    # this process, as `mmadapt chat` would answer (`mmadapt.lmms_eval.tasks`; `pip install 'mmadapt[lmms]'`): scores
     # logged as lmms/TASK/METRIC, each step's answers and record in OUT/lmms_eval/
     eval_tasks: list[str] = field(default_factory=list)
     log_every: int = 10

@@ -83,8 +83,8 @@ class Trainer:
         self.tokenizer = tokenizer
         self.eval_data, self.evaluate = eval_data, evaluate
         self.dist = dist_utils.init(config.distributed.timeout_minutes)
-        if config.train.eval_tasks:  # lmms-eval (mmadapt.train.lmms): checked before training starts
-            from mmadapt.train.lmms import check_eval_tasks
+        if config.train.eval_tasks:  # lmms-eval (mmadapt.lmms_eval.tasks): checked before training starts
+            from mmadapt.lmms_eval.tasks import check_eval_tasks
 
             check_eval_tasks(config.train.eval_tasks, world=self.dist.world, tokenizer=tokenizer)
         self.device = self.dist.device
@@ -103,7 +103,7 @@ class Trainer:
         self.objective = objective_for(config)
         self.objective.setup(model)
         model.to(self.device)
-        self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.policy)
+        self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.mode)
         if not any(p.requires_grad for p in self.wrapped.parameters()):
             raise ValueError("no trainable parameters: every component is frozen (check `stages`)")
         t = config.train
@@ -132,15 +132,8 @@ class Trainer:
         return self.dist.rank == 0
 
     def precision_context(self) -> Any:
-        if self.cfg.precision.policy == "bf16-autocast":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
-    def describe_precision(self) -> str:
-        if self.cfg.precision.policy == "fp32":
-            return "precision: fp32 everywhere (weights, compute, gradients, optimizer state, reduction)"
-        return ("precision: bf16 autocast compute; fp32 master weights, fp32 AdamW state, fp32 gradient "
-                "accumulation, fp32 gradient reduction")
+        """The context every forward runs in (`mmadapt.precision.Precision.autocast`)."""
+        return self.cfg.precision.mode.autocast(self.device)
 
     def loader(self, start_step: int) -> Iterator[dict[str, Any]]:
         sampler = GlobalBatchSampler(len(self.train_data), micro_batch=self.cfg.data.batch_size,
@@ -167,7 +160,7 @@ class Trainer:
             if self.step == 0:
                 self.check_fresh_out()
             self.cfg.save(self.out / "config.yaml")
-            log.info(self.describe_precision())
+            log.info(self.cfg.precision.mode.describe())
         self.objective.prepare(self)
         batches = self.loader(self.step)
         progress = self.progress_bar()
@@ -296,7 +289,7 @@ class Trainer:
         if self.evaluate is not None:
             out.update(self.evaluate(self.model, self.step))
         if self.cfg.train.eval_tasks:
-            from mmadapt.train.lmms import evaluate_tasks
+            from mmadapt.lmms_eval.tasks import evaluate_tasks
 
             out.update(evaluate_tasks(self.model, self.tokenizer, self.cfg, step=self.step, out=self.out))
         self.wrapped.train()
