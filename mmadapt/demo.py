@@ -40,6 +40,7 @@ import torch
 
 from mmadapt.config import DEFAULT_PARTS, DEFAULT_PRESET
 from mmadapt.controls import BLANKED, IMAGE_CONTROLS, REAL, SHUFFLED
+from mmadapt.run_directory import RunDirectory
 
 if TYPE_CHECKING:
     from mmadapt.evaluate import EvalReport
@@ -51,7 +52,6 @@ QUESTION = "What digit is this?"
 # The default run: held-out accuracy 0.96 with images, 0.10 / 0.09 blanked / shuffled, in 90-105 s of
 # wall time on 2 shared CPU cores (`time mmadapt demo`; 75-92 s of it training).
 DEFAULTS: dict[str, Any] = {"steps": 300, "lr": 1e-3, "batch_size": 32, "warmup_steps": 20, "image_size": 32}
-MARKER = ".mmadapt-demo"  # marks OUT as a demo directory that a rerun may clear
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class DemoReport:
 
     @property
     def report_file(self) -> str:
-        return os.path.join(self.out, "report.json")
+        return os.fspath(RunDirectory(self.out).report_file)
 
     def lines(self) -> list[str]:
         """Training, the held-out accuracy with real / blanked / shuffled images, the files, the verdict."""
@@ -188,8 +188,9 @@ def prepare_out(out: Path) -> None:
     """
     import shutil
 
-    marker = out / MARKER
-    previous = [p for p in (out / "checkpoints", out / "log.jsonl") if p.exists()]
+    run = RunDirectory(out)
+    marker = run.demo_marker  # marks OUT as a demo directory that a rerun may clear
+    previous = [p for p in (run.checkpoints_dir, run.log_file) if p.exists()]
     if previous and not marker.is_file():
         raise ValueError(f"{out} holds another run's outputs ({', '.join(p.name for p in previous)}) and is not "
                          "a demo directory. Fix: choose another --out, or delete that directory first.")
@@ -206,6 +207,7 @@ def run_config(out: Path, *, steps: int, lr: float, batch_size: int, warmup_step
                progress: bool) -> Any:
     from mmadapt.train import RunConfig
 
+    data = RunDirectory(out).data_dir
     overrides = [f"train.steps={steps}", f"train.lr={lr}", f"train.warmup_steps={min(warmup_steps, steps - 1)}",
                  f"data.batch_size={batch_size}", f"train.seed={seed}", f"train.out={out}",
                  f"train.progress={str(progress).lower()}", f"train.log_every={max(steps // 10, 1)}",
@@ -213,8 +215,7 @@ def run_config(out: Path, *, steps: int, lr: float, batch_size: int, warmup_step
                  "train.schedule=cosine", "checkpoint.keep=1",
                  # the files the demo trained and evaluated on, recorded with the run (`mmadapt serve --ui` takes
                  # its example questions from data.eval)
-                 f"data.train={out / 'data' / 'train.jsonl'}", f"data.eval={out / 'data' / 'eval.jsonl'}",
-                 f"data.image_root={out / 'data'}"]
+                 f"data.train={data / 'train.jsonl'}", f"data.eval={data / 'eval.jsonl'}", f"data.image_root={data}"]
     return RunConfig.load(None, overrides)
 
 
@@ -237,12 +238,14 @@ def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAUL
                                                  warmup_steps=warmup_steps, image_size=image_size).items()
                          if v is not None}}
     started, given, out = time.perf_counter(), str(out), Path(out)
+    run = RunDirectory(out)
+    data = run.data_dir
     prepare_out(out)
     torch.manual_seed(seed)
     model = mmadapt.build_model(encoder, projector, backbone, preset=preset, deepstack=deepstack)
-    train_records, eval_records = digit_records(out / "data", image_size=hp["image_size"], seed=seed)
+    train_records, eval_records = digit_records(data, image_size=hp["image_size"], seed=seed)
     tokenizer = char_tokenizer()
-    sample_encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(out / "data"), max_length=1024,
+    sample_encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(data), max_length=1024,
                                              truncation="raise")
     collate = Collator.for_model(model, sample_encoder.pad_token_id)
     train_data = VLMDataset(train_records, sample_encoder)
@@ -259,9 +262,9 @@ def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAUL
     scored = evaluate_records(model, sample_encoder, collate, eval_records, margin=margin, classes=10)
     predictions = {c.name: scored.answers(c.name) for c in IMAGE_CONTROLS}
     sees_after = sees_images(model, probe)
-    files = {"loss_curve": str(out / "loss.png"), "predictions": str(
-        plot_predictions(out / "predictions.png", out / "data", eval_records, predictions)),
-        "data": str(out / "data"), "log": str(out / "log.jsonl")}
+    files = {"loss_curve": str(run.loss_plot), "predictions": str(
+        plot_predictions(run.predictions_plot, data, eval_records, predictions)),
+        "data": str(data), "log": str(run.log_file)}
     report = DemoReport(
         evaluation=scored, steps=summary["steps"], skipped=summary["skipped"],
         train_seconds=round(summary["seconds"], 2),
@@ -270,6 +273,6 @@ def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAUL
         hyperparameters={**hp, "seed": seed}, train_samples=len(train_records), eval_samples=len(eval_records),
         sees_before=sees_before, sees_after=sees_after, files=files,
         seconds=round(time.perf_counter() - started, 2), out=given)
-    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    run.report_file.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     log.info("%s", report.verdict)
     return report

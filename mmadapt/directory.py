@@ -42,6 +42,7 @@ from typing import Any
 
 from mmadapt.atomic import StagedDirectory, recover
 from mmadapt.config import ModelConfig
+from mmadapt.run_directory import COMPLETE
 from mmadapt.weights import (
     BIN,
     BIN_INDEX,
@@ -58,7 +59,6 @@ from mmadapt.weights import (
 CONFIG_FILE = "config.json"
 EXPORT_RECORD = "mmadapt_export.json"  # beside a transformers export: its version, data settings, checksums, notes
 DATA_KEY = "data"  # in config.json (mmadapt's format) and in the export record: the data settings
-CHECKPOINT_MARKER = "COMPLETE"  # a training checkpoint's (`mmadapt.train.checkpoint.MARKER`): not a model directory
 log = logging.getLogger(__name__)
 
 
@@ -204,7 +204,7 @@ def is_model_directory(path: Path) -> bool:
     names = {p.name for p in path.iterdir()} if path.is_dir() else set()
     weights = {SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX} & names or any(
         n.startswith("model-") and n.endswith(".safetensors") for n in names)
-    return CONFIG_FILE in names and bool(weights) and CHECKPOINT_MARKER not in names
+    return CONFIG_FILE in names and bool(weights) and COMPLETE not in names
 
 
 def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", tokenizer: Any = None,

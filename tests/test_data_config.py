@@ -63,7 +63,7 @@ def test_every_data_setting_is_a_run_key_and_a_flag_with_one_default(tmp_path):
         run = RunConfig.from_dict({"data": {s.name: value}})
         assert getattr(run.data, s.name) == expected, f"data.{s.name} in a run file"
         run.save(tmp_path / "run.yaml")
-        assert RunConfig.load(tmp_path / "run.yaml") == run, f"data.{s.name} round-trips through config.yaml"
+        assert RunConfig.load(tmp_path / "run.yaml") == run.resolved(), f"data.{s.name} round-trips through config.yaml"
         for command, argv in COMMANDS.items():
             args = parser.parse_args([*argv, *flag_args(s, value)])
             assert getattr(DataConfig(**data_settings(args)), s.name) == expected, f"{command} {s.flag}"

@@ -96,9 +96,12 @@ def test_a_rerun_replaces_the_previous_demo_outputs_and_another_runs_directory_i
 
 
 @pytest.mark.slow
-def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert main(["demo", "--steps", "100", "--out", str(out), "--no-progress"]) == 0
+def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, monkeypatch, capsys):
+    """Run as a new user runs it (a relative --out); then served from another directory, the page's examples are the
+    run's held-out digits (its config's data paths are absolute), not scikit-image's photographs."""
+    out = tmp_path / "runs" / "demo"
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--steps", "100", "--out", "runs/demo", "--no-progress"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert REPORT_KEYS <= set(report)
     assert report["passed"] and report["steps"] == 100
@@ -110,6 +113,17 @@ def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, c
         assert (out / name).stat().st_size > 0, name
     printed = capsys.readouterr().out
     assert "PASSED" in printed and "real images" in printed and "shuffled images" in printed
+
+    pytest.importorskip("gradio")
+    from mmadapt.serve.page import default_examples
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    held_out = [json.loads(line)["id"] for line in (out / "data" / "eval.jsonl").read_text().splitlines()]
+    examples = default_examples(out / "model", elsewhere)
+    assert examples and [e.name for e in examples] == held_out[: len(examples)]
+    assert {e.question for e in examples} == {demo.QUESTION}
 
 
 def test_the_cli_exits_non_zero_when_the_model_does_not_read_the_images(monkeypatch, tmp_path, capsys):

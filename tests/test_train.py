@@ -62,7 +62,7 @@ def test_config_overrides_unknown_keys_and_round_trip(tmp_path):
     with pytest.raises(ValueError, match="must be one of"):
         RunConfig.load(None, ["precision.policy=fp16"])
     cfg.save(tmp_path / "c.yaml")
-    assert RunConfig.load(tmp_path / "c.yaml") == cfg
+    assert RunConfig.load(tmp_path / "c.yaml") == cfg.resolved()  # saved with its paths absolute
 
 
 # ---- accumulation ---------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mmadapt.directory import source_record
+from mmadapt.run_directory import RunDirectory, is_complete, step_of
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ModelCard:
         in code) and its `processor` (`mmadapt.Processor`)."""
         notes: list[str] = []
         config = model.resolved_config().to_dict()
-        run = run_directory(Path(src)) if src is not None else None
+        run = RunDirectory.of(src) if src is not None else None
         presets = run_presets(run, notes) if run is not None else {}
         components = [component(part, {**config[part], "preset": config[part].get("preset") or presets.get(part)},
                                 getattr(model, part)) for part in PARTS]
@@ -114,50 +114,34 @@ def component(part: str, config: dict[str, Any], module: Any) -> dict[str, Any]:
             "pretrained": pretrained, "sha256": digest}
 
 
-def run_presets(run: Path, notes: list[str]) -> dict[str, str]:
-    """{part: preset} as the run's `config.yaml` named them (a saved model keeps the options a preset expanded to,
-    not its name): `model.preset` for the encoder and the backbone, a part's own `preset` first."""
+def run_presets(run: RunDirectory, notes: list[str]) -> dict[str, str]:
+    """{part: preset} as the run's config named them (a saved model keeps the options a preset expanded to, not its
+    name): `model.preset` for the encoder and the backbone, a part's own `preset` first."""
     import yaml
 
-    path = run / "config.yaml"
-    if not path.is_file():
+    from mmadapt.train.config import RunConfig
+
+    if not run.config_file.is_file():
         return {}
     try:
-        section = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
-    except (OSError, yaml.YAMLError) as e:
-        notes.append(f"{path} could not be read: {e}")
+        section = RunConfig.load(run.config_file).model
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
+        notes.append(f"{run.config_file} could not be read: {e}")
         return {}
     found = {}
     for part in PARTS:
-        given = section.get(part)
+        given = getattr(section, part)
         own = given.get("preset") if isinstance(given, dict) else None
-        shared = section.get("preset") if part != "projector" and not (isinstance(given, dict)
-                                                                      and given.get("pretrained")) else None
+        shared = section.preset if part != "projector" and not (isinstance(given, dict)
+                                                               and given.get("pretrained")) else None
         if isinstance(own or shared, str):
             found[part] = own or shared
     return found
 
 
-def run_directory(src: Path) -> Path | None:
-    """The run directory `src` belongs to (a run, its OUT/model or OUT/adapters, one of its checkpoints), or None."""
-    src = src.resolve()
-    for candidate in (src, src.parent, src.parent.parent):
-        if (candidate / "checkpoints").is_dir():
-            return candidate
-    return None
-
-
-def checkpoints(run: Path) -> list[dict[str, Any]]:
+def checkpoints(run: RunDirectory) -> list[dict[str, Any]]:
     """The run's checkpoints, oldest first: name, step and whether it is complete (its marker written)."""
-    from mmadapt.directory import CHECKPOINT_MARKER
-
-    found = []
-    for path in sorted((run / "checkpoints").glob("step-*")):
-        match = re.fullmatch(r"step-(\d+)", path.name)
-        if match and path.is_dir():
-            found.append({"name": path.name, "step": int(match.group(1)),
-                          "complete": (path / CHECKPOINT_MARKER).is_file()})
-    return found
+    return [{"name": path.name, "step": step_of(path), "complete": is_complete(path)} for path in run.checkpoints()]
 
 
 def example_prompt(processor: Any, notes: list[str]) -> str:
@@ -185,12 +169,12 @@ def example_prompt(processor: Any, notes: list[str]) -> str:
     return "".join(pieces)
 
 
-def evaluation(run: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
+def evaluation(run: RunDirectory, notes: list[str]) -> dict[str, dict[str, Any]]:
     """{where: {metric: value}}: the last eval metrics of `log.jsonl` and the accuracies of `report.json`."""
     from mmadapt.controls import IMAGE_CONTROLS, current_key
 
     found: dict[str, dict[str, Any]] = {}
-    log_file = run / "log.jsonl"
+    log_file = run.log_file
     if log_file.is_file():
         last: dict[str, Any] = {}
         with log_file.open("rb") as f:
@@ -208,15 +192,15 @@ def evaluation(run: Path, notes: list[str]) -> dict[str, dict[str, Any]]:
                 if metrics:
                     last.update({**metrics, "step": record.get("step")})
         if last:
-            found[f"log.jsonl, step {last.pop('step')}"] = last
-    report = run / "report.json"
+            found[f"{log_file.name}, step {last.pop('step')}"] = last
+    report = run.report_file
     if report.is_file():
         try:
             data = json.loads(report.read_text())
             # keys in the image controls' vocabulary, an older version's report too (accuracy_blank -> _blanked)
             numbers = {current_key(k): v for k, v in data.items() if k.startswith("accuracy") or k == "chance"}
             if numbers:
-                found[f"report.json (held-out answers: {' / '.join(c.name for c in IMAGE_CONTROLS)} images)"] = numbers
+                found[f"{report.name} (held-out answers: {' / '.join(c.name for c in IMAGE_CONTROLS)} images)"] = numbers
         except (OSError, ValueError) as e:
             notes.append(f"{report} could not be read: {e}")
     return found

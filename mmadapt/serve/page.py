@@ -536,23 +536,26 @@ def builtin_examples(directory: Path) -> list[Example]:
 
 
 def default_examples(src: str | os.PathLike | None, directory: Path) -> list[Example]:
-    """The run's held-out questions (its config's data.eval, images under its data.image_root), else scikit-image's
-    photographs."""
-    from mmadapt.serve.card import run_directory
+    """The held-out questions of the run `src` belongs to (its saved config's data.eval, images under its
+    data.image_root: absolute paths, so found from any working directory), else scikit-image's photographs."""
+    import yaml
 
-    run = run_directory(Path(src)) if src is not None else None
-    config = run / "config.yaml" if run is not None else None
-    if config is not None and config.is_file():
-        import yaml
+    from mmadapt.run_directory import RunDirectory
+    from mmadapt.train.config import RunConfig
 
+    run = RunDirectory.of(src) if src is not None else None
+    if run is not None and run.config_file.is_file():
         try:
-            data = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
-            if data.get("eval") and Path(data["eval"]).is_file():
-                found = examples_from(data["eval"], directory, image_root=data.get("image_root"))
+            data = RunConfig.load(run.config_file).data
+            if data.eval and not Path(data.eval).is_file():
+                log.warning("the run's held-out file %s (data.eval of %s) is not there: the page shows scikit-image's "
+                            "photographs instead", data.eval, run.config_file)
+            elif data.eval:
+                found = examples_from(data.eval, directory, image_root=data.image_root)
                 if found:
                     return found
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            log.warning("the run's examples could not be read from %s: %s", config, e)
+        except (OSError, ValueError, TypeError, yaml.YAMLError) as e:
+            log.warning("the run's examples could not be read from %s: %s", run.config_file, e)
     return builtin_examples(directory)
 
 

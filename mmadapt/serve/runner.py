@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from mmadapt.run_directory import RunDirectory
 from mmadapt.serve.app import ServeSettings, create_app
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,8 @@ def default_name(src: str | Path) -> str:
     """The name a model is served under by default: its directory's name (the run's, for a run's OUT/model or
     OUT/adapters)."""
     path = Path(src).resolve()
-    in_run = path.name in ("model", "adapters") and (path.parent / "checkpoints").is_dir()
-    return path.parent.name if in_run else path.name
+    run = RunDirectory.of(path)
+    return run.path.name if run is not None and path in (run.model_dir, run.adapters_dir) else path.name
 
 
 def load_app(src: str | Path, adapters: str | Path | None = None, *, settings: ServeSettings | None = None,

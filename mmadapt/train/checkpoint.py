@@ -7,7 +7,7 @@ A checkpoint is a directory `OUT/checkpoints/step-000123/`:
     optimizer.pt          optimizer + scheduler state (tensors only: loaded with weights_only=True)
     rng.pt                torch / CUDA / numpy / Python RNG states (weights_only-safe)
     trainer_state.json    step, data position, counters, log history
-    config.yaml           the resolved run config
+    config.yaml           the run config, every path in it absolute (`RunConfig.save`)
     COMPLETE              JSON {step, files: {name: sha256}} of every other file; without it a directory is never loaded
 
 Writing goes to a temporary sibling directory (`mmadapt.atomic.StagedDirectory`): each file's SHA-256 is taken as it
@@ -44,22 +44,21 @@ import torch
 
 from mmadapt.atomic import HOST, StagedDirectory, clean_leftovers, save_safetensors
 from mmadapt.atomic import CheckpointWriteError as CheckpointWriteError  # raised here; defined low for directory.py
+from mmadapt.run_directory import COMPLETE as MARKER  # the marker's one home is mmadapt.run_directory
+from mmadapt.run_directory import CONFIG, RunDirectory, step_of
 from mmadapt.weights import without_aliases
 
-MARKER = "COMPLETE"
-LOCK_FILE = ".lock"
 log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
-    return Path(out) / "checkpoints" / f"step-{step:07d}"
+    """Where OUT's checkpoint of step `step` is written (`RunDirectory.checkpoint`)."""
+    return RunDirectory(out).checkpoint(step)
 
 
 def latest_checkpoint(out: str | os.PathLike, *, verify: bool = False) -> Path | None:
     """The newest complete checkpoint under OUT, or None. `verify`: the newest whose files match their checksums."""
-    root = Path(out) / "checkpoints"
-    done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file()) if root.is_dir() else []
-    for path in reversed(done):
+    for path in reversed(RunDirectory(out).checkpoints(complete=True)):
         problem = verify_checkpoint(path) if verify else None
         if problem is None:
             return path
@@ -85,7 +84,7 @@ def verify_checkpoint(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return (f"its {MARKER} marker does not parse or lists no checksums ({e!r}), so its files cannot be checked: "
                 "unverified")
-    if marker.get("step") != _step_of(path):
+    if marker.get("step") != step_of(path):
         return f"its {MARKER} marker is for step {marker.get('step')!r}, not for this directory's step"
     present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MARKER}
     unlisted = sorted(present - set(recorded))
@@ -97,11 +96,6 @@ def verify_checkpoint(path: Path) -> str | None:
         if file_sha256(path / name) != digest:
             return f"{name} is corrupt (its SHA-256 differs from the one recorded when it was written)"
     return None
-
-
-def _step_of(path: Path) -> int | None:
-    number = path.name.removeprefix("step-")
-    return int(number) if number.isdigit() else None
 
 
 def rng_state() -> dict[str, Any]:
@@ -157,8 +151,8 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
         with stage.open("rng.pt") as f:
             torch.save(rng_state(), f)
         stage.write_bytes("trainer_state.json", json.dumps(trainer_state, indent=1).encode())
-        config.save(stage.path / "config.yaml")
-        stage.record("config.yaml")
+        config.save(stage.path / CONFIG)  # its paths absolute: the checkpoint resumes from any working directory
+        stage.record(CONFIG)
         if extras is not None:
             extras(stage.path)
         checksums = stage.settle()
@@ -170,13 +164,13 @@ def save_checkpoint(out: str | os.PathLike, step: int, *, model_state: dict[str,
 def prune(out: str | os.PathLike, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and the temporary directories of writers that are gone
     (a live writer's, whose lock is held, is left alone)."""
-    root = Path(out) / "checkpoints"
-    if not root.is_dir():
+    run = RunDirectory(out)
+    if not run.checkpoints_dir.is_dir():
         return
-    done = sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
+    done = run.checkpoints(complete=True)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    clean_leftovers(root)
+    clean_leftovers(run.checkpoints_dir)
 
 
 class OutInUseError(ValueError):
@@ -196,7 +190,7 @@ class OutLock:
         """Lock `out` (created if missing), or raise `OutInUseError` naming the run that holds it."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        file = open(out / LOCK_FILE, "a+")  # held open for the run: the lock lives as long as this file
+        file = open(RunDirectory(out).lock_file, "a+")  # held open for the run: the lock lives as long as this file
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -5,6 +5,11 @@
 Unknown keys (in the file or an override) raise with the closest valid key suggested; the
 resolved config is saved with the run (`config.yaml`) and in every checkpoint. The `data` section
 extends `mmadapt.data.DataConfig`: every data setting of `mmadapt data check` is a `data.` key here.
+
+Paths: in the file a user passes, a relative path (data.train, train.out, ...: `PATH_SETTINGS`) is relative to the
+working directory, as a shell reads it. The config a run saves holds them absolute, as they resolved when it was
+saved (`RunConfig.resolved`), so that `mmadapt train OUT --resume`, `mmadapt serve OUT --ui` and a notebook find the
+same files from any directory; `RunConfig.load(OUT)` reads the config a run saved.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from typing import Any, Literal, get_type_hints
 
 from mmadapt.data.config import DataConfig, about
 from mmadapt.precision import FP32, Precision
+from mmadapt.run_directory import CONFIG, RunDirectory
 
 COMPONENT_MODES = ("frozen", "full", "lora")
 REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
+# The settings that name a file or directory; also each model part's `pretrained` and train.eval_tasks' task YAML files
+PATH_SETTINGS = (("model", "pretrained"), ("data", "train"), ("data", "eval"), ("data", "tokenizer"),
+                 ("data", "image_root"), ("train", "out"))
 STAGE_PRESETS: dict[str, dict[str, str]] = {
     # LLaVA-1.5: stage 1 aligns the projector alone, stage 2 tunes projector + LLM; the tower stays frozen.
     "llava-stage1": {"encoder": "frozen", "projector": "full", "backbone": "frozen"},
@@ -270,10 +279,17 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-        """A YAML file (or the defaults) plus `section.key=value` overrides (values parsed as YAML)."""
+        """A YAML file (or the defaults) plus `section.key=value` overrides (values parsed as YAML). `path` may be a
+        run directory (OUT): the config that run saved. Relative paths stay as written: relative to the working
+        directory."""
         import yaml
 
         data: dict[str, Any] = {}
+        if path is not None and os.path.isdir(path):
+            path = RunDirectory(path).config_file
+            if not path.is_file():
+                raise FileNotFoundError(f"{path.parent} is a directory without a {CONFIG}: give a run config (YAML), "
+                                        "or a run directory (a train.out) holding the config its run saved")
         if path is not None:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
@@ -285,10 +301,33 @@ class RunConfig:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the config as a run records it (OUT/config.yaml, each checkpoint's copy): `resolved()`, its paths
+        absolute, so that it names the same files read from any working directory."""
         import yaml
 
         with open(path, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            yaml.safe_dump(self.resolved().to_dict(), f, sort_keys=False)
+
+    def resolved(self) -> RunConfig:
+        """This config with every path setting absolute (`~` expanded), as the working directory resolves it now:
+        `PATH_SETTINGS`, each model part's `pretrained` and train.eval_tasks' YAML files. An unset data.image_root
+        (image paths relative to the working directory) becomes that directory when the run names data files."""
+        data = self.to_dict()
+        for section, key in PATH_SETTINGS:
+            data[section][key] = absolute(data[section][key])
+        for part in ("encoder", "projector", "backbone"):
+            if isinstance(data["model"][part], dict) and data["model"][part].get("pretrained"):
+                data["model"][part]["pretrained"] = absolute(data["model"][part]["pretrained"])
+        data["train"]["eval_tasks"] = [absolute(task) if task.endswith((".yaml", ".yml")) else task
+                                       for task in data["train"]["eval_tasks"]]
+        if data["data"]["image_root"] is None and (data["data"]["train"] or data["data"]["eval"]):
+            data["data"]["image_root"] = os.getcwd()
+        return RunConfig.from_dict(data)
+
+
+def absolute(path: str | None) -> str | None:
+    """`path` made absolute against the working directory (None stays None)."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

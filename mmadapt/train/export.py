@@ -21,7 +21,8 @@ from mmadapt.atomic import TargetExistsError, check_target
 from mmadapt.data.config import DataConfig
 from mmadapt.data.tokenizer import load_tokenizer
 from mmadapt.model import VisionLanguageModel
-from mmadapt.train.checkpoint import MARKER, latest_checkpoint
+from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete
+from mmadapt.train.checkpoint import latest_checkpoint
 from mmadapt.train.config import RunConfig
 from mmadapt.train.stages import apply_stages, lora_modules, merge_lora
 from mmadapt.weights import Checkpoint, load_pretrained
@@ -34,10 +35,10 @@ def resolve_source(src: str | Path) -> Path:
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist: give a run directory, a checkpoint or a model directory")
-    if (src / "checkpoints").is_dir():
+    if RunDirectory(src).exists():
         newest = latest_checkpoint(src, verify=True)
         if newest is None:
-            raise ValueError(f"{src} has no complete checkpoint (none with a {MARKER} marker whose files match)")
+            raise ValueError(f"{src} has no complete checkpoint (none with a {COMPLETE} marker whose files match)")
         return newest
     if not (src / model_directory.CONFIG_FILE).is_file():
         raise ValueError(f"{src} is not a run, checkpoint or model directory (no config.json, no checkpoints/). "
@@ -48,7 +49,7 @@ def resolve_source(src: str | Path) -> Path:
 def load_trained(src: str | Path) -> tuple[Any, Any]:
     """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory."""
     path = resolve_source(src)
-    run = RunConfig.load(path / "config.yaml") if (path / MARKER).is_file() else None  # None: a model directory
+    run = RunConfig.load(path / CONFIG) if is_complete(path) else None  # None: a model directory
     tokenizer = load_tokenizer(path)
     model = VisionLanguageModel.from_pretrained(path) if run is None else load_checkpoint_model(path, run)
     return model, tokenizer
@@ -91,7 +92,7 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
     the trainer's own `OUT/model`); one that holds anything else (a checkpoint, a run, other files) never. The target
     is checked before the model is loaded."""
     dst = Path(dst)
-    if (dst / MARKER).is_file() or (dst / "checkpoints").is_dir():
+    if is_complete(dst) or RunDirectory(dst).exists():
         raise TargetExistsError(f"{dst} is a training checkpoint or run directory, not a model directory: export "
                                 "writes a model directory and never replaces a checkpoint. Choose another dst.")
     check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)

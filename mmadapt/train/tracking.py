@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mmadapt.run_directory import RunDirectory
+
 
 def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """The finite numbers of a record, nested dicts flattened to 'a/b' (booleans as 0 / 1)."""
@@ -33,11 +35,11 @@ class Tracker:
 
     def __init__(self, out: Path, report_to: list[str], config: dict[str, Any], *,
                  plan: dict[str, Any] | None = None) -> None:
-        self.out, self.names = Path(out), report_to
+        self.out, self.run, self.names = Path(out), RunDirectory(out), report_to
         self.writer = self.wandb = None
         extra = {"plan": plan} if plan is not None else {}
         if plan is not None:
-            (self.out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+            self.run.plan_file.write_text(json.dumps(plan, indent=2) + "\n")
         for name in self.names[1:]:
             try:
                 __import__(name)
@@ -47,17 +49,17 @@ class Tracker:
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+            self.writer = SummaryWriter(log_dir=str(self.run.tensorboard_dir))
             self.writer.add_text("config", f"```\n{json.dumps({**config, **extra}, indent=2, default=str)}\n```")
         if "wandb" in self.names:
             import wandb
 
-            (self.out / "wandb").mkdir(parents=True, exist_ok=True)
+            self.run.wandb_dir.mkdir(parents=True, exist_ok=True)
             self.wandb = wandb.init(project="mmadapt", name=self.out.name, dir=str(self.out),
                                     config={**config, **extra}, reinit="create_new")
 
     def log(self, record: dict[str, Any]) -> None:
-        with open(self.out / "log.jsonl", "a") as f:
+        with open(self.run.log_file, "a") as f:
             f.write(json.dumps(record) + "\n")
         values = scalars({k: v for k, v in record.items() if k != "step"})
         step = int(record["step"])
