@@ -36,6 +36,7 @@ from mmadapt.answering import (  # noqa: F401  (answering's names, where callers
 from mmadapt.data.samples import IMAGE, VIDEO
 from mmadapt.model import VisionLanguageModel
 from mmadapt.processor import Processor
+from mmadapt.run_directory import RunDirectory
 from mmadapt.sampling import DEFAULT_SAMPLING
 from mmadapt.train.export import load_trained
 from mmadapt.train.stages import adapter_components, load_adapters
@@ -51,12 +52,13 @@ def load_for_inference(src: str | Path, adapters: str | Path | None = None) -> t
     if adapter_components(src):
         if adapters is not None:
             raise ValueError(f"{src} is an adapters directory; give the base model first: MODEL --adapters {src}")
-        if not (src.parent / "checkpoints").is_dir():
+        if not RunDirectory(src.parent).exists():
             raise ValueError(f"{src} holds only LoRA adapters, not a model: give the run directory it came from, or "
                              f"the base model they were trained on and --adapters {src}")
         src = src.parent
-    if (src / "model" / model_directory.CONFIG_FILE).is_file() and (src / "checkpoints").is_dir():
-        src = src / "model"
+    run = RunDirectory(src)
+    if run.exists() and (run.model_dir / model_directory.CONFIG_FILE).is_file():
+        src = run.model_dir
     model, tokenizer = load_trained(src)
     if adapters is not None:
         if not Path(adapters).is_dir():

@@ -21,6 +21,7 @@ from mmadapt.controls import (
     control_named,
     current_key,
 )
+from mmadapt.run_directory import RunDirectory
 from mmadapt.serve.card import evaluation
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mmadapt"
@@ -79,7 +80,7 @@ def test_an_older_reports_keys_read_back_in_the_vocabulary(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps({"accuracy_images": 0.9, "accuracy_blank": 0.1,
                                                       "accuracy_shuffled": 0.2, "chance": 0.1}))
     notes: list[str] = []
-    assert list(evaluation(tmp_path, notes).values()) == [
+    assert list(evaluation(RunDirectory(tmp_path), notes).values()) == [
         {"accuracy_real": 0.9, "accuracy_blanked": 0.1, "accuracy_shuffled": 0.2, "chance": 0.1}]
     assert control_named("blank") is BLANKED and control_named("time_shuffled") is REVERSED
     with pytest.raises(ValueError, match=r"unknown image control 'noise'; known: \['blanked', 'real'"):

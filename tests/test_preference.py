@@ -32,6 +32,7 @@ import mmadapt
 from mmadapt.data import DataProblem, SampleEncoder, char_tokenizer
 from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset, parse_preference
 from mmadapt.loss import sequence_logps, supervised_rows
+from mmadapt.run_directory import RunDirectory
 from mmadapt.sees import preference_view
 from mmadapt.train import RunConfig, Trainer, latest_checkpoint
 from mmadapt.train.batches import inputs_of
@@ -372,7 +373,7 @@ def test_the_precomputed_reference_is_cached_with_checksums_and_read_back_on_res
                             for r in records))
     with pytest.raises(ValueError, match="computed on other data"):
         run_steps([*overrides, "checkpoint.resume=true"], 4)
-    (tmp_path / "out" / ReferenceTable.FILE).unlink()
+    RunDirectory(tmp_path / "out").reference_file.unlink()
     with pytest.raises(ValueError, match="is missing"):
         run_steps([*overrides, "checkpoint.resume=true"], 4)
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from mmadapt.lmms_eval.model import LmmsChatModel
+from mmadapt.run_directory import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def evaluate_tasks(model: Any, tokenizer: Any, config: Any, *, step: int, out: s
     NumPy, torch) are restored after, so evaluating does not change the training that follows."""
     from lmms_eval.evaluator import simple_evaluate
 
-    path = Path(out) / "lmms_eval" / f"step-{step:07d}.json"
+    path = RunDirectory(out).lmms_eval_dir / f"step-{step:07d}.json"
     lm = LmmsChatModel.from_model(model, tokenizer, data=config.data, source=f"run {out}, step {step} (in memory)",
                                   batch_size=config.data.batch_size)
     lm.accelerator = None  # lmms-eval would create an accelerate `Accelerator` in the training process otherwise

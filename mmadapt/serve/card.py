@@ -200,7 +200,8 @@ def evaluation(run: RunDirectory, notes: list[str]) -> dict[str, dict[str, Any]]
             # keys in the image controls' vocabulary, an older version's report too (accuracy_blank -> _blanked)
             numbers = {current_key(k): v for k, v in data.items() if k.startswith("accuracy") or k == "chance"}
             if numbers:
-                found[f"{report.name} (held-out answers: {' / '.join(c.name for c in IMAGE_CONTROLS)} images)"] = numbers
+                controls = " / ".join(c.name for c in IMAGE_CONTROLS)
+                found[f"{report.name} (held-out answers: {controls} images)"] = numbers
         except (OSError, ValueError) as e:
             notes.append(f"{report} could not be read: {e}")
     return found

@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import save_tokenizer, write_config
+from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import GlobalBatchSampler
 from mmadapt.train.checkpoint import MARKER, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
@@ -90,7 +91,8 @@ class Trainer:
         self.device = self.dist.device
         if self.device.type == "cpu" and (done := return_freed_memory()) is not None:
             log.info(done)
-        self.out = Path(config.train.out)
+        self.run = RunDirectory(config.train.out)  # the run's layout: every file this loop writes
+        self.out = self.run.path
         torch.manual_seed(config.train.seed)
         if apply_stage_modes:
             self.param_counts = apply_stages(model, config.stages, config.lora)
@@ -159,7 +161,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.step == 0:
                 self.check_fresh_out()
-            self.cfg.save(self.out / "config.yaml")
+            self.cfg.save(self.run.config_file)
             log.info(self.cfg.precision.mode.describe())
         self.objective.prepare(self)
         batches = self.loader(self.step)
@@ -196,7 +198,7 @@ class Trainer:
             final_eval = {}
         final = self.save()  # its barrier is the run's last collective: no rank waits for the export below
         if self.is_main:
-            plot_history(self.history, self.out / "loss.png")
+            plot_history(self.history, self.run.loss_plot)
             self.export_model(final)
         return {"steps": self.step, "skipped": self.skipped, "bad_samples": self.bad_samples,
                 "samples_seen": self.samples_seen, "seconds": time.perf_counter() - started,
@@ -208,7 +210,7 @@ class Trainer:
         if earlier is not None:
             raise ValueError(f"{self.out} already holds checkpoints of an earlier run ({earlier.name}). Fix: continue "
                              "it with --resume (checkpoint.resume=true), or choose another train.out.")
-        (self.out / "log.jsonl").unlink(missing_ok=True)
+        self.run.log_file.unlink(missing_ok=True)
 
     def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> dict[str, Any]:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
@@ -278,7 +280,7 @@ class Trainer:
         head = (f"stopping at step {self.step + 1}: {self.consecutive_skips} consecutive non-finite steps "
                 f"({self.skipped} skipped in all)")
         raise non_finite_error(self.model, batch, self.device, self.precision_context, head,
-                               self.out / "nonfinite.txt" if self.is_main else None)
+                               self.run.nonfinite_file if self.is_main else None)
 
     # ---- evaluation, logging, checkpoints ------------------------------------------------------
     @torch.no_grad()
@@ -325,7 +327,7 @@ class Trainer:
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
                                    extras=self.write_model_files)
-            save_adapters(self.model, self.out / "adapters", self.cfg.stages.modes(), state=model_state,
+            save_adapters(self.model, self.run.adapters_dir, self.cfg.stages.modes(), state=model_state,
                           overwrite=True)  # this run's own adapters, replaced whole at each checkpoint
         dist_utils.barrier()
         return path
@@ -338,7 +340,7 @@ class Trainer:
 
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
-        target = self.out / "model"
+        target = self.run.model_dir
         export(checkpoint, target, overwrite=True)  # this run's own export (a resumed run rewrites it), swapped whole
         log.info("model directory: %s (load it with VisionLanguageModel.from_pretrained)", target)
         return target
@@ -362,7 +364,7 @@ class Trainer:
         if len(set(steps)) > 1:
             raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
-            (self.out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            self.run.log_file.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
 
     def agreed_checkpoint(self) -> Path | None:
@@ -373,7 +375,7 @@ class Trainer:
         name, marker = dist_utils.broadcast_object((None if chosen is None else chosen.name, marker))
         if name is None:
             return None
-        path = self.out / "checkpoints" / name
+        path = self.run.checkpoints_dir / name
         found = dist_utils.gather_objects(marker_text(path) == marker)
         missing = [rank for rank, same in enumerate(found) if not same]
         if missing:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, placeholder_batch, supervised_tokens, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
@@ -257,6 +258,7 @@ class PreferenceObjective(Objective):
         if self.reference != "precomputed":
             return
         settings = DataConfig.of(run.cfg.data).preprocessing()
+        file = RunDirectory(run.out).reference_file
         sets = {"train": run.train_data, **({"eval": run.eval_data} if run.eval_data is not None else {})}
         wanted = {name: data_checksum(getattr(d, "records", None), settings) for name, d in sets.items()}
         found = ReferenceTable.load(run.out) if run.is_main else None
@@ -265,13 +267,13 @@ class PreferenceObjective(Objective):
         same_data = table is not None and all(table.checksums.get(f"data.{k}") == v for k, v in wanted.items())
         if run.step > 0:  # resumed: the reference is the one the run started with
             if not same_data:
-                raise ValueError(f"resume: {run.out / ReferenceTable.FILE} (the starting model's reference log-probs) "
+                raise ValueError(f"resume: {file} (the starting model's reference log-probs) "
                                  "is missing or was computed on other data; the starting model is gone, so the run "
                                  "cannot resume exactly. Fix: restore the file and the data, or start a new run")
             self.scorer.table = table
             return
         if same_data and table.checksums.get("model") == self.start_checksum:
-            log.info("reference log-probs: reusing %s (same data and starting weights)", run.out / ReferenceTable.FILE)
+            log.info("reference log-probs: reusing %s (same data and starting weights)", file)
             self.scorer.table = table
             return
         started = time.perf_counter()
@@ -284,7 +286,7 @@ class PreferenceObjective(Objective):
         if run.is_main:
             self.scorer.table.save(run.out)
         log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
-                 tables.values()), time.perf_counter() - started, run.out / ReferenceTable.FILE)
+                 tables.values()), time.perf_counter() - started, file)
 
     def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
         """Each micro-batch's per-pair losses summed and divided by the global batch's pairs; logs the pairs and the

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.run_directory import RunDirectory
 from mmadapt.train.batches import inputs_of, to_device
 
 REFERENCE_FREE = ("simpo", "orpo")  # loss types without a reference
@@ -87,8 +88,6 @@ class ReferenceTable:
     """Precomputed reference log-probs: per set ("train", "eval") a (N, 2) fp32 tensor (chosen, rejected) by the
     dataset's index (NaN for a pair that could not be encoded), with the checksums they were made under."""
 
-    FILE = "reference_logps.safetensors"
-
     def __init__(self, tables: dict[str, torch.Tensor], checksums: dict[str, str]) -> None:
         self.tables, self.checksums = tables, checksums
 
@@ -98,7 +97,8 @@ class ReferenceTable:
         if missing:
             raise RuntimeError(f"the precomputed reference has no log-probs for pair(s) {missing[:5]} of the {name} "
                                "set (they could not be encoded when it was computed, yet they were now): the data "
-                               f"changed under the run. Delete {self.FILE} and restart, or restore the data")
+                               "changed under the run. Delete the run's reference log-probs file and restart, or restore "
+                               "the data")
         return rows[:, 0], rows[:, 1]
 
     def save(self, out: Path) -> None:
@@ -106,18 +106,19 @@ class ReferenceTable:
 
         from mmadapt.atomic import fsync_path, save_safetensors
 
-        staged = out / f".{self.FILE}.{os.getpid()}.tmp"  # written whole, then renamed: a reader sees old or new
+        path = RunDirectory(out).reference_file
+        staged = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, renamed: a reader sees old or new
         save_safetensors({k: v.contiguous() for k, v in self.tables.items()}, staged,
                          metadata={k: str(v) for k, v in self.checksums.items()})
         fsync_path(staged)
-        os.replace(staged, out / self.FILE)
+        os.replace(staged, path)
         fsync_path(out)
 
     @classmethod
     def load(cls, out: Path) -> ReferenceTable | None:
         from safetensors import safe_open
 
-        path = out / cls.FILE
+        path = RunDirectory(out).reference_file
         if not path.is_file():
             return None
         with safe_open(str(path), "pt") as f:
