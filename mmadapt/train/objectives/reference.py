@@ -97,8 +97,8 @@ class ReferenceTable:
         if missing:
             raise RuntimeError(f"the precomputed reference has no log-probs for pair(s) {missing[:5]} of the {name} "
                                "set (they could not be encoded when it was computed, yet they were now): the data "
-                               "changed under the run. Delete the run's reference log-probs file and restart, or restore "
-                               "the data")
+                               "changed under the run. Delete the run's reference log-probs file and restart, or "
+                               "restore the data")
         return rows[:, 0], rows[:, 1]
 
     def save(self, out: Path) -> None:
