@@ -226,9 +226,9 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
 
     `None` hyper-parameters take `DEFAULTS`.
     """
-    import mmadapt
     from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
     from mmadapt.evaluate import VARIANTS, evaluate_records
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.sees import sees_images
     from mmadapt.train import Trainer
 
@@ -238,7 +238,7 @@ def run_demo(*, encoder: str = DEFAULT_COMPONENTS[0], projector: str = DEFAULT_C
     started, given, out = time.perf_counter(), str(out), Path(out)
     prepare_out(out)
     torch.manual_seed(seed)
-    model = mmadapt.build_model(encoder, projector, backbone, preset=preset, deepstack=deepstack)
+    model = VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset, deepstack=deepstack)
     train_records, eval_records = digit_records(out / "data", image_size=hp["image_size"], seed=seed)
     tokenizer = char_tokenizer()
     sample_encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(out / "data"), max_length=1024,

@@ -12,8 +12,10 @@ from mmadapt.cli.common import add_build_arguments, build_from_args
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from mmadapt import BACKBONES, ENCODERS, PROJECTORS
+    from mmadapt.backbones import BACKBONES
     from mmadapt.data import TEMPLATES
+    from mmadapt.encoders import ENCODERS
+    from mmadapt.projectors import PROJECTORS
 
     for title, registry in (("backbones", BACKBONES), ("encoders", ENCODERS), ("projectors", PROJECTORS),
                             ("chat templates", TEMPLATES)):
@@ -89,7 +91,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mmadapt import VisionLanguageModel
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.numerics import dump
     from mmadapt.testing import synthetic_batch
 

@@ -48,9 +48,9 @@ except ImportError as e:  # the optional extra
     raise ImportError(f"lmms-eval evaluation (train.eval_tasks, --model mmadapt) needs lmms-eval: pip install "
                       f"'mmadapt[lmms]' ({e})") from e
 
-from mmadapt import __version__
 from mmadapt.modes import eval_mode
 from mmadapt.processor import Processor
+from mmadapt.version import __version__
 
 log = logging.getLogger(__name__)
 
