@@ -208,8 +208,11 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
     ds.set_defaults(func=cmd_numerics_deepspeed_config)
 
 
-def add_tool_commands(sub: argparse._SubParsersAction) -> None:
+def add_list_command(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("list", help="registered backbones, encoders and projectors").set_defaults(func=cmd_list)
+
+
+def add_check_model_command(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser("check-model", help="build a combination and check its image-token contract")
     add_build_arguments(check, positional=True)
     check.set_defaults(func=cmd_check_model)
