@@ -228,9 +228,9 @@ def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAUL
 
     `None` hyper-parameters take `DEFAULTS`.
     """
-    import mmadapt
     from mmadapt.data import Collator, SampleEncoder, VLMDataset, char_tokenizer
     from mmadapt.evaluate import evaluate_records
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.sees import sees_images
     from mmadapt.train import Trainer
 
@@ -242,7 +242,7 @@ def run_demo(*, encoder: str = DEFAULT_PARTS["encoder"], projector: str = DEFAUL
     data = run.data_dir
     prepare_out(out)
     torch.manual_seed(seed)
-    model = mmadapt.build_model(encoder, projector, backbone, preset=preset, deepstack=deepstack)
+    model = VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset, deepstack=deepstack)
     train_records, eval_records = digit_records(data, image_size=hp["image_size"], seed=seed)
     tokenizer = char_tokenizer()
     sample_encoder = SampleEncoder.for_model(model, tokenizer, image_root=str(data), max_length=1024,

@@ -192,7 +192,7 @@ def export_processor(model: Any, tokenizer: Any, architecture: str,
     with the chat template training used (a built-in written anew, the `template_kwargs` set inside it). Returns the
     files, the ids that end an answer and the record's part (version, data settings, notes on what transformers'
     processor does differently, each also logged: a warning for those that touch common inputs)."""
-    from mmadapt import __version__
+    from mmadapt.version import __version__
 
     data = DataConfig(**trained_settings(model))
     images = processor_for(model)

@@ -33,9 +33,10 @@ def build_arguments_given(args: argparse.Namespace) -> list[str]:
 
 
 def build_from_args(args: argparse.Namespace) -> object:
-    from mmadapt import build_model
+    from mmadapt.model import VisionLanguageModel
 
-    return build_model(args.encoder, args.projector, args.backbone, preset=args.preset, deepstack=args.deepstack)
+    return VisionLanguageModel.from_names(args.encoder, args.projector, args.backbone, preset=args.preset,
+                                          deepstack=args.deepstack)
 
 
 def add_model_arguments(command: argparse.ArgumentParser) -> None:

@@ -39,8 +39,8 @@ def run_config(args: argparse.Namespace) -> tuple[Any, bool]:
 
 def data_model(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
     """--model DIR (its structure), else the run's model (on the meta device), else the one built from names."""
-    from mmadapt import VisionLanguageModel
     from mmadapt import directory as model_directory
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.train.run import model_structure
 
     if args.model:

@@ -16,8 +16,8 @@ from mmadapt.cli.common import add_model_arguments
 def write_evidence(args: argparse.Namespace, model: object, encoder: Any, records: list) -> list[dict]:
     """Evidence maps of the first `--evidence` single-image records, as PNGs in `--evidence-dir`; prints a line per
     map and the mean faithfulness, returns the maps' summaries (the eval report's "evidence")."""
-    from mmadapt import Processor
     from mmadapt.evidence import explain_records
+    from mmadapt.processor import Processor
 
     processor = Processor.for_model(model, encoder.tokenizer)
     report = explain_records(model, processor, records, args.evidence_dir, limit=args.evidence,
@@ -46,9 +46,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from mmadapt import Processor
     from mmadapt.evidence import explain
     from mmadapt.inference import load_for_inference
+    from mmadapt.processor import Processor
 
     prompt = " ".join(args.prompt).strip()
     if not prompt:

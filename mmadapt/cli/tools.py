@@ -13,8 +13,10 @@ from mmadapt.precision import FP32, PRECISIONS, Precision
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from mmadapt import BACKBONES, ENCODERS, PROJECTORS
+    from mmadapt.backbones import BACKBONES
     from mmadapt.data import TEMPLATES
+    from mmadapt.encoders import ENCODERS
+    from mmadapt.projectors import PROJECTORS
 
     for title, registry in (("backbones", BACKBONES), ("encoders", ENCODERS), ("projectors", PROJECTORS),
                             ("chat templates", TEMPLATES)):
@@ -88,7 +90,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
     """Dump per-layer statistics of one forward + backward on a synthetic batch (same on every machine)."""
     import torch
 
-    from mmadapt import VisionLanguageModel
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.numerics import dump
     from mmadapt.testing import synthetic_batch
 
@@ -203,8 +205,11 @@ def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
     ds.set_defaults(func=cmd_numerics_deepspeed_config)
 
 
-def add_tool_commands(sub: argparse._SubParsersAction) -> None:
+def add_list_command(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("list", help="registered backbones, encoders and projectors").set_defaults(func=cmd_list)
+
+
+def add_check_model_command(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser("check-model", help="build a combination and check its image-token contract")
     add_build_arguments(check, positional=True)
     check.set_defaults(func=cmd_check_model)

@@ -46,10 +46,10 @@ except ImportError as e:  # the optional extra
     raise ImportError(f"lmms-eval evaluation (train.eval_tasks, --model mmadapt) needs lmms-eval: pip install "
                       f"'mmadapt[lmms]' ({e})") from e
 
-from mmadapt import __version__
 from mmadapt.answering import PromptInputs, answer_prompts
 from mmadapt.processor import Processor
 from mmadapt.sampling import Sampling
+from mmadapt.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class RunParts:
 
 
 def build_model_from(config: RunConfig) -> Any:
-    from mmadapt import VisionLanguageModel
+    from mmadapt.model import VisionLanguageModel
 
     m = config.model
     if m.pretrained:
@@ -40,8 +40,8 @@ def build_model_from(config: RunConfig) -> Any:
 def model_structure(config: RunConfig) -> Any:
     """The run's model with its parameters on the meta device (no weights read): what the data side needs (its
     processor, span tokens and chat template), for `mmadapt data check DATA RUN.yaml`."""
-    from mmadapt import VisionLanguageModel
     from mmadapt import directory as model_directory
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.weights import architecture_only, empty_weights
 
     if config.model.pretrained:

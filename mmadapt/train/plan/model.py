@@ -62,7 +62,7 @@ def planning_model_for_probe(config: RunConfig) -> tuple[Any, list[str]]:
 def _meta_model(config: RunConfig, model_config: Any) -> Any:
     """Built on the meta device; a part loaded from a checkpoint takes its `dtype` (as its loaded weights would;
     without one, the checkpoint's `torch_dtype` when its config names it, else fp32)."""
-    from mmadapt import VisionLanguageModel
+    from mmadapt.model import VisionLanguageModel
     from mmadapt.weights import architecture_only, parse_dtype
 
     with architecture_only():
