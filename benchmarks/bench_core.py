@@ -17,7 +17,7 @@ import time
 import torch
 
 from mmadapt import VisionLanguageModel, contract
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 
 # ---- injection ------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ PROMPTS, CHOSEN, REJECTED = [34, 57], [26, 38], [31, 22]
 def pairs_for(model, config: dict, quick: bool) -> list:
     """B `EncodedPair`s: prompt (one image) + chosen, prompt + rejected."""
     from mmadapt.data.preference import EncodedPair
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
 
     sides = None if quick else config["image_sides"] * len(PROMPTS)
     prompts = synthetic_samples(model, (1,) * len(PROMPTS), image_sides=sides, text_lengths=PROMPTS, seed=1)

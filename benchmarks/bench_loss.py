@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_core import alternating
 
 from mmadapt import VisionLanguageModel
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 CONFIGS = {
     "Qwen3.5-0.8B-shaped": dict(

@@ -116,7 +116,7 @@ def _status_kib(field: str) -> int:
 
 def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     """In a fresh process: the peak of two training steps above the idle process (MiB)."""
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
     from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
     from mmadapt.train.run import build_model_from
     from mmadapt.train.stages import apply_stages
@@ -140,7 +140,7 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
                             text_lengths=texts)
     if d.packing:
         from mmadapt.data import Collator
-        from mmadapt.testing import synthetic_samples
+        from mmadapt.synthetic import synthetic_samples
 
         sides = None if side is None else [side] * d.batch_size
         samples = synthetic_samples(model, [1] * d.batch_size, image_sides=sides, text_lengths=[text] * d.batch_size)
@@ -160,7 +160,7 @@ def warm_up(config) -> None:
 
     from mmadapt import VisionLanguageModel
     from mmadapt.config import ComponentConfig
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     parts = config.model.model_config()
     tiny = {p: ComponentConfig(name=getattr(parts, p).name, preset=None if p == "projector" else "tiny")

@@ -10,7 +10,7 @@ table (check, configuration, result, tolerance / target, pass) and exits 1 when 
 Sections:
 1. steps: one training step (forward + backward: loss and gradients) of every backbone family with a matching
    encoder and projector (tiny presets) on the device in bf16 autocast, against fp32 on the CPU on the same weights
-   and batch (`mmadapt.testing.synthetic_batch`). Tolerances (bf16 keeps 8 bits of mantissa): loss relative
+   and batch (`mmadapt.synthetic.synthetic_batch`). Tolerances (bf16 keeps 8 bits of mantissa): loss relative
    difference <= 2e-2; per part (encoder, projector, backbone) gradient relative error
    |g - g_fp32| / |g_fp32| <= 5e-2. MoE routers get random weights (they start at zero) so that tokens really
    take different experts.
@@ -132,7 +132,7 @@ def loss_and_grads(model: Any, batch: dict, device: Any, bf16: bool) -> tuple[fl
 
 def check_steps(table: Table, device: Any) -> None:
 
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     where = f"{device.type} bf16 autocast vs CPU fp32"
     for names in FAMILIES.values():
@@ -198,7 +198,7 @@ def kernels_row(table: Table, device: Any) -> None:
 
 def check_packing(table: Table, device: Any) -> None:
     from mmadapt.data import Collator
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
 
     kernels_row(table, device)
     for names in FAMILIES.values():
@@ -300,7 +300,7 @@ def run_config(preset: str, packing: bool, checkpointing: bool, quick: bool, out
 def measure_speed(config: Any, base: Any, device: Any) -> tuple[dict[str, float], Any]:
     """Medians over steps 2.. of the Trainer's records for a copy of `base`, and the plan's prediction."""
     from mmadapt.data import Collator
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
     from mmadapt.train.plan import predict
 
     plan = predict(config, gpus=1, device=device.type)

@@ -104,7 +104,7 @@ def by_lmms_eval(tiny, sampling: Sampling) -> str:
     pytest.importorskip("lmms_eval")
     from lmms_eval.api.instance import Instance
 
-    from mmadapt.lmms_eval import MmadaptModel
+    from mmadapt.lmms_eval.plugin import MmadaptModel
 
     doc = {"image": str(tiny.png), "question": QUESTION}
 

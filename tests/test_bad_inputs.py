@@ -287,7 +287,7 @@ def test_a_too_long_sample_is_dropped_from_its_headers_before_any_image_is_decod
 
 
 def test_a_too_long_video_sample_is_dropped_from_its_headers_before_any_frame_is_decoded(qwen, root, monkeypatch):
-    from mmadapt.testing import write_video
+    from mmadapt.synthetic import write_video
 
     model, encoder = qwen
     write_video(root / "clip.mp4", np.zeros((8, 32, 32, 3), np.uint8))
@@ -400,7 +400,7 @@ MEMORY_BOUND = 64 * MiB
 
 @pytest.mark.slow  # a fresh process: ~10 s of imports and model builds
 def test_memory_cases_stay_under_their_bound(root, tmp_path):
-    from mmadapt.testing import write_video
+    from mmadapt.synthetic import write_video
 
     for name, size in (("wide.png", (20000, 100)), ("tall.png", (100, 20000))):
         Image.new("RGB", size, (10, 200, 10)).save(root / name)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import mmadapt
 from mmadapt import VisionLanguageModel
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 
 def test_missing_and_unexpected_keys_are_errors_that_list_them(tmp_path):

@@ -14,7 +14,7 @@ import torch
 import mmadapt
 from mmadapt import BACKBONES, ENCODERS, PROJECTORS, ImageTokenContractError, VisionLanguageModel
 from mmadapt.contract import check_batch
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 COMBOS = list(itertools.product(ENCODERS.names(), PROJECTORS.names(), BACKBONES.names()))
 _models: dict = {}

@@ -13,7 +13,7 @@ from helpers import TINY_LLAVA
 
 from mmadapt import build_model
 from mmadapt.data import Collator
-from mmadapt.testing import synthetic_samples
+from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import RunConfig, Trainer
 from mmadapt.train.cpu_memory import return_freed_memory
 

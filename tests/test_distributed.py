@@ -153,7 +153,7 @@ def test_mixed_text_only_and_image_batches_keep_every_rank_in_step(mixed, case):
 def mixed_video(tmp_path_factory):
     """Records cycling through a video, an image + a video, an image, and text only: with one sample per rank the
     ranks hold different mixes in most steps (the vision side must still run once per forward on every rank)."""
-    from mmadapt.testing import moving_square, write_video
+    from mmadapt.synthetic import moving_square, write_video
 
     root = tmp_path_factory.mktemp("mixed-video")
     (root / "media").mkdir()

@@ -26,7 +26,7 @@ from mmadapt import evaluate
 from mmadapt.cli import main
 from mmadapt.controls import BLANKED, REVERSED, SHUFFLED
 from mmadapt.data import Collator
-from mmadapt.testing import synthetic_samples, synthetic_video_samples
+from mmadapt.synthetic import synthetic_samples, synthetic_video_samples
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 

@@ -37,7 +37,7 @@ from mmadapt import Processor, VisionLanguageModel
 from mmadapt import directory as model_directory
 from mmadapt.data import TEMPLATES
 from mmadapt.data.config import DataConfig
-from mmadapt.testing import moving_square, synthetic_batch, write_video
+from mmadapt.synthetic import moving_square, synthetic_batch, write_video
 
 ATOL = 1e-5
 NEW_TOKENS = 6

@@ -27,7 +27,7 @@ from mmadapt.data import Collator
 from mmadapt.flops import PARTS, StepFlops, sequence_lengths, step_flops
 from mmadapt.model import VisionLanguageModel
 from mmadapt.packing import regroup
-from mmadapt.testing import synthetic_batch, synthetic_samples
+from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
 TOLERANCE = 0.05
 

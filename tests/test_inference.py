@@ -148,7 +148,7 @@ def test_sampling_is_reproducible_with_a_seed(model_dir, images):
 
 def lora_run(out, stages, seed=0):
     """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer); returns the base model's directory."""
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
     from mmadapt.train import RunConfig, Trainer
 
     torch.manual_seed(seed)

@@ -210,7 +210,7 @@ def state_sha256(model) -> str:
 def test_the_entry_point_makes_model_mmadapt_the_chat_model():
     from lmms_eval.models import get_model, get_model_manifest
 
-    from mmadapt.lmms_eval import MANIFEST, MmadaptModel
+    from mmadapt.lmms_eval.plugin import MANIFEST, MmadaptModel
 
     assert get_model_manifest("mmadapt") == MANIFEST
     assert get_model("mmadapt") is MmadaptModel and MmadaptModel.is_simple is False
@@ -221,7 +221,7 @@ def test_simple_evaluate_on_the_model_in_memory_scores_the_direct_answers(probe)
     from lmms_eval.evaluator import simple_evaluate
     from lmms_eval.tasks import TaskManager
 
-    from mmadapt.lmms_eval import MmadaptModel
+    from mmadapt.lmms_eval.plugin import MmadaptModel
 
     lm = MmadaptModel.from_model(probe.model, probe.tokenizer, batch_size=3)
     tasks = TaskManager("WARNING", include_path=str(probe.tasks), include_defaults=False)
@@ -240,7 +240,7 @@ def test_generate_until_called_as_the_evaluator_calls_it_answers_and_records_a_b
     recorded, its batch's other request is answered; the system prompt goes first where the task gives none."""
     from lmms_eval.api.instance import Instance
 
-    from mmadapt.lmms_eval import MmadaptModel
+    from mmadapt.lmms_eval.plugin import MmadaptModel
 
     docs = json.loads((probe.root / "probe.json").read_text())
 
@@ -269,8 +269,8 @@ def test_generate_until_called_as_the_evaluator_calls_it_answers_and_records_a_b
 def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
     from lmms_eval.api.instance import Instance
 
-    from mmadapt.lmms_eval import MmadaptModel, parse_batch_size
     from mmadapt.lmms_eval.model import sampling_of
+    from mmadapt.lmms_eval.plugin import MmadaptModel, parse_batch_size
 
     lm = MmadaptModel.from_model(probe.model, probe.tokenizer)
     request = Instance("loglikelihood", ("ctx", "target", None, 0, TASK, "test"), idx=0,

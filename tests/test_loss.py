@@ -23,7 +23,7 @@ import torch
 import mmadapt
 from mmadapt import loss as loss_module
 from mmadapt.data import Collator
-from mmadapt.testing import synthetic_batch, synthetic_samples
+from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 LLAVA = ("clip", "mlp2x_gelu", "llama")

@@ -18,7 +18,7 @@ from mmadapt import VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.data import Collator
 from mmadapt.encoders import ENCODERS
-from mmadapt.testing import synthetic_batch, synthetic_samples
+from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
 ATOL = 1e-5
 NAMES = ("qwen3_5_vit", "qwen_merger", "qwen3_5_moe")

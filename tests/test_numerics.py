@@ -38,7 +38,7 @@ from mmadapt.numerics import (
     safe_deepspeed_config,
 )
 from mmadapt.numerics.compare import BACKWARD_RTOL, FORWARD_RTOL
-from mmadapt.testing import synthetic_batch, synthetic_samples
+from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STORY1 = FIXTURES / "deepspeed_story1_zero2.json"

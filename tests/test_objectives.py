@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mmadapt import build_model
 from mmadapt.data import Collator
 from mmadapt.registry import UnknownComponentError
-from mmadapt.testing import synthetic_samples
+from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import GlobalBatchSampler, RunConfig, Trainer, latest_checkpoint
 from mmadapt.train.batches import to_device
 from mmadapt.train.objectives import OBJECTIVES, PreferenceObjective, SupervisedObjective, objective_for

@@ -14,7 +14,7 @@ import torch
 from mmadapt import VisionLanguageModel
 from mmadapt.data import Collator
 from mmadapt.packing import Segments, cu_seqlens_from_lengths
-from mmadapt.testing import synthetic_samples
+from mmadapt.synthetic import synthetic_samples
 
 COMBOS = [("clip", "mlp2x_gelu", "llama"), ("qwen3_5_vit", "qwen_merger", "qwen3_5"),
           ("qwen3_vl_vit", "qwen_merger", "qwen3_vl"), ("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe")]

@@ -11,7 +11,7 @@ import torch
 from mmadapt import VisionLanguageModel
 from mmadapt.contract import locate
 from mmadapt.positions import mrope_positions
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 ATOL = 1e-5
 

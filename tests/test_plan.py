@@ -16,7 +16,7 @@ import torch
 from helpers import write_run
 
 from mmadapt.cli import main
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 from mmadapt.train.config import RunConfig
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
 from mmadapt.train.plan import LiveBytes, parse_size, predict
@@ -86,7 +86,7 @@ def measured_peak(config: RunConfig, plan, spread: int = 0) -> int:
     sample that many tokens shorter than the one before, so that rows are padded)."""
     from mmadapt.data import Collator
     from mmadapt.data.processors import processor_for
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
 
     model = built(config)
     if config.train.activation_checkpointing:

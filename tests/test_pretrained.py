@@ -20,7 +20,7 @@ import mmadapt
 from mmadapt import ImageTokenContractError, VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 from mmadapt.weights import MissingWeightsError, meta_parameters
 
 ATOL = 1e-5
@@ -420,7 +420,7 @@ def test_preset_with_pretrained_and_contradicting_architecture_options_are_error
 def test_mixed_clip_fresh_projector_qwen_llm_keeps_weights_and_trains_a_step(clip_dirs, qwen_tied_bf16_dir,
                                                                             tmp_path):
     from mmadapt.data import Collator
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
     from mmadapt.train import RunConfig, Trainer, latest_checkpoint, load_checkpoint
 
     model = mmadapt.build_model(part("clip", clip_dirs[0]), "mlp2x_gelu", part("qwen3_5", qwen_tied_bf16_dir))

@@ -21,7 +21,7 @@ import mmadapt
 from mmadapt import ImageTokenContractError, VisionLanguageModel, deepstack
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 ATOL = 1e-5
 SPAN_IDS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=248, vision_end_token_id=249)

@@ -74,7 +74,7 @@ def test_register_a_backbone_in_a_few_lines(tmp_path):
     ))
     # --- end of example ---
     try:
-        from mmadapt.testing import synthetic_batch
+        from mmadapt.synthetic import synthetic_batch
 
         model = mmadapt.build_model("siglip", "mlp2x_gelu", "qwen3")
         batch = synthetic_batch(model, (1, 2))

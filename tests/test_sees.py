@@ -14,7 +14,7 @@ import mmadapt
 from mmadapt.controls import shuffle_images
 from mmadapt.data.video import reverse_frames
 from mmadapt.sees import SeesImagesReport, sees_images, sees_records
-from mmadapt.testing import synthetic_batch, synthetic_samples, synthetic_video_batch
+from mmadapt.synthetic import synthetic_batch, synthetic_samples, synthetic_video_batch
 
 COMBINATIONS = [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")]
 

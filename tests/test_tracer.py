@@ -15,7 +15,7 @@ from torch import nn
 
 from mmadapt import build_model
 from mmadapt.numerics import NonFiniteTracer, find_nonfinite, normalize_module_name, tensor_stats
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 DOWN_PROJ = "backbone.model.layers.1.mlp.down_proj"
 ACT_FN = "backbone.model.layers.1.mlp.act_fn"

@@ -12,7 +12,7 @@ from helpers import write_jsonl, write_run
 from test_train import QWEN, tiny
 
 from mmadapt.data import Collator
-from mmadapt.testing import synthetic_samples
+from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import RunConfig, Trainer
 from mmadapt.train.tracking import speed_table
 

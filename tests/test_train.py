@@ -16,7 +16,7 @@ from helpers import TINY_LLAVA, write_jsonl, write_run
 
 from mmadapt import build_model
 from mmadapt.data import Collator
-from mmadapt.testing import synthetic_samples
+from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import RunConfig, Trainer, apply_stages, latest_checkpoint, merge_lora
 from mmadapt.train.config import LoraSection, StagesSection
 from mmadapt.train.stages import lora_modules
@@ -219,7 +219,7 @@ def test_out_model_loads_alone_with_the_final_logits_and_export_equals_it(names,
     from mmadapt import VisionLanguageModel
     from mmadapt.cli import main
     from mmadapt.data import char_tokenizer, prepare_tokenizer
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     model, tokenizer = tiny(names), char_tokenizer()
     prepare_tokenizer(model, tokenizer)
@@ -248,7 +248,7 @@ def test_mmadapt_train_writes_out_model_with_the_final_logits(tmp_path):
 
     from mmadapt import ModelConfig, VisionLanguageModel
     from mmadapt.cli import main
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
     from mmadapt.train.checkpoint import load_checkpoint
 
     rng = np.random.default_rng(0)
@@ -275,7 +275,7 @@ def test_mmadapt_train_writes_out_model_with_the_final_logits(tmp_path):
 
 def test_a_model_directory_is_sharded_above_the_limit(tmp_path):
     from mmadapt import VisionLanguageModel
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     model = tiny(QWEN).eval()
     model.save_pretrained(tmp_path, max_shard_size="100KB")

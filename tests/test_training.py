@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mmadapt
-from mmadapt.testing import synthetic_batch
+from mmadapt.synthetic import synthetic_batch
 
 
 @pytest.mark.parametrize("names", [("clip", "mlp2x_gelu", "qwen3_5"), ("qwen3_5_vit", "qwen_merger", "llama")])
@@ -77,7 +77,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(case):
     """fp32: loss and every gradient within 1e-6 relative (in fact equal) with the backbone's decoder layers and the
     encoder's blocks recomputed in the backward; a hook counts the recomputation, so it really happened."""
     from mmadapt.data import Collator
-    from mmadapt.testing import synthetic_samples
+    from mmadapt.synthetic import synthetic_samples
     from mmadapt.train import apply_stages
     from mmadapt.train.config import StagesSection
     from mmadapt.train.optim import enable_activation_checkpointing

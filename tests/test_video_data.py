@@ -21,7 +21,7 @@ from real_tokenizers import real_tokenizer
 import mmadapt
 from mmadapt.contract import check_batch
 from mmadapt.data import Collator, DataProblem, SampleEncoder, Turn, char_tokenizer, check_dataset, parse_record
-from mmadapt.testing import moving_square, write_video
+from mmadapt.synthetic import moving_square, write_video
 
 VIDEO_SETTINGS = {"fps": 4, "min_pixels": 16 * 16, "max_pixels": 8 * 64 * 64}
 

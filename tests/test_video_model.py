@@ -19,7 +19,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.contract import check_batch, locate
 from mmadapt.data import Collator
 from mmadapt.encoders import ENCODERS
-from mmadapt.testing import synthetic_batch, synthetic_video_batch, synthetic_video_samples
+from mmadapt.synthetic import synthetic_batch, synthetic_video_batch, synthetic_video_samples
 
 ATOL = 1e-5
 SPAN_IDS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=248, vision_end_token_id=249)

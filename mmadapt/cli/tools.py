@@ -33,7 +33,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     import torch
 
     from mmadapt.contract import check_batch
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     torch.manual_seed(0)
     model = build_from_args(args)
@@ -92,7 +92,7 @@ def cmd_numerics_dump(args: argparse.Namespace) -> int:
 
     from mmadapt.model import VisionLanguageModel
     from mmadapt.numerics import dump
-    from mmadapt.testing import synthetic_batch
+    from mmadapt.synthetic import synthetic_batch
 
     torch.manual_seed(args.seed)
     if args.model:

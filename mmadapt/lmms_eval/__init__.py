@@ -1,14 +1,16 @@
 """The lmms-eval plugin: `lmms-eval eval --model mmadapt --model_args pretrained=DIR --tasks TASKS`.
 
 lmms-eval 0.7 finds outside models through the entry-point group `lmms_eval.models`: mmadapt's entry point `mmadapt`
-(pyproject.toml) is `MANIFEST`, a `ModelManifest` naming `MmadaptModel` (`mmadapt.lmms_eval.plugin`) as the chat
-implementation of `--model mmadapt`. Installed with the optional extra: `pip install 'mmadapt[lmms]'`.
+(pyproject.toml) is `mmadapt.lmms_eval.plugin:MANIFEST`, a `ModelManifest` naming `MmadaptModel` (in the same
+module) as the chat implementation of `--model mmadapt`. Installed with the optional extra: `pip install
+'mmadapt[lmms]'`.
 
 The package holds everything mmadapt does with lmms-eval: `model` (`LmmsChatModel`: lmms-eval's chat model over a
 model in memory, answering by `mmadapt.answering`), `plugin` (`MmadaptModel`: the same over a model loaded from disk)
 and `tasks` (a training run's `train.eval_tasks`: `check_eval_tasks`, `evaluate_tasks`; the trainer imports it only
-when they are set). Importing the package imports nothing of lmms-eval: `MANIFEST`, `MmadaptModel` and the plugin's
-helpers are built when first asked for.
+when they are set). The package's own module imports nothing: its modules sit in two layers (`model` and `tasks` below
+training, which calls them; `plugin` above inference, whose loading it uses), and importing `model` or `tasks`
+imports nothing of lmms-eval's model registry (the plugin builds `MANIFEST` when first asked for).
 
 `MmadaptModel` loads `pretrained` as `mmadapt chat` does (`load_for_inference`: a model directory, a run, a
 checkpoint, a run's adapters directory, or a base model with `adapters=DIR`) and answers lmms-eval's chat requests
@@ -29,26 +31,3 @@ and lmms-eval's own `--batch_size N` (requests generated together; an integer). 
 tokenizer)` is the same chat model over a model in memory (`LmmsChatModel.from_model`), for
 `lmms_eval.evaluator.simple_evaluate(model=...)` in a notebook or a training loop.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-PLUGIN = ("MmadaptModel", "default_device", "parse_batch_size", "parse_kwargs")
-
-
-def __getattr__(name: str) -> Any:
-    """`MANIFEST` and the plugin's names (`PLUGIN`), built when first asked for: importing `mmadapt.lmms_eval.model`
-    or `.tasks` (the trainer does) must not import lmms-eval's model registry, which loads this entry point and would
-    find this package half-imported."""
-    if name == "MANIFEST":
-        from lmms_eval.models.registry_v2 import ModelManifest
-
-        manifest = ModelManifest(model_id="mmadapt", chat_class_path="mmadapt.lmms_eval.plugin.MmadaptModel")
-        globals()["MANIFEST"] = manifest  # one object, however often it is asked for
-        return manifest
-    if name in PLUGIN:
-        from mmadapt.lmms_eval import plugin
-
-        return getattr(plugin, name)
-    raise AttributeError(f"module 'mmadapt.lmms_eval' has no attribute {name!r}")

@@ -17,6 +17,18 @@ from mmadapt.processor import Processor
 
 log = logging.getLogger(__name__)
 
+
+def __getattr__(name: str) -> Any:
+    """`MANIFEST`, the entry point (`mmadapt.lmms_eval.plugin:MANIFEST`), built when first asked for: lmms-eval's model
+    registry loads this entry point when it is imported, and would find this module half-imported otherwise."""
+    if name == "MANIFEST":
+        from lmms_eval.models.registry_v2 import ModelManifest
+
+        manifest = ModelManifest(model_id="mmadapt", chat_class_path="mmadapt.lmms_eval.plugin.MmadaptModel")
+        globals()["MANIFEST"] = manifest  # one object, however often it is asked for
+        return manifest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 class MmadaptModel(LmmsChatModel):
     """`--model mmadapt`: a trained model from disk as an lmms-eval chat model (module docstring)."""
 

@@ -113,7 +113,7 @@ def tracked(model: Any) -> dict[nn.Module, SegmentKey]:
 def _probe_batch(model: Any, text: int, side: int | None, packed: bool) -> dict[str, torch.Tensor]:
     """One sample with one image; packed runs: two half-length samples packed into one row (the run's kernels)."""
     from mmadapt.data import Collator
-    from mmadapt.testing import synthetic_batch, synthetic_samples
+    from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
     if packed:
         samples = synthetic_samples(model, [1, 1], image_sides=None if side is None else [side, side],

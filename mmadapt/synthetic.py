@@ -1,4 +1,5 @@
-"""Synthetic, well-formed batches for any component combination (tests, benchmarks, notebooks).
+"""Synthetic, well-formed batches and samples for any component combination: the memory plan's probe, `mmadapt
+check-model`, benchmarks, notebooks and tests.
 
 The text is random token ids; each image span is expanded to exactly the token count the
 encoder + projector yield for that image, bracketed when the backbone uses start/end tokens.
