@@ -7,7 +7,7 @@ mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoi
 - the weights: `model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size`
   (`mmadapt.weights.save_weights`: tied tensors stored once);
 - the tokenizer's own files, when one is given, with the chat template the model was trained with
-  (`save_tokenizer`; read back by `mmadapt.data.load_tokenizer`).
+  (`save_tokenizer`; read back by `mmadapt.data.saved_tokenizer`).
 `save` writes the directory whole into a sibling and swaps it in (`mmadapt.atomic`): a reader sees the old model or
 the new one, never a mix; another model there is replaced only when asked (`overwrite=True`), other files never.
 A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its

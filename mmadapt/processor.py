@@ -43,7 +43,7 @@ from mmadapt.data.images import load_image, to_rgb
 from mmadapt.data.processors import RESCALE, FixedSizeProcessor, QwenProcessor, processor_for
 from mmadapt.data.samples import IMAGE, VIDEO, Turn, _message_turns
 from mmadapt.data.templates import JINJA_MARK, TEMPLATES, JinjaTemplate, TemplateRenderError, resolve_template
-from mmadapt.data.tokenizer import load_tokenizer, required_tokens
+from mmadapt.data.tokenizer import required_tokens, saved_tokenizer
 from mmadapt.data.video import VideoProcessor
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Processor:
         from mmadapt import directory as model_directory
         from mmadapt.model import VisionLanguageModel
 
-        tokenizer = load_tokenizer(directory)
+        tokenizer = saved_tokenizer(directory)
         if tokenizer is None:
             raise FileNotFoundError(f"{directory} holds no tokenizer files (tokenizer.json, tokenizer_config.json); "
                                     "save the model with save_pretrained(dir, tokenizer=tokenizer)")

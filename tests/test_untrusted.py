@@ -186,14 +186,13 @@ def remote_code_tokenizer(directory, marker):
 
 
 def test_a_tokenizer_directorys_own_code_never_runs_and_nobody_is_asked(tmp_path, monkeypatch):
-    from mmadapt.data.tokenizer import RemoteCodeError, load_tokenizer
-    from mmadapt.train.run import load_tokenizer as load_run_tokenizer
+    from mmadapt.data.tokenizer import RemoteCodeError, saved_tokenizer, tokenizer_for
 
     marker = tmp_path / "MARKER"
     directory = remote_code_tokenizer(tmp_path / "tok", marker)
     asked = []
     monkeypatch.setattr(builtins, "input", lambda prompt="": asked.append(prompt) or "y")  # a user who says yes
-    for load in (load_tokenizer, load_run_tokenizer, Processor.from_pretrained):
+    for load in (saved_tokenizer, tokenizer_for, Processor.from_pretrained):
         with pytest.raises(RemoteCodeError, match=r"custom code in that directory.*never runs a checkpoint's own "
                                                   r"code\. Fix: "):
             load(str(directory))

@@ -54,14 +54,11 @@ def data_model(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
 
 
 def data_tokenizer(args: argparse.Namespace, run: Any, run_model: bool) -> Any:
-    from mmadapt.data import char_tokenizer, load_tokenizer
+    from mmadapt.data.tokenizer import tokenizer_for
     from mmadapt.train.run import tokenizer_source
 
     source = args.tokenizer or run.data.tokenizer or args.model or (tokenizer_source(run) if run_model else None)
-    tokenizer = load_tokenizer(source) if source else char_tokenizer()
-    if tokenizer is None:
-        raise FileNotFoundError(f"{source} holds no tokenizer files; give --tokenizer DIR")
-    return tokenizer
+    return tokenizer_for(source or None)
 
 
 def data_encoder(args: argparse.Namespace, run: Any, run_model: bool) -> Any:

@@ -16,7 +16,7 @@ from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, Processe
 from mmadapt.data.report import BadDataError, BadSampleBudget, DataReport, check_dataset, show_sample
 from mmadapt.data.samples import IMAGE, VIDEO, EncodedSample, Sample, Turn, parse_record, read_records
 from mmadapt.data.templates import TEMPLATES, ChatTemplate
-from mmadapt.data.tokenizer import char_tokenizer, load_tokenizer, prepare_tokenizer
+from mmadapt.data.tokenizer import char_tokenizer, prepare_tokenizer, saved_tokenizer, tokenizer_for
 from mmadapt.data.video import (
     ProcessedVideos,
     Video,
@@ -62,12 +62,13 @@ __all__ = [
     "image_size",
     "length_grouped_sampler",
     "load_image",
-    "load_tokenizer",
     "load_video",
     "parse_record",
     "prepare_tokenizer",
     "probe_video",
     "processor_for",
     "read_records",
+    "saved_tokenizer",
     "show_sample",
+    "tokenizer_for",
 ]

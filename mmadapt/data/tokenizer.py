@@ -5,8 +5,9 @@ chat template need when the tokenizer lacks them (logged), points the model's sp
 at the tokenizer's ids, and resizes the embeddings when the vocabulary grew (logged). After
 it, the tokenizer and the model agree on every id the pipeline emits.
 
-`load_tokenizer(directory)` reads the tokenizer saved in a model directory or checkpoint (None when it holds
-none). `char_tokenizer()` is a character-level `PreTrainedTokenizerFast` over printable ASCII, built
+`saved_tokenizer(directory)` reads the tokenizer saved in a model directory or checkpoint (None when it holds
+none); `tokenizer_for(source)` is the tokenizer a run or a command names (a directory that must hold one, or None:
+the character tokenizer). `char_tokenizer()` is a character-level `PreTrainedTokenizerFast` over printable ASCII, built
 in code (no hub): the tokenizer of the tiny presets, the demo and the tests.
 """
 
@@ -28,7 +29,7 @@ class RemoteCodeError(ValueError):
     """A directory asks transformers to run its own Python code; mmadapt never does (`trust_remote_code=False`)."""
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Any:
+def saved_tokenizer(directory: str | os.PathLike) -> Any:
     """The transformers tokenizer saved in `directory` (a model directory or checkpoint); None when it has none.
 
     The directory's own code never runs (`trust_remote_code=False`; no prompt): a tokenizer that exists only as
@@ -49,6 +50,18 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
             "config.json); mmadapt never runs a checkpoint's own code. Fix: save the tokenizer as a plain "
             "transformers tokenizer (tokenizer.json) with a class transformers ships, or point data.tokenizer at "
             "the tokenizer of a registered family (mmadapt list)") from None
+
+
+def tokenizer_for(source: str | os.PathLike | None) -> Any:
+    """The tokenizer a run or a command names: the one saved in `source` (a `FileNotFoundError` when it holds none),
+    or, for None, mmadapt's character tokenizer (the tiny presets')."""
+    if source is None:
+        return char_tokenizer()
+    tokenizer = saved_tokenizer(source)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{source} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}). Fix: point "
+                                "data.tokenizer (--tokenizer) at a model directory or a tokenizer's folder")
+    return tokenizer
 
 
 def char_tokenizer() -> Any:

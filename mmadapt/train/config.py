@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
+from mmadapt.config import DEFAULT_PARTS
 from mmadapt.data.config import DataConfig, about
 from mmadapt.precision import FP32, Precision
 from mmadapt.run_directory import CONFIG, RunDirectory
@@ -46,9 +47,9 @@ class ModelSection:
     `deepstack: drop` builds the parts without the encoder's DeepStack levels (`mmadapt.ModelConfig`).
     """
 
-    encoder: str | dict[str, Any] = "qwen3_5_vit"
-    projector: str | dict[str, Any] = "qwen_merger"
-    backbone: str | dict[str, Any] = "qwen3_5"
+    encoder: str | dict[str, Any] = DEFAULT_PARTS["encoder"]
+    projector: str | dict[str, Any] = DEFAULT_PARTS["projector"]
+    backbone: str | dict[str, Any] = DEFAULT_PARTS["backbone"]
     preset: str | None = "tiny"
     pretrained: str | None = None
     deepstack: Literal["use", "drop"] = "use"

@@ -19,7 +19,7 @@ from typing import Any
 from mmadapt import directory as model_directory
 from mmadapt.atomic import TargetExistsError, check_target
 from mmadapt.data.config import DataConfig
-from mmadapt.data.tokenizer import load_tokenizer
+from mmadapt.data.tokenizer import saved_tokenizer
 from mmadapt.model import VisionLanguageModel
 from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete
 from mmadapt.train.checkpoint import latest_checkpoint
@@ -50,7 +50,7 @@ def load_trained(src: str | Path) -> tuple[Any, Any]:
     """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory."""
     path = resolve_source(src)
     run = RunConfig.load(path / CONFIG) if is_complete(path) else None  # None: a model directory
-    tokenizer = load_tokenizer(path)
+    tokenizer = saved_tokenizer(path)
     model = VisionLanguageModel.from_pretrained(path) if run is None else load_checkpoint_model(path, run)
     return model, tokenizer
 

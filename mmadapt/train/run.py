@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmadapt.data.tokenizer import TOKENIZER_FILES
+from mmadapt.data.tokenizer import TOKENIZER_FILES, tokenizer_for
 from mmadapt.train.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -65,19 +65,6 @@ def tokenizer_source(config: RunConfig) -> str | None:
     return None
 
 
-def load_tokenizer(path: str | None) -> Any:
-    """The tokenizer at `path`; None: mmadapt's character tokenizer."""
-    from mmadapt.data import char_tokenizer
-    from mmadapt.data import load_tokenizer as load_saved
-
-    if path is None:
-        return char_tokenizer()
-    tokenizer = load_saved(path)
-    if tokenizer is None:
-        raise FileNotFoundError(f"data.tokenizer {path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    return tokenizer
-
-
 def build_run(config: RunConfig, model: Any = None) -> RunParts:
     """The model, tokenizer, sample encoder, and the datasets and collator of the run's objective (`Objective.data`)."""
     import torch
@@ -93,7 +80,7 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     objective = objective_for(config)  # an unknown train.objective fails before anything is built
     torch.manual_seed(config.train.seed)
     model = model if model is not None else build_model_from(config)
-    tokenizer = load_tokenizer(tokenizer_source(config))
+    tokenizer = tokenizer_for(tokenizer_source(config))
     d = config.data
     # what this run renders and samples is what the model remembers: saved with its checkpoints, OUT/model and
     # exports, the defaults of Processor.for_model (chat, eval, serving)
