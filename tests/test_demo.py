@@ -115,7 +115,7 @@ def test_a_short_demo_run_passes_its_verdict_and_writes_every_output(tmp_path, m
     assert "PASSED" in printed and "real images" in printed and "shuffled images" in printed
 
     pytest.importorskip("gradio")
-    from mmadapt.serve.page import default_examples
+    from mmadapt.serve.examples import default_examples
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -28,7 +28,8 @@ from mmadapt.evidence import explain
 from mmadapt.inference import Chat, Sampling
 from mmadapt.serve import ServeSettings, create_app
 from mmadapt.serve.card import ModelCard
-from mmadapt.serve.page import AUTO, Example, Page, examples_from
+from mmadapt.serve.examples import Example, examples_from
+from mmadapt.serve.page import AUTO, Page
 
 PROMPT = "Describe the picture."
 GREEDY = (12, 0.0, 1.0, 0, 1.0)  # max new tokens, temperature, top p, seed, repetition penalty: the page's controls

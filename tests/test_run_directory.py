@@ -128,7 +128,7 @@ def test_the_page_shows_the_runs_held_out_examples_from_another_directory(tmp_pa
     """A demo-like run made with a relative OUT (as `mmadapt demo` makes runs/demo): served from another directory,
     the page's examples are the run's held-out records, not scikit-image's photographs."""
     pytest.importorskip("gradio")
-    from mmadapt.serve.page import default_examples
+    from mmadapt.serve.examples import default_examples
 
     start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
     (start / "runs" / "demo" / "data" / "images").mkdir(parents=True)
