@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from mmadapt.data.samples import IMAGE, VIDEO
-from mmadapt.model import GenerationStep, VisionLanguageModel
+from mmadapt.generation import GenerationStep
+from mmadapt.model import VisionLanguageModel
 from mmadapt.modes import eval_mode
 from mmadapt.processor import Processor
 from mmadapt.sampling import DEFAULT_SAMPLING, Sampling

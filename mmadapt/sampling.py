@@ -26,10 +26,10 @@ class Sampling:
     the `top_p` nucleus, reproducibly from `seed`; at most `max_new_tokens` per answer.
 
     `repetition_penalty`: transformers' (1.0 = off; > 1 discourages the tokens already in the prompt or the answer,
-    `mmadapt.model.penalize_repetition`). `stop`: strings that end the answer, text-level: the answer is cut before
+    `mmadapt.generation.penalize_repetition`). `stop`: strings that end the answer, text-level: the answer is cut before
     the first one that appears (it is not part of the answer) and generation stops there. `logprobs`: None for none,
     K >= 0 for each answer token's log-prob and its K most likely alternatives (`TokenLogprob`; the model's own
-    distribution, before the penalty, temperature and nucleus: `mmadapt.model.token_logprobs`).
+    distribution, before the penalty, temperature and nucleus: `mmadapt.generation.token_logprobs`).
 
     The declaration is the one place these settings and their defaults are written: the fields with a range
     (`shown`) are `mmadapt chat`'s flags and the page's controls (`sampling_settings`).

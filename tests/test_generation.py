@@ -12,7 +12,7 @@ import mmadapt
 from mmadapt import Processor
 from mmadapt.answering import Decoding, Sampling, TextStream, respond
 from mmadapt.data import char_tokenizer
-from mmadapt.model import GenerationStep, penalize_repetition, placeholder_ids, seen_tokens
+from mmadapt.generation import GenerationStep, penalize_repetition, placeholder_ids, seen_tokens
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 

@@ -23,7 +23,7 @@ import mmadapt
 from mmadapt import Processor
 from mmadapt.contract import ImageTokenContractError
 from mmadapt.data import char_tokenizer
-from mmadapt.model import next_token, placeholder_ids
+from mmadapt.generation import next_token, placeholder_ids
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 LLAVA = ("clip", "mlp2x_gelu", "llama")

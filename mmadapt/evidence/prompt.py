@@ -24,7 +24,7 @@ import torch
 from mmadapt.batch import VisionBatch
 from mmadapt.contract import ImageTokenContractError
 from mmadapt.encoders.base import grid_coords
-from mmadapt.model import placeholder_ids
+from mmadapt.generation import placeholder_ids
 from mmadapt.packing import as_bool_mask
 
 _observer: ContextVar[Callable[[int, int], None] | None] = ContextVar("mmadapt_evidence_observer", default=None)

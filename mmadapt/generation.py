@@ -1,0 +1,173 @@
+"""Decoding with images: `VisionLanguageModel.generate` (from `GenerateMixin`) and the choice of each step's token.
+
+`generate` runs the model's one input path (`prepare`) once for the prompt (the prefill keeps the logits of the last
+position only), then one backbone step per new token on the KV cache. Each step's token is chosen by `next_token`: the
+placeholder tokens (`placeholder_ids`) are never generated (`suppressed`), an optional repetition penalty
+(`penalize_repetition` over `seen_tokens`) comes next, then greedy choice or a sample from the top-p nucleus.
+`token_logprobs` gives a step's log-probs as the model predicts them, and `GenerationStep` carries a step to the
+caller (`on_step`: streaming, stop strings, cancelled requests).
+
+Shapes: B batch, L tokens, T new tokens, V vocabulary, K alternatives or suppressed ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmadapt.backbones import SpanTokens
+from mmadapt.batch import VisionBatch
+from mmadapt.packing import as_bool_mask
+
+
+@dataclass(frozen=True)
+class GenerationStep:
+    """One step of `generate`, as `on_step` receives it (B rows, K alternatives). A row that had already finished
+    holds `pad_token_id` and log-probs of no meaning. The log-probs (float32) are those of the model's distribution
+    (`token_logprobs`), present when `generate` was given `logprobs`."""
+
+    index: int  # 0 for the first new token
+    tokens: torch.Tensor  # (B,) the chosen tokens
+    logprobs: torch.Tensor | None = None  # (B,) the chosen tokens' log-probs
+    top_ids: torch.Tensor | None = None  # (B, K) the K most likely tokens, most likely first
+    top_logprobs: torch.Tensor | None = None  # (B, K) their log-probs
+
+
+class GenerateMixin:
+    """`generate` for `VisionLanguageModel` (its `prepare`, `tokens`, `backbone` and `uses_mrope`); mmadapt's own,
+    not transformers' `GenerationMixin`."""
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                 max_new_tokens: int = 32, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int = 0, *, temperature: float = 0.0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None, on_token: Callable[[torch.Tensor], None] | None = None,
+                 images_per_sample: torch.Tensor | None = None,
+                 mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                 video_grid_thw: torch.Tensor | None = None,
+                 videos_per_sample: torch.Tensor | None = None, repetition_penalty: float = 1.0,
+                 logprobs: int | None = None,
+                 on_step: Callable[[GenerationStep], Any] | None = None) -> torch.Tensor:
+        """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
+        `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
+        `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
+
+        The placeholder tokens (`placeholder_ids(self.tokens)`: image / video pads, vision start / end) are never
+        generated: their logits are -inf before greedy or sampled choice, so an answer never holds visual input.
+        Rows may be padded on either side: they are left-aligned internally.
+
+        `repetition_penalty` (transformers' `RepetitionPenaltyLogitsProcessor`; 1.0 = off): the logit of every token
+        already in the row (its prompt's tokens, padding excluded, and those generated so far) is divided by it when
+        positive and multiplied by it when negative, before the greedy or sampled choice.
+        `on_step(step)` gets each step as a `GenerationStep` (the tokens and, with `logprobs=K`, their log-probs and
+        the K most likely alternatives: see `token_logprobs`); it may end rows early by returning True (all rows) or
+        a (B,) bool tensor (the rows to end; a stop string, a cancelled request): those rows are done, as after EOS.
+        """
+        batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
+        valid = as_bool_mask(attention_mask, input_ids)
+        order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
+        input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
+        types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
+        inputs = self.prepare(batch.replace(input_ids=input_ids, attention_mask=valid, mm_token_type_ids=types))
+        next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
+        eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        suppress = torch.tensor(placeholder_ids(self.tokens), dtype=torch.long, device=input_ids.device)
+        seen = None  # (B, V) the tokens each row holds, for the repetition penalty
+        with inputs.verified(self.backbone):  # the prefill: logits of the last position only (V x D per token)
+            out = self.backbone(**inputs.backbone_kwargs(), use_cache=True, logits_to_keep=1)
+        new_tokens = []
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1]
+            if repetition_penalty != 1.0 and seen is None:
+                seen = seen_tokens(input_ids, valid, logits.shape[-1])  # the prompt's tokens
+            token = next_token(logits, temperature, top_p, generator, suppress=suppress,
+                               repetition_penalty=repetition_penalty, seen=seen).masked_fill(done, pad_token_id)
+            new_tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if on_step is not None:
+                scores = token_logprobs(logits, token, logprobs, suppress=suppress) if logprobs is not None else None
+                stop = on_step(GenerationStep(step, token, *(scores or (None, None, None))))
+                if stop is not None:
+                    done |= torch.as_tensor(stop, dtype=torch.bool, device=done.device).expand_as(done)
+            if seen is not None:
+                seen[torch.arange(len(token), device=token.device), token.clamp(max=seen.shape[1] - 1)] = True
+            done |= torch.isin(token, eos)
+            if bool(done.all()) or step == max_new_tokens - 1:  # no forward for a token that is never used
+                break
+            valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=1)
+            step_positions = next_position[:, None]
+            if self.uses_mrope:
+                step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
+            out = self.backbone(inputs_embeds=self.backbone.get_input_embeddings()(token[:, None]),
+                                attention_mask=valid, position_ids=step_positions, cache=out.cache, use_cache=True)
+            next_position = next_position + 1
+        return torch.stack(new_tokens, dim=1)
+
+
+def placeholder_ids(tokens: SpanTokens) -> list[int]:
+    """The ids a model must never generate: every span token `tokens` declares (`SpanTokens.ids`)."""
+    return tokens.ids()
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float,
+               generator: torch.Generator | None = None, *, suppress: torch.Tensor | None = None,
+               repetition_penalty: float = 1.0, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: argmax for temperature 0, else a sample from the top-p nucleus; the ids in
+    `suppress` (K,) are never chosen (their logits are -inf first); with a `repetition_penalty` other than 1, the
+    logits of the tokens marked in `seen` (B, V) bool are penalised first (`penalize_repetition`)."""
+    logits = suppressed(logits, suppress)
+    if repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError("repetition_penalty needs seen: the (B, V) mask of the tokens already in each row")
+        logits = penalize_repetition(logits, seen, repetition_penalty)
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, index = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps at least the most likely token
+        probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def suppressed(logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) logits with the ids in `suppress` (K,) at -inf (ids beyond V ignored); `logits` itself if none."""
+    if suppress is None or not suppress.numel():
+        return logits
+    return logits.index_fill(-1, suppress[suppress < logits.shape[-1]], float("-inf"))
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' `RepetitionPenaltyLogitsProcessor` over a (B, V) bool mask of seen tokens: a seen token's
+    logit is divided by `penalty` when positive and multiplied by it when not (so > 1 discourages repeats)."""
+    if penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def seen_tokens(input_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) bool: the ids each row holds at its valid positions (padding is not a token the row has seen)."""
+    seen = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.bool, device=input_ids.device)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None].expand_as(input_ids)
+    keep = valid & (input_ids >= 0) & (input_ids < vocab_size)
+    seen[rows[keep], input_ids[keep]] = True
+    return seen
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int, *,
+                   suppress: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probs of `tokens` (B,) and the `top` most likely tokens under the model's distribution at this step:
+    log_softmax (float32) of the (B, V) `logits` with the ids that can never be generated (`suppress`) removed -
+    before any repetition penalty, temperature or nucleus, so they state what the model predicts whatever the
+    sampling settings (vLLM's default, "raw" log-probs; with greedy decoding the sampled distribution would be a
+    point mass). Returns ((B,), (B, top) ids, (B, top) log-probs), the alternatives most likely first."""
+    logprobs = torch.log_softmax(suppressed(logits, suppress).float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None].clamp(max=logprobs.shape[-1] - 1))[:, 0]
+    top_logprobs, top_ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    return chosen, top_ids, top_logprobs
