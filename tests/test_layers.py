@@ -192,3 +192,13 @@ def test_architecture_names_every_module():
         if not named:
             missing.append(relative)
     assert not missing, f"docs/architecture.md's file map does not name: {missing}"
+
+
+MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines():
+    """A module past 600 lines holds more than one concept: split it by concept (as `model.py` gave `generation.py`
+    and `model_io.py`, and the page gave `serve/examples.py`), not by squeezing lines."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
