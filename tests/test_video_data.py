@@ -286,11 +286,12 @@ def test_chat_takes_a_video_from_the_command_line_and_from_stdin(model_dir, medi
 
     assert main(["chat", str(model_dir), "--video", str(media / "left.mp4"), "--max-new-tokens", "6", "Which",
                  "way?"]) == 0
-    expected = greedy(model_dir, "<video>\nWhich way?", videos=[media / "left.mp4"])
+    # the video directly followed by the question, as an OpenAI request's parts [video, text] render it
+    expected = greedy(model_dir, "<video>Which way?", videos=[media / "left.mp4"])
     assert capsys.readouterr().out.replace("\n", "") == expected.replace("\n", "")
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/video {media / 'down.mp4'}\nWhich way?\n"))
     assert main(["chat", str(model_dir), "--max-new-tokens", "6"]) == 0
-    expected = greedy(model_dir, "<video>\nWhich way?", videos=[media / "down.mp4"])
+    expected = greedy(model_dir, "<video>Which way?", videos=[media / "down.mp4"])
     assert capsys.readouterr().out.replace("\n", "") == expected.replace("\n", "")
 
 
