@@ -1,4 +1,4 @@
-"""Evidence maps on the quadrant task (tests/test_evidence.py): methods x encoders x backbones x seeds x threads.
+"""Evidence maps on the quadrant task (tests/quadrant_task.py): methods x encoders x backbones x seeds x threads.
 
     python benchmarks/bench_evidence.py --pairs clip:llama,qwen3_5_vit:qwen3_5 --seeds 0,1,2 --methods rise,integrated
     OMP_NUM_THREADS=1 python benchmarks/bench_evidence.py ...      # the thread-count spread
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_evidence import PROJECTOR, QUESTION, corner_setup, quadrant_report, train_corner_model
+from quadrant_task import PROJECTOR, QUESTION, corner_setup, quadrant_report, train_corner_model
 
 from mmadapt import Processor
 from mmadapt.evidence import Integrated, Occlusion, Rise, explain, faithfulness, render

@@ -16,7 +16,11 @@ tells the allocator's retention apart from the plan's error.
 vendored Mistral / Qwen3 tokenizers, PNG images, LLaVA-format records filling 88-95% of `max_length`, so rows are
 padded) in a fresh process, VmHWM when the trainer first saves (after its first step) above the RSS of the same
 process after importing the libraries; the plan is `mmadapt plan --gpus 1 --device cpu` on the same run.yaml.
-`--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing).
+`--examples`: every examples/*.yaml planned on 8 x 80 GiB (real widths, bf16 autocast, no checkpoint read), its
+table checked against docs/training.md's (each total within 5%, else exit 1). The probes at real widths take a few
+minutes each, which is why this is a benchmark and not a test.
+`--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing); with `--examples`, each
+example's parts at their `tiny` presets: the same parsing, stages, precision and planning from presets, no docs check.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 MIB = 1024**2
+GIB = 1024**3
 # glibc's default raises its mmap threshold up to 32 MiB as large blocks are freed, after which freed activations of
 # a few MiB stay in the heap (RSS) instead of going back to the OS; a fixed threshold returns every freed tensor of
 # 1 MiB or more, so that RSS follows the live tensors (jemalloc / tcmalloc, which PyTorch's CPU guides recommend,
@@ -286,13 +291,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--long", action="store_true", help="the long-sample configs through `mmadapt train` "
                         "(issue 33) instead")
-    parser.add_argument("--examples", action="store_true", help="print the plan of every examples/*.yaml on 8 x 80 GiB "
-                        "(the table in benchmarks/README.md) instead")
+    parser.add_argument("--examples", action="store_true", help="plan every examples/*.yaml on 8 x 80 GiB and check "
+                        "the table in docs/training.md instead")
     args = parser.parse_args()
     from mmadapt.train.plan import predict
 
     if args.examples:
-        return examples_table()
+        return examples_table(args.quick)
     if args.long:
         return long_table(args.quick, args.only)
 
@@ -313,15 +318,60 @@ def main() -> None:
         print(row + "|", flush=True)
 
 
-def examples_table() -> None:
+EXAMPLES = Path(__file__).parent.parent / "examples"
+TRAINING_DOCS = Path(__file__).parent.parent / "docs" / "training.md"
+
+
+def tiny_example(config):
+    """The example with each part at its `tiny` preset and no options (its pretrained paths, stages, precision, data
+    and sharding kept): the quick form's config."""
     from mmadapt.train.config import RunConfig
-    from mmadapt.train.plan import GIB, parse_size, predict
+
+    spec = config.to_dict()
+    for part in ("encoder", "projector", "backbone"):
+        value = spec["model"][part]
+        named = {"name": value} if isinstance(value, str) else {k: v for k, v in value.items() if k != "options"}
+        spec["model"][part] = {**named, "preset": "tiny"} if "preset" in named else named
+    return RunConfig.from_dict(spec)
+
+
+def documented_total(name: str) -> float:
+    """docs/training.md's total GiB per GPU for examples/NAME."""
+    row = next((line for line in TRAINING_DOCS.read_text().splitlines() if line.startswith(f"| `examples/{name}`")),
+               None)
+    if row is None:
+        raise SystemExit(f"docs/training.md has no row for examples/{name}: add the row this benchmark prints")
+    return float(row.split("|")[-3].replace(",", "").split()[0])
+
+
+def example_problems(path: Path, plan, quick: bool) -> list[str]:
+    """What is wrong with an example's plan: it must fit on 8 x 80 GiB with FSDP2, plan every absent checkpoint from
+    its part's preset or options, and (real widths) total what docs/training.md says, within 5%."""
+    problems = [] if plan.fits else ["does not fit 80 GiB"]
+    problems += [] if plan.strategy == "fsdp2" else [f"strategy {plan.strategy}, not fsdp2"]
+    problems += [f"note {note!r}" for note in plan.notes
+                 if not (note.endswith("is not here: planned from preset " + note.rsplit("preset ", 1)[-1])
+                         or "planned from its options" in note)]
+    if not quick:
+        total, documented = plan.per_gpu["total"] / GIB, documented_total(path.name)
+        if abs(total / documented - 1) > 0.05:
+            problems.append(f"{total:.1f} GiB per GPU, docs/training.md says {documented:.1f}: update its table")
+    return problems
+
+
+
+def examples_table(quick: bool) -> None:
+    """Plan every example on 8 x 80 GiB and print docs/training.md's table; exit 1 when a plan is not as documented."""
+    from mmadapt.train.config import RunConfig
+    from mmadapt.train.plan import parse_size, predict
 
     print("| example | stages | micro-batch per GPU | parameters | gradients + AdamW | activations "
           "(checkpointing) | total GiB per GPU | fits 80 GiB |")
     print("|---|---|---|---:|---:|---:|---:|---|")
-    for path in sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")):
+    failed = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
         config = RunConfig.load(str(path))
+        config = tiny_example(config) if quick else config
         plan = predict(config, gpus=8, gpu_memory=parse_size("80GiB"))
         g = plan.per_gpu
         stages = ", ".join(f"{part} {mode}" for part, mode in config.stages.modes().items())
@@ -329,6 +379,10 @@ def examples_table() -> None:
               f"{(g['gradients'] + g['optimizer']) / GIB:.1f} | {g['activations'] / GIB:.1f} "
               f"({'+'.join(plan.checkpointing) or 'off'}) | {g['total'] / GIB:.1f} | "
               f"{'yes' if plan.fits else 'no'} ({(g['total'] + plan.margin) / GIB:.1f} with the margin) |", flush=True)
+        failed += [f"examples/{path.name}: {problem}" for problem in example_problems(path, plan, quick)]
+    if failed:
+        raise SystemExit("\n".join(failed))
+    print(f"# every example plans on 8 x 80 GiB with FSDP2{'' if quick else ', as docs/training.md says (5%)'}")
 
 
 def in_child(spec: dict, quick: bool, side: int | None, env: dict[str, str]) -> float:

@@ -89,6 +89,18 @@ def test_bench_plan_long_quick_run_trains_through_mmadapt_train(tmp_path, monkey
 
 
 @pytest.mark.slow
+def test_bench_plan_examples_quick_plans_every_example_on_8_gpus_without_its_checkpoints(tmp_path, monkeypatch):
+    """The examples at their parts' tiny presets (parsing, stages, precision, planning from presets); the real-width
+    run (`--examples`) also checks docs/training.md's totals within 5%."""
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
+    out = run("bench_plan.py", "--examples", "--quick")  # check=True: exit 0, every example fits with FSDP2
+    for example in sorted(p.name for p in (BENCHMARKS.parent / "examples").glob("*.yaml")):
+        row = next(line for line in out.splitlines() if line.startswith(f"| `examples/{example}` |"))
+        assert row.endswith("with the margin) |") and "| yes (" in row, row
+    assert "# every example plans on 8 x 80 GiB with FSDP2" in out
+
+
+@pytest.mark.slow
 def test_gpu_check_runs_every_check_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
     out = run("gpu_check.py", "--device", "cpu", "--quick", timeout=900)  # check=True: it exits 0 (every check passed)
