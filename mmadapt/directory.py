@@ -147,15 +147,16 @@ _processor_writer: list[ProcessorWriter] = []
 
 def register_processor_export(writer: ProcessorWriter) -> None:
     """Install `writer(model, tokenizer or None, architecture, directory)`, which writes a transformers export's
-    processor side. `mmadapt.processor` installs `export_processor` when it is imported, which `import mmadapt`
-    always does; a second writer replaces the first."""
+    processor side. `mmadapt.processor` installs `export_processor` when it is imported, which the `mmadapt`
+    package does when any of its names is first used; a second writer replaces the first."""
     _processor_writer[:] = [writer]
 
 
 def processor_writer() -> ProcessorWriter:
     if not _processor_writer:
-        raise RuntimeError("no writer for a transformers export's processor is installed: import mmadapt (it installs "
-                           "mmadapt.processor.export_processor) before saving with format='transformers'")
+        raise RuntimeError("no writer for a transformers export's processor is installed: import mmadapt.processor "
+                           "(it installs export_processor; any name of the mmadapt package imports it) before saving "
+                           "with format='transformers'")
     return _processor_writer[0]
 
 

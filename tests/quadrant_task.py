@@ -123,7 +123,8 @@ def quadrant_report(model, tokenizer, root: Path, records: list[dict], **options
     processor = Processor.for_model(model, tokenizer)
     started, correct, top_left, peaks, effects, scores, beats, trusted = time.perf_counter(), 0, [], 0, [], [], 0, 0
     for record in records:
-        result = explain(model, processor, root / record["image"], QUESTION, max_new_tokens=6, **options)
+        prompt = record["conversations"][0]["value"]  # asked as trained ("<image>\n" + the question)
+        result = explain(model, processor, root / record["image"], prompt, max_new_tokens=6, **options)
         right = result.answer == record["conversations"][1]["value"]
         correct += right
         effects.append(result.image_effect)

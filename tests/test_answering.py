@@ -22,6 +22,7 @@ from real_tokenizers import real_tokenizer
 import mmadapt
 from mmadapt import Processor
 from mmadapt.cli import main
+from mmadapt.controls import REAL
 from mmadapt.sampling import Sampling, sampling_settings
 
 QUESTION = "What is in the picture?"
@@ -97,7 +98,7 @@ def by_eval(tiny, capsys) -> str:
     assert main(["eval", str(tiny.model_dir), str(data), "--max-new-tokens", str(NEW_TOKENS),
                  "--predictions", str(predictions)]) == 0
     capsys.readouterr()
-    return json.loads(predictions.read_text())["images"]
+    return json.loads(predictions.read_text())[REAL.name]
 
 
 def by_lmms_eval(tiny, sampling: Sampling) -> str:

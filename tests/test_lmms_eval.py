@@ -269,7 +269,7 @@ def test_generate_until_called_as_the_evaluator_calls_it_answers_and_records_a_b
 def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
     from lmms_eval.api.instance import Instance
 
-    from mmadapt.lmms_eval.model import sampling_of
+    from mmadapt.lmms_eval.model import task_sampling
     from mmadapt.lmms_eval.plugin import MmadaptModel, parse_batch_size
 
     lm = MmadaptModel.from_model(probe.model, probe.tokenizer)
@@ -280,7 +280,7 @@ def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
     with pytest.raises(NotImplementedError, match=r"multi-round.*--model vllm"):
         lm.generate_until_multi_round([request])
     with pytest.raises(ValueError, match=r"num_beams=4.*--gen_kwargs num_beams=1"):
-        sampling_of({"num_beams": 4}, max_new_tokens=8, seed=0, task=TASK)
+        task_sampling({"num_beams": 4}, max_new_tokens=8, seed=0, task=TASK)
     with pytest.raises(ValueError, match=r"no 'auto'"):
         parse_batch_size("auto")
     with pytest.raises(TypeError, match=r"takes no model_args \['prettrained'\]"):
@@ -288,10 +288,10 @@ def test_what_the_plugin_does_not_do_is_an_error_that_says_what_to_use(probe):
 
 
 def test_sampling_follows_the_task_gen_kwargs():
-    from mmadapt.lmms_eval.model import sampling_of
+    from mmadapt.lmms_eval.model import task_sampling
 
     def resolve(**gen_kwargs):
-        return sampling_of(gen_kwargs, max_new_tokens=64, seed=7, task=TASK)
+        return task_sampling(gen_kwargs, max_new_tokens=64, seed=7, task=TASK)
 
     greedy, ignored = resolve(until=["\n\n"], do_sample=False, temperature=0.7, num_beams=1, image_aspect_ratio="pad")
     assert (greedy.temperature, greedy.max_new_tokens, greedy.stop, greedy.seed) == (0.0, 64, ("\n\n",), 7)

@@ -120,6 +120,8 @@ def test_a_step_that_waits_for_data_says_so_once(tmp_path, caplog, monkeypatch):
 
     monkeypatch.setattr("mmadapt.train.trainer.time",
                         SimpleNamespace(perf_counter=lambda: time.perf_counter() + SlowSamples.delay))
+    # a library that configured logging earlier in this process (dictConfig) may have disabled existing loggers
+    monkeypatch.setattr(logging.getLogger("mmadapt.train.trainer"), "disabled", False)
     model = tiny(QWEN)
     data = SlowSamples(synthetic_samples(model, [1, 0] * 6, text_lengths=[4] * 12))
     with caplog.at_level(logging.WARNING, logger="mmadapt.train.trainer"):

@@ -131,7 +131,8 @@ def explain(model: Any, processor: Any, image: Any, prompt: str | Sequence[Mappi
                         "Rise(samples=128) or Integrated(steps=32) from mmadapt.evidence")
     picture = processor.image(image)
     if isinstance(prompt, str):
-        question, text = prompt, prompt if "<image>" in prompt else f"<image>{prompt}"  # the parts [image, text]
+        # the record's own text when it places the image ("<image>\n..." as trained), else the parts [image, text]
+        question, text = prompt.replace("<image>", "").strip(), prompt if "<image>" in prompt else f"<image>{prompt}"
     else:
         text = list(prompt)
         question = next((str(m.get("content", "")) for m in reversed(text) if m.get("role") == "user"), "")
@@ -231,7 +232,7 @@ def explain_records(model: Any, processor: Any, records: Sequence[Any], out: str
         users = [t for t in sample.turns if t.role == "user"]
         if len(sample.images) != 1 or len(users) != 1:
             continue  # maps are drawn for one image and one question
-        prompt = users[0].text.replace(f"{IMAGE}\n", "").replace(IMAGE, "").strip()
+        prompt = users[0].text if IMAGE in users[0].text else f"{IMAGE}{users[0].text}"  # as `mmadapt eval` asks it
         result = explain(model, processor, sample.images[0], prompt, out=out / f"{len(items):03d}.png")
         items.append(SampleEvidence(sample.id, result))
         write_index(out, items)

@@ -10,7 +10,7 @@ requests, `(ctx, doc_to_messages, gen_kwargs, doc_id, task, split)`, and answers
 user / assistant, text / image / video parts) through mmadapt's `Processor` - the model's own chat template with its
 `template_kwargs`, its image processor and pixel budget, as in training -, then generation, decoding, stop strings
 and the end cut as everywhere. Requests are grouped by their sampling settings and batched by similar prompt length.
-A task's `gen_kwargs` become a `Sampling` (`sampling_of`): `max_new_tokens`, `temperature` / `do_sample` (greedy
+A task's `gen_kwargs` become a `Sampling` (`task_sampling`): `max_new_tokens`, `temperature` / `do_sample` (greedy
 unless the task samples), `top_p`, `seed`, `repetition_penalty` and `until` (`Sampling.stop`: the answer is cut
 before the first stop string); `num_beams` > 1 and `top_k` raise, and keys that do not change decoding here are
 ignored with a warning, once per task. A request that cannot become a prompt is answered "" and recorded
@@ -58,7 +58,7 @@ NEUTRAL = {"num_beams": (1, None), "top_k": (0, None), "use_cache": (True, False
            "repetition_penalty": (1, 1.0, None)}
 
 
-def sampling_of(gen_kwargs: dict[str, Any] | None, *, max_new_tokens: int, seed: int,
+def task_sampling(gen_kwargs: dict[str, Any] | None, *, max_new_tokens: int, seed: int,
                 task: str) -> tuple[Sampling, list[str]]:
     """The `Sampling` a task's `gen_kwargs` ask for (the model's `max_new_tokens` and `seed` where the task sets
     none; `until` is `Sampling.stop`), and the keys ignored (they do not change decoding here)."""
@@ -162,7 +162,7 @@ class LmmsChatModel(lmms):
                 "name with its directory: lmms-eval --include_path DIR --tasks NAME, or simple_evaluate(tasks=[NAME], "
                 "task_manager=TaskManager(include_path=DIR))")
         _, _, gen_kwargs, _, task, _ = request.args
-        decoding, ignored = sampling_of(gen_kwargs, max_new_tokens=self.max_new_tokens, seed=self.seed, task=task)
+        decoding, ignored = task_sampling(gen_kwargs, max_new_tokens=self.max_new_tokens, seed=self.seed, task=task)
         entry = self.tasks.setdefault(task, {"decoding": asdict(decoding), "ignored_gen_kwargs": ignored,
                                              "requests": 0, "with_own_system_message": 0})
         if entry["requests"] == 0 and ignored:

@@ -160,7 +160,7 @@ class Service:
         body = protocol.parse_request(await self.read_json(request))
         self.check_model(body.model)
         settings = self.settings
-        sampling = protocol.sampling_of(body, default_max_tokens=settings.default_max_tokens,
+        sampling = protocol.request_sampling(body, default_max_tokens=settings.default_max_tokens,
                                         max_tokens_limit=settings.max_tokens_limit, seed=secrets.randbits(63))
         if body.user:
             log.info("request from user %r", body.user)

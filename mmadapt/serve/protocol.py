@@ -145,7 +145,7 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def sampling_of(request: ChatCompletionRequest, *, default_max_tokens: int, max_tokens_limit: int,
+def request_sampling(request: ChatCompletionRequest, *, default_max_tokens: int, max_tokens_limit: int,
                 seed: int) -> Sampling:
     """The request's sampling settings, each honoured or refused (400): nothing is silently ignored. `seed` is the
     one to use when the request gives none (the server draws it)."""
