@@ -37,18 +37,12 @@ class Precision:
     @classmethod
     def named(cls, name: str) -> Precision:
         """The policy a run config names (`precision.policy`)."""
-        for precision in PRECISIONS:
-            if precision.name == name:
-                return precision
-        raise ValueError(f"precision.policy must be one of {[p.name for p in PRECISIONS]}, got {name!r}")
+        return _by("name", name, "precision.policy")
 
     @classmethod
     def from_flag(cls, flag: str) -> Precision:
         """The policy a command-line flag names (`--autocast none | bf16`)."""
-        for precision in PRECISIONS:
-            if precision.flag == flag:
-                return precision
-        raise ValueError(f"--autocast must be one of {[p.flag for p in PRECISIONS]}, got {flag!r}")
+        return _by("flag", flag, "--autocast")
 
     @property
     def autocasts(self) -> bool:
@@ -112,3 +106,11 @@ PRECISIONS = (FP32, BF16_AUTOCAST)
 def as_precision(value: Precision | str) -> Precision:
     """`value` as a `Precision` (a policy's name is parsed: `Precision.named`)."""
     return value if isinstance(value, Precision) else Precision.named(value)
+
+
+def _by(field: str, value: str, setting: str) -> Precision:
+    """The policy whose `field` is `value`; else a ValueError naming `setting` and its choices."""
+    for precision in PRECISIONS:
+        if getattr(precision, field) == value:
+            return precision
+    raise ValueError(f"{setting} must be one of {[getattr(p, field) for p in PRECISIONS]}, got {value!r}")
