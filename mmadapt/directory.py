@@ -3,9 +3,11 @@
 mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoint, `OUT/model`):
 - `config.json`: {"mmadapt": the `ModelConfig` that rebuilds the model with no preset (each part's full options
   and provenance: path + SHA-256 of the checkpoint it came from), "processor": the encoder's image-processor
-  settings, "chat_template": the backbone's template name};
+  settings, "chat_template": the backbone's template name, "carried": what it carries from its starting checkpoint};
 - the weights: `model.safetensors`, or shards + `model.safetensors.index.json` above `max_shard_size`
   (`mmadapt.weights.save_weights`: tied tensors stored once);
+- `carried.safetensors`, when the model carries weights of no part from the checkpoint it started from (Qwen3.5's
+  `mtp.*`: `mmadapt.carried`), as that checkpoint stored them;
 - the tokenizer's own files, when one is given, with the chat template the model was trained with
   (`save_tokenizer`; read back by `mmadapt.data.saved_tokenizer`).
 `save` writes the directory whole into a sibling and swaps it in (`mmadapt.atomic`): a reader sees the old model or
@@ -25,8 +27,9 @@ defaults to them, so chat, eval and serving build inputs as training did. A mode
 (docs/export.md): the model (`mmadapt.convert.save_transformers`), its processor side (image and video processor
 configs, processor config, the tokenizer with the training chat template: `mmadapt.processor.export_processor`,
 installed here with `register_processor_export` because that layer knows the data pipeline, which this one may not
-import) and `mmadapt_export.json`: mmadapt's version, the data settings, the SHA-256 of every file written and of the
-checkpoint the weights were read from, and what transformers' processor cannot express.
+import), the weights it carries from its starting checkpoint (shards of their own, `mmadapt.carried`) and
+`mmadapt_export.json`: mmadapt's version, the data settings, the SHA-256 of every file written and of the checkpoint
+the weights were read from, what was carried, and what transformers' processor cannot express.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mmadapt.atomic import StagedDirectory, recover
+from mmadapt.carried import CARRIED_KEY, Carried, carried_of
 from mmadapt.config import ModelConfig
 from mmadapt.run_directory import COMPLETE
 from mmadapt.weights import (
@@ -66,7 +70,7 @@ def describe(model: Any) -> dict[str, Any]:
     """The `config.json` of `model`: its rebuildable config, its image processor's settings, its chat template and,
     when known, the data settings it was trained with."""
     described = {MMADAPT_KEY: model.resolved_config().to_dict(), "processor": model.encoder.processor_defaults(),
-                 "chat_template": model.backbone_spec.chat_template}
+                 "chat_template": model.backbone_spec.chat_template, CARRIED_KEY: carried_of(model).record()}
     settings = data_settings(model)
     return {**described, DATA_KEY: settings} if settings else described
 
@@ -96,14 +100,14 @@ class Source:
 
     @classmethod
     def of(cls, checkpoint: Checkpoint) -> Source:
-        return cls(str(checkpoint.path.resolve()), _stamps(checkpoint))
+        return cls(str(checkpoint.path.resolve()), checkpoint.stamps())
 
     def record(self) -> dict[str, Any]:
         """{"path", "files", "sha256"} (`mmadapt.weights.Provenance`) of the files, or {"path", "sha256": None,
         "note"} when they changed or went away since the model was read."""
         try:
             checkpoint = Checkpoint.open(self.path, what="source")
-            if _stamps(checkpoint) == self.stamps:
+            if checkpoint.stamps() == self.stamps:
                 return Provenance(checkpoint).to_dict()
             note = "its weight files changed after the model was read from it"
         except (OSError, ValueError) as e:
@@ -111,14 +115,17 @@ class Source:
         return {"path": self.path, "sha256": None, "note": note}
 
 
-def _stamps(checkpoint: Checkpoint) -> tuple[tuple[str, int, int], ...]:
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)
-
-
 def set_source(model: Any, checkpoint: Checkpoint) -> Any:
     """Remember that `model`'s weights were read from `checkpoint` (an export records its checksum). Returns
     `model`."""
     model.source = Source.of(checkpoint)
+    return model
+
+
+def set_carried(model: Any, directory: str | os.PathLike, saved: dict[str, Any]) -> Any:
+    """Remember what the mmadapt directory `directory` (its `config.json`: `saved`) carries from its model's starting
+    checkpoint (`mmadapt.carried`): its saves and exports carry it on. Returns `model`."""
+    model.carried = Carried.in_directory(directory, saved)
     return model
 
 
@@ -169,6 +176,16 @@ def export_record(directory: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise ValueError(f"{path} is not a JSON object; it is not a record mmadapt wrote")
     return record
+
+
+def write_model_files(model: Any, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+    """Everything of a model directory in mmadapt's format but the model's own weights (which a training checkpoint
+    writes its own way): the weights it carries from its starting checkpoint (`carried.safetensors`, when it carries
+    any), `config.json` and, given one, the tokenizer's files."""
+    carried_of(model).write(directory)
+    write_config(model, directory)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, directory)
 
 
 def write_config(model: Any, directory: str | os.PathLike) -> Path:
@@ -233,22 +250,24 @@ def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", t
                                max_shard_size)
         else:
             save_weights(model.state_dict(), stage.path, max_shard_size=max_shard_size, on_file=stage.record)
-            stage.record(write_config(model, stage.path).name)
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, stage.path)
+            write_model_files(model, stage.path, tokenizer)
     return Path(directory)
 
 
 def _save_transformers(model: Any, stage: StagedDirectory, architecture: str, processor: ProcessorExport,
                        max_shard_size: int | str) -> None:
-    """The transformers model beside its processor files (written by `processor`), then the export record with the
-    SHA-256 of every file."""
+    """The transformers model beside its processor files (written by `processor`) and the weights it carries from its
+    starting checkpoint (`mmadapt.carried`), then the export record with the SHA-256 of every file."""
     from mmadapt.convert import save_transformers
 
     save_transformers(model, stage.path, max_shard_size=max_shard_size, eos_token_ids=list(processor.eos_token_ids))
+    carried = carried_of(model)
+    carried.add_to_export(stage.path, max_shard_size=max_shard_size)
+    log.info("export: %s", carried.note())
     parts = {part: getattr(model.config, part).name for part in ("encoder", "projector", "backbone")}
     record = {**processor.record, "format": "transformers", "architecture": architecture, "components": parts,
-              "loaded_from": source_record(model), "files": stage.settle()}
+              "loaded_from": source_record(model), CARRIED_KEY: carried.record(),
+              "notes": [*processor.record.get("notes", []), carried.note()], "files": stage.settle()}
     stage.write_bytes(EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
 
 
@@ -282,6 +301,7 @@ def load(cls: type, directory: str | os.PathLike, *, strict: bool = True) -> Any
         checkpoint = Checkpoint.open(directory, what="model")
         model = load_pretrained(lambda: cls(model_config(saved)), checkpoint, what=f"model {directory}",
                                 tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False)
+        set_carried(model, directory, saved)
         settings = saved.get(DATA_KEY)
     return set_source(set_data_settings(model, settings), checkpoint)
 

@@ -18,7 +18,8 @@ the code here that reads it. `ModelInputs` is in `mmadapt.model_io`; decoding (`
 Parts come from presets (random init) or from checkpoints (`ComponentConfig(pretrained=...)`: each
 family reads its own checkpoints, see `mmadapt.weights`); they may differ in dtype, and the glue casts
 at the boundaries (pixels to the encoder's dtype, features to the projector's, visual tokens to the
-embeddings'). Model directories are read and written by `mmadapt.directory`.
+embeddings'). Model directories are read and written by `mmadapt.directory`. A model that started from one
+checkpoint carries that checkpoint's weights of no part (`mmadapt.carried`: `model.carried`) into its saves.
 
 DeepStack (Qwen3-VL, `mmadapt.deepstack`): whether the encoder computes its levels is decided before the parts are
 built; the levels go through their own projections and, for a backbone that takes them, into its forward, checked
@@ -53,6 +54,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from mmadapt import contract, deepstack, frames
 from mmadapt.backbones import BACKBONES
 from mmadapt.batch import VisionBatch
+from mmadapt.carried import Carried
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
@@ -103,6 +105,9 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
                 f"projector {config.projector.name!r} outputs width {self.projector.out_dim} but backbone "
                 f"{config.backbone.name!r} expects {width}"
             )
+        # weights of the checkpoint it started from that no part uses (`mtp.*`): kept for its saves, never loaded
+        self.carried = Carried.at_start({"encoder": self.encoder, "projector": self.projector,
+                                         "backbone": self.backbone})
         self._full_logits_reason: str | None = None  # see loss_without_logits
         self.full_logits_loss = False  # True: the training loss from full logits, as transformers (train.full_logits)
 

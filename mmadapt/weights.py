@@ -123,6 +123,10 @@ class Checkpoint:
                 self._open[file] = _unwrap_state(state, file)
         return self._open[file]
 
+    def stamps(self) -> tuple[tuple[str, int, int], ...]:
+        """Each weight file's (name, size, modification time): whether the files are still the ones read."""
+        return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in self.files)
+
     def close(self) -> None:
         """Drop the open files; tensors already read stay valid (they hold their own mapping)."""
         self._open.clear()
@@ -357,7 +361,7 @@ def load_pretrained(build: Callable[[], nn.Module], checkpoint: Checkpoint, rule
     if tied_keys:
         module.tie_weights()
     if provenance:
-        module.provenance = Provenance(checkpoint)
+        module.provenance = Provenance(checkpoint, claimed=renamed_keys(checkpoint.keys(), rules, skip))
     return finish(module, what)
 
 
@@ -449,14 +453,17 @@ def _sha256(paths: list[Path], result: Future[str]) -> None:
 
 
 class Provenance:
-    """Where a pretrained part came from: path, weight files, and their SHA-256.
+    """Where a pretrained part came from: path, weight files, and their SHA-256; `claimed`: the checkpoint's keys
+    that the part's key rules claim as its own (None: not recorded), from which `mmadapt.carried` tells the weights of
+    no part of a model.
 
     The hash runs in a background thread while the model is built (hashlib releases the GIL), once per
     set of files: the three parts of one VLM directory share it.
     """
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, checkpoint: Checkpoint, *, claimed: Iterable[str] | None = None) -> None:
         self.path = str(checkpoint.path.resolve())
+        self.claimed = None if claimed is None else frozenset(claimed)
         self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
                       for f in checkpoint.files]
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)

@@ -4,6 +4,7 @@ A checkpoint is a directory `OUT/checkpoints/step-000123/`:
 
     model.safetensors     every parameter and buffer of the (unwrapped) model, full precision
     config.json           the model's components (as in a model directory), tokenizer files beside it
+    carried.safetensors   the starting checkpoint's weights of no part (`mmadapt.carried`), when the model has any
     optimizer.pt          optimizer + scheduler state (tensors only: loaded with weights_only=True)
     rng.pt                torch / CUDA / numpy / Python RNG states (weights_only-safe)
     trainer_state.json    step, data position, counters, log history

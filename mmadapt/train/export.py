@@ -58,8 +58,8 @@ def load_trained(src: str | Path) -> tuple[Any, Any]:
 def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
     """The model of checkpoint `path` of `run`: built with the run's LoRA layers (so the state's keys match), loaded
     strictly, LoRA merged, frozen and in eval mode, with the data settings it was trained with (its `config.json`'s,
-    else - a checkpoint written before they were saved there - its run's `data` section) and its source attached
-    (`mmadapt.directory`)."""
+    else - a checkpoint written before they were saved there - its run's `data` section), its source and the weights
+    it carries from its starting checkpoint attached (`mmadapt.directory`)."""
     saved = model_directory.read_config(path)
     config = model_directory.model_config(saved)
     lora = "lora" in run.stages.modes().values()
@@ -78,6 +78,7 @@ def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
     model.requires_grad_(False)
     settings = saved.get(model_directory.DATA_KEY) or DataConfig.of(run.data).preprocessing()
     model_directory.set_source(model_directory.set_data_settings(model, settings), checkpoint)
+    model_directory.set_carried(model, path, saved)  # what it carries from its starting checkpoint: its own copy
     return model.eval()
 
 

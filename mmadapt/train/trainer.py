@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
-from mmadapt.directory import save_tokenizer, write_config
+from mmadapt.directory import write_model_files
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import GlobalBatchSampler
@@ -333,10 +333,9 @@ class Trainer:
         return path
 
     def write_model_files(self, directory: Path) -> None:
-        """What a checkpoint needs to become a model directory: the model's config and the tokenizer."""
-        write_config(self.model, directory)
-        if self.tokenizer is not None:
-            save_tokenizer(self.tokenizer, directory)
+        """What a checkpoint needs to become a model directory: the model's config, the tokenizer and the weights the
+        model carries from its starting checkpoint (`mmadapt.carried`)."""
+        write_model_files(self.model, directory, self.tokenizer)
 
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
