@@ -28,7 +28,8 @@ from PIL import Image
 # `<t seconds><|vision_start|><|video_pad|>...<|vision_end|>` blocks. transformers 5.10 - 5.24 replace only the
 # `<|video_pad|>`, so the template's pair stays around the frames (two tokens more); transformers 5.25 collapses the
 # span to the bare pad first (`Qwen3VLProcessor.get_text_with_replacements`) and writes Qwen's reference stream.
-TRANSFORMERS_KEEPS_VIDEO_WRAPPER = Version("5.10") <= Version(version("transformers")) < Version("5.25")
+# (pyproject's range starts at 5.24.)
+TRANSFORMERS_KEEPS_VIDEO_WRAPPER = Version(version("transformers")) < Version("5.25")
 
 TINY_LLAVA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"}
 
