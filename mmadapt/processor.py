@@ -22,9 +22,10 @@ training chat template and its `template_kwargs`.
 
 Videos: mmadapt (as Qwen's reference processor, transformers 4.57) replaces a video's
 `<|vision_start|><|video_pad|><|vision_end|>` whole by its per-frame `<t seconds><|vision_start|>...<|vision_end|>`
-blocks; transformers >= 5.10 replaces only the `<|video_pad|>`, keeping two more tokens around them. The exported
-template therefore writes a video part as the bare `<|video_pad|>`, which every one of those processors expands to
-exactly the training stream.
+blocks; transformers 5.10 - 5.24, and vLLM on them (vllm-project/vllm#41359), replace only the `<|video_pad|>`,
+keeping two more tokens around them (transformers 5.25 collapses the three tokens to the pad first). The exported
+template therefore writes a video part as the bare `<|video_pad|>`, which every one of those expands to exactly the
+training stream.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 
 `write_run(path, model={...}, data={...}, train={...})` writes a run YAML from plain mappings (paths may be
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
-Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in real_tokenizers.py.
+`TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
+placeholder (below). Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in
+real_tokenizers.py.
 """
 
 from __future__ import annotations
@@ -12,12 +14,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
+from packaging.version import Version
 from PIL import Image
+
+# Qwen's own chat templates write a video as `<|vision_start|><|video_pad|><|vision_end|>`, and Qwen's reference
+# processor (transformers 4.57, qwen-vl-utils) and mmadapt replace that whole span by the per-frame
+# `<t seconds><|vision_start|><|video_pad|>...<|vision_end|>` blocks. transformers 5.10 - 5.24 replace only the
+# `<|video_pad|>`, so the template's pair stays around the frames (two tokens more); transformers 5.25 collapses the
+# span to the bare pad first (`Qwen3VLProcessor.get_text_with_replacements`) and writes Qwen's reference stream.
+# (pyproject's range starts at 5.24.)
+TRANSFORMERS_KEEPS_VIDEO_WRAPPER = Version(version("transformers")) < Version("5.25")
 
 TINY_LLAVA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"}
 

@@ -10,7 +10,8 @@ using transformers alone on that directory:
   `Processor`'s `input_ids`, `pixel_values` and `image_grid_thw` exactly;
 - a video file (Qwen families; frames as transformers' pyav reader decodes them, its own fps sampling) gives the same
   `pixel_values_videos`, `video_grid_thw` and ids (the exported template writes a video part as the bare
-  `<|video_pad|>`: docs/export.md);
+  `<|video_pad|>`: docs/export.md), Qwen's reference stream, under transformers 5.24 and 5.25 alike; vLLM's
+  replacement rule (`vllm_video_ids`, written out here: no vLLM needed) expands the exported template to the same ids;
 - `AutoModelForImageTextToText` gives mmadapt's logits (fp32, <= 1e-5) on the image prompt and on the video prompt
   as mmadapt renders it, and transformers' `generate` gives mmadapt's greedy continuation.
 Also: the export record (version, data settings, every file's SHA-256, the source's), the architectures the hub
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import TRANSFORMERS_KEEPS_VIDEO_WRAPPER
 from PIL import Image
 from real_tokenizers import real_tokenizer
 
@@ -208,6 +210,73 @@ def test_autoprocessor_samples_preprocesses_and_writes_a_video_as_mmadapt(export
         expected = theirs_model(**inputs).logits
         got = export.model(**ours).logits
     assert (got - expected).abs().max() <= ATOL
+
+
+# vLLM's rule for a Qwen3-VL / Qwen3.5 video prompt (vllm-project/vllm, vllm/model_executor/models/qwen3_vl.py:
+# Qwen3VLMultiModalProcessor._get_prompt_updates, its PromptReplacement(modality="video", target=...,
+# replacement=get_video_replacement_qwen3vl), and Qwen3VLProcessingInfo._get_video_second_idx / _calculate_timestamps
+# for the times). Each target in the rendered prompt becomes, per temporal patch, the tokens of f"<{t:.1f} seconds>"
+# then [vision_start] + [video_token] * (h * w / merge**2) + [vision_end], t the mean of the patch's first and last
+# frame's time; the frames are those the video processor samples (`fps`, clamped to min_frames / max_frames and the
+# video's frames, np.linspace rounded). The target: the video token alone since vllm-project/vllm#41359 with
+# transformers >= 5.10 (vllm-project/vllm#52526 describes it), the whole three-token string before that. A prompt
+# holding a different count of targets than videos is refused ("... found 0 prompt updates").
+VLLM_LEGACY_VIDEO_TARGET = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def vllm_video_ids(prompt: str, target: str, tokenizer: Any, grid_thw: list[int], metadata: Any,
+                   video_processor: Any) -> list[int]:
+    """The ids vLLM's rule (above) makes of `prompt` with one video (`metadata`: its fps and frame count)."""
+    pieces = prompt.split(target)
+    if len(pieces) != 2:
+        raise ValueError(f"Expected there to be 1 prompt updates corresponding to 1 video items, but instead found "
+                         f"{len(pieces) - 1} prompt updates")
+    total, fps, merge = metadata.total_num_frames, metadata.fps, video_processor.merge_size
+    count = min(max(int(total / fps * video_processor.fps), video_processor.min_frames), video_processor.max_frames,
+                total)
+    indices = np.linspace(0, total - 1, count).round().astype(int).tolist()
+    indices += indices[-1:] * (-len(indices) % merge)
+    times = [(indices[i] + indices[i + merge - 1]) / 2 / fps for i in range(0, len(indices), merge)]
+    patches, height, width = grid_thw
+    assert len(times) == patches
+    start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|video_pad|>", "<|vision_end|>"])
+    video = []
+    for time in times:
+        video += tokenizer.encode(f"<{time:.1f} seconds>", add_special_tokens=False)
+        video += [start] + [pad] * (height * width // merge**2) + [end]
+    head, tail = (tokenizer.encode(piece, add_special_tokens=False) for piece in pieces)
+    return head + video + tail
+
+
+def test_vllms_rule_expands_the_exported_template_to_qwens_stream(export, auto, video):
+    """vLLM's replacement (`vllm_video_ids`) turns the exported template's bare <|video_pad|> into mmadapt's ids, Qwen's
+    reference stream; a vLLM that looks for the whole <|vision_start|><|video_pad|><|vision_end|> refuses it, as the
+    export's note says. Qwen's own form, the three-token string, gives that stream to the older vLLM and transformers
+    5.25 but one more bracket pair to transformers 5.10 - 5.24: why the export writes the bare pad."""
+    if not export.qwen:
+        pytest.skip("LLaVA takes no video")
+    from transformers.video_utils import read_video_pyav
+
+    processor, _ = auto
+    ours = export.processor(video_conversation({"type": "video", "video": str(video)}))["input_ids"][0].tolist()
+    text = processor.apply_chat_template(video_conversation({"type": "video"}), add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.count(processor.video_token) == 1 and VLLM_LEGACY_VIDEO_TARGET not in text  # the bare pad
+    frames, metadata = read_video_pyav(str(video), sample_indices_fn=lambda metadata, **_: np.arange(
+        metadata.total_num_frames))
+    grid = processor(text=[text], videos=[frames], video_metadata=[metadata],
+                     return_tensors="pt")["video_grid_thw"][0].tolist()
+    rule = dict(tokenizer=processor.tokenizer, grid_thw=grid, metadata=metadata,
+                video_processor=processor.video_processor)
+    assert vllm_video_ids(text, processor.video_token, **rule) == ours
+    with pytest.raises(ValueError, match="found 0 prompt updates"):
+        vllm_video_ids(text, VLLM_LEGACY_VIDEO_TARGET, **rule)
+    wrapped = text.replace(processor.video_token, VLLM_LEGACY_VIDEO_TARGET)  # a video as Qwen's templates write it
+    assert vllm_video_ids(wrapped, VLLM_LEGACY_VIDEO_TARGET, **rule) == ours
+    theirs = processor(text=[wrapped], videos=[frames], video_metadata=[metadata],
+                       return_tensors="pt")["input_ids"][0].tolist()
+    assert len(theirs) == len(ours) + 2 * TRANSFORMERS_KEEPS_VIDEO_WRAPPER
+    assert (theirs == ours) != TRANSFORMERS_KEEPS_VIDEO_WRAPPER
 
 
 def test_the_export_holds_what_autoprocessor_and_the_servers_read(export):

@@ -1,9 +1,11 @@
 """Video in the data pipeline: records with videos -> the token stream Qwen's processor writes -> a checked batch.
 
 Records as LLaMA-Factory / ms-swift / Qwen write them (`videos` + `<video>`, `{"type": "video"}` parts, inline
-videos, frame lists); the rendered ids equal transformers' `Qwen3VLProcessor` on the same file and text (real
-Qwen3 tokenizer), once its extra outer brackets are removed (Qwen's reference replaces the template's whole
-`<|vision_start|><|video_pad|><|vision_end|>`), with the same `pixel_values_videos` and `video_grid_thw`; a mixed
+videos, frame lists); the rendered ids are Qwen's reference stream, which transformers' `Qwen3VLProcessor` writes on
+the same file and text (real Qwen3 tokenizer) from 5.25 on and, on 5.10 - 5.24, once the template's own outer
+brackets it keeps are removed (Qwen's reference replaces the template's whole
+`<|vision_start|><|video_pad|><|vision_end|>`; helpers.TRANSFORMERS_KEEPS_VIDEO_WRAPPER), with the same
+`pixel_values_videos` and `video_grid_thw`; a mixed
 image + video + text-only batch passes the contract; truncation never cuts a video span; bad videos are counted
 per sample by `check_dataset` (`mmadapt data check`); a model that takes no video refuses, fatally.
 """
@@ -15,6 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import TRANSFORMERS_KEEPS_VIDEO_WRAPPER
 from PIL import Image
 from real_tokenizers import real_tokenizer
 
@@ -81,7 +84,8 @@ def test_records_carry_videos_as_llama_factory_ms_swift_and_qwen_write_them(medi
 
 def test_the_rendered_ids_and_pixels_equal_qwens_processor_on_the_same_file(media, qwen):
     """Real Qwen3 tokenizer and chat template; transformers' Qwen3VLProcessor on the same file (its pyav decoding,
-    the same sampling): our ids == theirs without the outer bracket pair transformers 5 leaves around the frames."""
+    the same sampling): our ids == theirs, Qwen's reference stream (one <|vision_start|> ... <|vision_end|> per
+    temporal patch), which transformers 5.25 writes as it is and 5.10 - 5.24 inside one more bracket pair."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import read_video_pyav
@@ -111,10 +115,14 @@ def test_the_rendered_ids_and_pixels_equal_qwens_processor_on_the_same_file(medi
                          return_tensors="pt")
     ids = expected["input_ids"][0].tolist()
     start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
-    first = ids.index(start)
-    last = len(ids) - 1 - ids[::-1].index(end)
-    assert ids[first + 1] != start and ids[last - 1] == end  # the doubled brackets around the frames
-    reference = ids[:first] + ids[first + 1 : last] + ids[last + 1 :]
+    patches = int(expected["video_grid_thw"][0, 0])
+    wrapper = int(TRANSFORMERS_KEEPS_VIDEO_WRAPPER)  # this transformers' outer pair: 1 on 5.10 - 5.24, 0 from 5.25
+    assert ids.count(start) == ids.count(end) == patches + wrapper
+    reference = ids
+    if wrapper:  # the template's pair, kept around the frames: Qwen's reference stream is what lies inside it
+        first, last = ids.index(start), len(ids) - 1 - ids[::-1].index(end)
+        assert ids[first + 1] != start and ids[last - 1] == end  # its first block starts with a timestamp
+        reference = ids[:first] + ids[first + 1 : last] + ids[last + 1 :]
     assert ours.input_ids.tolist() == reference
     assert torch.equal(ours.pixel_values_videos, expected["pixel_values_videos"])
     assert torch.equal(ours.video_grid_thw, expected["video_grid_thw"])

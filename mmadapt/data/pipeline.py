@@ -18,8 +18,9 @@ and sampled (`data.video`, `mmadapt.data.video.VideoConfig`), preprocessed as tr
 processor does, and its `<video>` placeholder becomes, per temporal patch (two frames), the timestamp text
 `<{t:.1f} seconds>` (t: the mean time of the patch's two sampled frames, from their real frame indices and the
 video's fps) + `<|vision_start|>` + `<|video_pad|>` x its tokens + `<|vision_end|>`: Qwen's own rendering (the
-reference processor replaces the template's `<|vision_start|><|video_pad|><|vision_end|>` whole; transformers 5's
-generic path leaves those brackets around the frames, a token stream the models were not trained on). Videos
+reference processor replaces the template's `<|vision_start|><|video_pad|><|vision_end|>` whole, as transformers 5.25
+does; 5.10 - 5.24's generic path leaves those brackets around the frames, a token stream the models were not
+trained on). Videos
 with other models are a fatal `video_unsupported` (give the frames as images instead). Bad videos are counted
 problems like bad images (`missing_video`, `unreadable_video`, `video_too_large`, `empty_video`,
 `variable_frame_size`, `video_without_placeholder`, `placeholder_mismatch`).
