@@ -37,9 +37,9 @@ from mmadapt import VisionLanguageModel
 
 
 # ---- 1. training step vs transformers -------------------------------------------------------------
-def bench_steps(reps: int) -> list[tuple[str, str, float, float]]:
+def bench_steps(reps: int, families: list[str]) -> list[tuple[str, str, float, float]]:
     rows = []
-    for family in FAMILIES:
+    for family in families:
         ours, theirs, batch, hf_batch = pair(family)
         for autocast in (False, True):
             t_ours, t_theirs = alternating([step_fn(ours, batch, autocast), step_fn(theirs, hf_batch, autocast)],
@@ -49,7 +49,7 @@ def bench_steps(reps: int) -> list[tuple[str, str, float, float]]:
 
 
 # ---- 3. contract-check overhead -------------------------------------------------------------------
-def bench_contract(reps: int) -> list[tuple[str, float, float]]:
+def bench_contract(reps: int, families: list[str]) -> list[tuple[str, float, float]]:
     """(config, contract-check ms, training-step ms): the checks timed directly, 50 calls per sample.
 
     Differencing two noisy step times (checks on vs off) cannot resolve a <1% share on 2 shared cores;
@@ -58,7 +58,7 @@ def bench_contract(reps: int) -> list[tuple[str, float, float]]:
     from mmadapt import contract
 
     rows = []
-    for family in FAMILIES:
+    for family in families:
         ours, _, batch, _ = pair(family)
         ids, valid = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
@@ -102,10 +102,10 @@ def _peak_rss_child(family: str, which: str, hf_dir: str, batch_file: str, queue
     queue.put((_status_kib("VmHWM") - baseline) / 1024)
 
 
-def bench_memory() -> list[tuple[str, float, float]]:
+def bench_memory(families: list[str]) -> list[tuple[str, float, float]]:
     context = multiprocessing.get_context("spawn")
     rows = []
-    for family in FAMILIES:
+    for family in families:
         ours, _, batch, hf_batch = pair(family)
         with tempfile.TemporaryDirectory() as tmp:
             ours.save_pretrained(tmp, format="transformers")
@@ -135,7 +135,8 @@ def sections_of(text: str) -> set[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small shapes, 1-2 repetitions (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes, 1-2 repetitions, two families in sections 1, 3 and 6 (smoke run)")
     parser.add_argument("--sections", default="1-8", type=sections_of, help="which sections, e.g. 1-6 or 1,3,6")
     parser.add_argument("--out", default=None, help="also write the markdown here")
     args = parser.parse_args()
@@ -143,6 +144,7 @@ def main() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     reps = 2 if args.quick else 7
+    families = list(FAMILIES)[:2] if args.quick else list(FAMILIES)  # quick: Qwen3.5- and LLaVA-shaped only
     started = time.perf_counter()
     lines = [f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads; "
              f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
@@ -151,7 +153,7 @@ def main() -> None:
     if 1 in args.sections:
         lines += ["### 1. Training step (fwd + bwd + AdamW), same weights and batch: mmadapt vs transformers", "",
                   "| config | precision | mmadapt ms | transformers ms | ratio |", "|---|---|---:|---:|---:|"]
-        for family, precision, ours, theirs in bench_steps(reps):
+        for family, precision, ours, theirs in bench_steps(reps, families):
             lines.append(f"| {family} | {precision} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f}x |")
     if 2 in args.sections:
         shape = (2, 256, 128, 64) if args.quick else (8, 2048, 1024, 576)
@@ -163,7 +165,7 @@ def main() -> None:
     if 3 in args.sections:
         lines += ["", "### 3. Contract checks (on by default) as a share of a training step", "",
                   "| config | checks ms per batch | training step ms | share |", "|---|---:|---:|---:|"]
-        for family, checks, step in bench_contract(reps):
+        for family, checks, step in bench_contract(reps, families):
             lines.append(f"| {family} | {checks * 1e3:.2f} | {step * 1e3:.1f} | {checks / step:.1%} |")
     if 4 in args.sections:
         from bench_packing import bench_pack_vs_pad, llava_mix_lengths, samples_of
@@ -191,7 +193,7 @@ def main() -> None:
         lines += ["", "### 6. Peak memory: RSS above the post-import baseline over load + 3 training steps, "
                   "each model in its own process", "",
                   "| config | mmadapt MiB | transformers MiB | ratio |", "|---|---:|---:|---:|"]
-        for family, ours, theirs in bench_memory():
+        for family, ours, theirs in bench_memory(families):
             lines.append(f"| {family} | {ours:.0f} | {theirs:.0f} | {ours / max(theirs, 1e-9):.2f}x |")
     if 7 in args.sections:
         from bench_loss import DEFAULT_CONFIGS, bench_vlm_step
