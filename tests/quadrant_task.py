@@ -39,6 +39,10 @@ ENCODERS = ("clip", "siglip", "timm", "qwen3_5_vit", "qwen3_vl_vit")
 PROJECTOR = {"clip": "mlp2x_gelu", "siglip": "mlp2x_gelu", "timm": "mlp2x_gelu", "qwen3_5_vit": "qwen_merger",
              "qwen3_vl_vit": "qwen_merger"}
 BACKBONES = ("llama", "qwen3_5")
+# The pairs the tests train: every encoder under a LLaMA backbone (200 steps) and the Qwen3.5 backbone under CLIP
+# (400 steps), so that each component is in a trained pair. The other Qwen3.5 pairs (SigLIP, timm and Qwen's ViTs
+# under Qwen3.5: 400 steps each, 1.5-2.5 minutes on 2 cores) are in benchmarks/bench_evidence.py's default pairs.
+TESTED_PAIRS = (*((encoder, "llama") for encoder in ENCODERS), ("clip", "qwen3_5"))
 
 
 def corner_setup(encoder: str, backbone: str) -> tuple[int, dict]:
