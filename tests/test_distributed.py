@@ -68,17 +68,6 @@ def test_fsdp2_and_ddp_equal_one_process(dataset):
     assert abs(resumed[2] - one[2]) <= 1e-5
 
 
-def test_fsdp2_with_deepstack_and_experts_equals_one_process(dataset):
-    """Qwen3-VL-MoE (DeepStack levels added after layers 0-2, verified by the contract's hooks on FSDP2-sharded
-    layers; routed experts sharded along the expert dimension): 2-process FSDP2 equals 1 process."""
-    model = ["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"]
-    one = train(dataset, "vl-one", *model, "data.batch_size=2", "train.grad_accum=2")
-    fsdp = train(dataset, "vl-fsdp", *model, "data.batch_size=2", "distributed.strategy=fsdp", procs=2)
-    assert len(one) == len(fsdp) == 3
-    for a, b in zip(one, fsdp, strict=True):
-        assert abs(a - b) <= 1e-5, (one, fsdp)
-
-
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """24 records, half of them text-only (an image where i % 4 is 0 or 1): with one sample per rank and seed 0 the
@@ -108,6 +97,8 @@ MIXED = {  # (overrides, strategies run with 2 processes)
     "encoder full": ([EIGHT, "train.weight_decay=0.1"], ("fsdp", "ddp")),
     "encoder frozen": ([EIGHT, "stages.encoder=frozen", "stages.projector=full"], ("fsdp", "ddp")),
     "LoRA": ([EIGHT, "stages.encoder=lora", "stages.backbone=lora"], ("fsdp", "ddp")),
+    # Qwen3-VL-MoE: DeepStack levels added after layers 0-2, verified by the contract's hooks on FSDP2-sharded
+    # layers; routed experts sharded along the expert dimension
     "DeepStack + MoE": (["model.encoder=qwen3_vl_vit", "model.backbone=qwen3_vl_moe", "stages.router=full"],
                         ("fsdp",)),
     # activation checkpointing inside FSDP2's units (each decoder layer / vision block recomputed in the backward)
