@@ -17,11 +17,12 @@ them warms up when there are several).
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import time
 
 import torch
-from bench_loss import _reset_peak, _status_kib  # the same peak measurement as the loss benchmark
+from bench_loss import _reset_peak, _status_kib, _trim_heap  # the same peak measurement as the loss benchmark
 
 from mmadapt import build_model
 from mmadapt.train.optim import enable_activation_checkpointing
@@ -57,7 +58,13 @@ def _one(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: in
 
 
 def _child(configurations: list[tuple], queue: multiprocessing.Queue) -> None:
-    queue.put([_one(*configuration) for configuration in configurations])
+    results = []
+    for k, configuration in enumerate(configurations):
+        if k:  # the last configuration's memory handed back: the next one's peak counts only its own
+            gc.collect()
+            _trim_heap()
+        results.append(_one(*configuration))
+    queue.put(results)
 
 
 def measure(configurations: list[tuple]) -> list[dict]:
