@@ -9,18 +9,20 @@ layers, and LLaVA-1.5-7B's (Vicuna-7B: 4096 wide, 32,064 vocabulary) at 1 and 2 
 24 and 32; this CPU's time bounds the depth), a text batch of 1,024 tokens, fp32, the trainer's
 loss without full logits; the backbone only is checkpointed (the vision tower follows the same pattern per
 block). "fwd + bwd peak" is `VmHWM` over the forward and backward above what was resident before it (the
-high-water mark reset through `/proc/self/clear_refs`), each configuration in its own process. Time: the mean
-of the measured steps (`--steps`, default 1; a step before them warms up when there are several).
+high-water mark reset through `/proc/self/clear_refs`), each configuration in its own process (`--quick`: all
+in one process, to spare the start-ups). Time: the mean of the measured steps (`--steps`, default 1; a step before
+them warms up when there are several).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import time
 
 import torch
-from bench_loss import _reset_peak, _status_kib  # the same peak measurement as the loss benchmark
+from bench_loss import _reset_peak, _status_kib, _trim_heap  # the same peak measurement as the loss benchmark
 
 from mmadapt import build_model
 from mmadapt.train.optim import enable_activation_checkpointing
@@ -32,8 +34,7 @@ ROWS = {  # name: (backbone, preset, depths)
 QUICK = {"Qwen3.5 tiny": ("qwen3_5", "tiny", (2, 4)), "llama tiny": ("llama", "tiny", (2, 4))}
 
 
-def _child(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int,
-           queue: multiprocessing.Queue) -> None:
+def _one(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = build_model("clip", "mlp2x_gelu", {"name": backbone, "preset": preset,
                                                "options": {"num_hidden_layers": layers}}).train()
@@ -53,17 +54,28 @@ def _child(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: 
         if k >= warmup:
             times.append(time.perf_counter() - started)
             peaks.append(_status_kib("VmHWM") - before if reset else float("nan"))
-    queue.put({"seconds": sum(times) / len(times), "peak_mib": max(peaks) / 1024})
+    return {"seconds": sum(times) / len(times), "peak_mib": max(peaks) / 1024}
 
 
-def measure(backbone: str, preset: str, layers: int, checkpointed: bool, tokens: int, steps: int) -> dict:
+def _child(configurations: list[tuple], queue: multiprocessing.Queue) -> None:
+    results = []
+    for k, configuration in enumerate(configurations):
+        if k:  # the last configuration's memory handed back: the next one's peak counts only its own
+            gc.collect()
+            _trim_heap()
+        results.append(_one(*configuration))
+    queue.put(results)
+
+
+def measure(configurations: list[tuple]) -> list[dict]:
+    """_one(*c) for each (backbone, preset, layers, checkpointed, tokens, steps) c, in one fresh "spawn" process."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_child, args=(backbone, preset, layers, checkpointed, tokens, steps, queue))
+    process = context.Process(target=_child, args=(configurations, queue))
     process.start()
-    result = queue.get()
+    results = queue.get()
     process.join()
-    return result
+    return results
 
 
 def main() -> None:
@@ -76,13 +88,15 @@ def main() -> None:
     print(f"#### Activation checkpointing: fwd + bwd of {tokens} tokens, fp32, CPU, reduced depth\n")
     print("| model | layers | peak MiB without | peak MiB with | peak ratio | s without | s with | time ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (backbone, preset, depths) in rows.items():
-        for layers in depths:
-            without = measure(backbone, preset, layers, False, tokens, steps)
-            with_ = measure(backbone, preset, layers, True, tokens, steps)
-            print(f"| {name} | {layers} | {without['peak_mib']:.0f} | {with_['peak_mib']:.0f} | "
-                  f"{with_['peak_mib'] / max(without['peak_mib'], 1e-9):.2f}x | {without['seconds']:.2f} | "
-                  f"{with_['seconds']:.2f} | {with_['seconds'] / without['seconds']:.2f}x |", flush=True)
+    pairs = [(name, [(backbone, preset, layers, checkpointed, tokens, steps) for checkpointed in (False, True)])
+             for name, (backbone, preset, depths) in rows.items() for layers in depths]
+    # each configuration in its own process; --quick: all in one (the peak is reset before each step either way)
+    quick_results = iter(measure([c for _, pair in pairs for c in pair])) if args.quick else None
+    for name, pair in pairs:
+        without, with_ = [next(quick_results) if quick_results else measure([c])[0] for c in pair]
+        print(f"| {name} | {pair[0][2]} | {without['peak_mib']:.0f} | {with_['peak_mib']:.0f} | "
+              f"{with_['peak_mib'] / max(without['peak_mib'], 1e-9):.2f}x | {without['seconds']:.2f} | "
+              f"{with_['seconds']:.2f} | {with_['seconds'] / without['seconds']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

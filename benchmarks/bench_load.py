@@ -18,7 +18,9 @@ resident, for both). Each process then runs an 8-token text-only forward; the lo
 must agree (bf16, max |diff| <= 1e-2), so the benchmark also proves the load was right.
 Targets: mmadapt's load time <= 1.2x transformers'; mmadapt's peak RSS <= 1.2x the checkpoint's bytes.
 `--quick`: 2 text layers (one Gated DeltaNet, one attention) and 2 vision blocks, real widths and
-vocabulary (about 30 s with --reps 1). The full run (real depth, 5 reps) takes about 3 minutes on 2 cores.
+vocabulary; the checkpoint is built in the main process and every load runs in one fresh process, in turn, the
+high-water mark reset (`/proc/self/clear_refs`) before each (about 20 s with --reps 1). The full run (real depth,
+5 reps) takes about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def _save_child(directory: str, quick: bool) -> dict[str, Any]:
     config = qwen_config(quick)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    model = Qwen3_5ForConditionalGeneration(config)
+    with torch.device("meta"):  # the init once (not nn's own and then transformers' _init_weights)
+        model = Qwen3_5ForConditionalGeneration(config)
     torch.set_default_dtype(torch.float32)
+    model.to_empty(device="cpu")
+    model.init_weights()  # transformers' initialisation of every weight, then the tying
     model.save_pretrained(directory)
     return {"parameters": sum(p.numel() for p in model.parameters()), "layers": config.text_config.num_hidden_layers,
             "layer_types": sorted(set(config.text_config.layer_types)), "blocks": config.vision_config.depth,
@@ -128,6 +133,24 @@ def _load_child(which: str, directory: str, logits_file: str) -> dict[str, Any]:
     return result
 
 
+def _load_in_turn(jobs: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """_load_child(*job) for each job, in this one process (--quick): before each load after the first, the memory
+    the last one freed is handed back and the high-water mark reset (`/proc/self/clear_refs`), so each peak is its
+    own."""
+    from bench_loss import _reset_peak, _trim_heap
+
+    results = []
+    for k, job in enumerate(jobs):
+        if k:
+            gc.collect()
+            _trim_heap()
+            if not _reset_peak():
+                raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs) to measure loads in one process; "
+                                   "run without --quick")
+        results.append(_load_child(*job))
+    return results
+
+
 def _child_main(target: Any, args: tuple, queue: multiprocessing.Queue) -> None:
     try:
         queue.put(("ok", target(*args)))
@@ -157,18 +180,19 @@ def in_child(target: Any, *args: Any, timeout: float = 900) -> Any:
     return value
 
 
-def bench_load(directory: Path, reps: int) -> dict[str, list[dict[str, Any]]]:
-    """`reps` loads per loader, each in a fresh process, the order alternating from one repetition to the next."""
+def bench_load(directory: Path, reps: int, together: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """`reps` loads per loader, each in a fresh process (`together`: all in one, peaks reset between them), the order
+    alternating from one repetition to the next."""
     for file in directory.glob("*.safetensors"):  # the page cache holds the file for both alike
         with open(file, "rb") as f:
             while f.read(1 << 26):
                 pass
     runs: dict[str, list[dict[str, Any]]] = {which: [] for which in LOADERS}
-    for rep in range(reps):
-        order = list(LOADERS) if rep % 2 == 0 else list(LOADERS)[::-1]
-        for which in order:
-            logits = directory / f"logits_{which}_{rep}.pt"
-            runs[which].append({**in_child(_load_child, which, str(directory), str(logits)), "logits": logits})
+    jobs = [(which, str(directory), str(directory / f"logits_{which}_{rep}.pt")) for rep in range(reps)
+            for which in (list(LOADERS) if rep % 2 == 0 else list(LOADERS)[::-1])]
+    results = in_child(_load_in_turn, jobs) if together else [in_child(_load_child, *job) for job in jobs]
+    for (which, _, logits), result in zip(jobs, results, strict=True):
+        runs[which].append({**result, "logits": Path(logits)})
     return runs
 
 
@@ -205,10 +229,12 @@ def main(argv: list[str] | None = None) -> str:
              ""]
     with tempfile.TemporaryDirectory(prefix="bench_load_") as tmp:
         directory = Path(tmp)
-        saved = in_child(_save_child, tmp, args.quick)
+        # --quick: the checkpoint built here and every load in one process (the start-ups dominate a smoke run)
+        saved = _save_child(tmp, True) if args.quick else in_child(_save_child, tmp, False)
+        gc.collect()
         save_s = time.perf_counter() - started
         weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        runs = bench_load(directory, args.reps)
+        runs = bench_load(directory, args.reps, together=args.quick)
         diff = check_same_model(runs)
 
     seconds = {which: statistics.median(r["seconds"] for r in results) for which, results in runs.items()}
@@ -216,9 +242,11 @@ def main(argv: list[str] | None = None) -> str:
     ratio = {which: peaks[which] * 2**20 / weights for which in runs}
     depth = (f"{saved['layers']} text layers ({' + '.join(saved['layer_types'])}), {saved['blocks']} vision blocks")
     depth += " (--quick: reduced depth)" if args.quick else " (the real depth)"
+    where = "one fresh process for all loads, peaks reset between them" if args.quick else \
+        "fresh process(es) per loader"
     lines += [f"### Loading a saved Qwen3.5-0.8B-shaped random VLM: vocabulary 248,320, hidden 1024, {depth}; "
               f"{saved['parameters'] / 1e6:.1f} M parameters, {saved['dtypes'][0].removeprefix('torch.')}, "
-              f"checkpoint {weights / 2**20:.0f} MiB ({weights:,} bytes); {args.reps} fresh process(es) per loader, "
+              f"checkpoint {weights / 2**20:.0f} MiB ({weights:,} bytes); {args.reps} load(s) per loader, {where}, "
               "alternating", "",
               "| loader | seconds (median) | peak RSS MiB | RSS / checkpoint bytes |", "|---|---:|---:|---:|"]
     for which, label in LOADERS.items():

@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -131,7 +132,7 @@ def _trim_heap() -> None:
         ctypes.CDLL(name).malloc_trim(0)
 
 
-def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: multiprocessing.Queue) -> None:
+def _step(which: str, directory: str, hf_class: str, steps: int) -> dict:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -170,31 +171,47 @@ def _step_child(which: str, directory: str, hf_class: str, steps: int, queue: mu
         peaks.append(step()[1])
         times.append(time.perf_counter() - started)
     kept = step(free=False)[1]
-    queue.put({"loss": loss, "seconds": statistics.median(times),
-               "step_peak_mib": max(peaks) / 1024 if reset else float("nan"),
-               "kept_peak_mib": kept / 1024 if reset else float("nan"),
-               "tokens": int(batch["input_ids"].numel()), "supervised": int((batch["labels"][:, 1:] != -100).sum())})
+    return {"loss": loss, "seconds": statistics.median(times),
+            "step_peak_mib": max(peaks) / 1024 if reset else float("nan"),
+            "kept_peak_mib": kept / 1024 if reset else float("nan"),
+            "tokens": int(batch["input_ids"].numel()), "supervised": int((batch["labels"][:, 1:] != -100).sum())}
 
 
-def bench_vlm_step(name: str, quick: bool, steps: int) -> dict:
+def _step_child(jobs: list[tuple[str, str, str, int]], queue: multiprocessing.Queue) -> None:
+    queue.put([_step(*job) for job in jobs])
+
+
+def prepare(name: str, quick: bool, directory: str) -> dict:
+    """The config's model (transformers' format) and batch saved into `directory`; what the table says about it."""
     config = CONFIGS[name]
     model = build(config, quick)
     batch = sft_batch(model, config, quick)
-    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory, format="transformers")
+    torch.save(batch, f"{directory}/batch.pt")
+    return {"name": name, "depth": "tiny" if quick else config["depth"],
+            "params": sum(p.numel() for p in model.parameters()), "targets": config["targets"],
+            "step_target": config.get("step_target")}
+
+
+def bench_vlm_steps(names: list[str], quick: bool, steps: int) -> Iterator[dict]:
+    """One result per config, as each is done: mmadapt's and transformers' steps, each side in its own fresh
+    process (--quick: every side of every config in one process, to spare the start-ups; the peak is reset before
+    each step either way)."""
     context = multiprocessing.get_context("spawn")
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, format="transformers")
-        torch.save(batch, f"{tmp}/batch.pt")
-        del model
-        for which in ("mmadapt", "transformers"):
-            queue = context.Queue()
-            child = context.Process(target=_step_child, args=(which, tmp, config["hf_class"], steps, queue))
-            child.start()
-            results[which] = queue.get(timeout=3000)
-            child.join()
-    return {"name": name, "depth": "tiny" if quick else config["depth"], "params": params,
-            "targets": config["targets"], "step_target": config.get("step_target"), **results}
+    for group in [names] if quick else [[name] for name in names]:
+        with tempfile.TemporaryDirectory() as tmp:
+            found = [prepare(name, quick, f"{tmp}/{k}") for k, name in enumerate(group)]
+            jobs = [(which, f"{tmp}/{k}", CONFIGS[name]["hf_class"], steps) for k, name in enumerate(group)
+                    for which in ("mmadapt", "transformers")]
+            results = []
+            for some in [jobs] if quick else [[job] for job in jobs]:
+                queue = context.Queue()
+                child = context.Process(target=_step_child, args=(some, queue))
+                child.start()
+                results += queue.get(timeout=3000)
+                child.join()
+        for k, r in enumerate(found):
+            yield {**r, "mmadapt": results[2 * k], "transformers": results[2 * k + 1]}
 
 
 # ---- packed rows of many short samples ----------------------------------------------------------------------
@@ -260,13 +277,12 @@ def main() -> None:
               "peak ratio above allocated gradients [target] | loss mmadapt / transformers |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         raw["vlm"] = []
-        for name in args.config or DEFAULT_CONFIGS:
-            r = bench_vlm_step(name, args.quick, args.steps)
+        for r in bench_vlm_steps(args.config or list(DEFAULT_CONFIGS), args.quick, args.steps):
             raw["vlm"].append(r)
             ours, theirs = r["mmadapt"], r["transformers"]
             memory_target, time_target = r["targets"]
             step_target = f"<= {r['step_target']}x" if r["step_target"] else "none"
-            print(f"| {name} ({r['depth']}; {r['params'] / 1e6:.0f} M parameters) | {ours['tokens']} / "
+            print(f"| {r['name']} ({r['depth']}; {r['params'] / 1e6:.0f} M parameters) | {ours['tokens']} / "
                   f"{ours['supervised']} | {ours['seconds']:.2f} | {theirs['seconds']:.2f} | "
                   f"{ours['seconds'] / theirs['seconds']:.2f}x [<= {time_target}x] | {ours['step_peak_mib']:.0f} | "
                   f"{theirs['step_peak_mib']:.0f} | {ours['step_peak_mib'] / max(theirs['step_peak_mib'], 1e-9):.2f}x "

@@ -23,7 +23,8 @@ Sections:
    `mmadapt.backbones.qwen3_5_layers.varlen_kernels`); mmadapt does not call torch's own varlen attention.
 3. fsdp: `torchrun --nproc_per_node 2 -m mmadapt train` with FSDP2 (NCCL on CUDA, gloo on a CPU) against one
    process with the same global batch (batch 2 x grad_accum 2), tiny Qwen3.5, fp32, 3 steps: losses within 1e-4
-   relative. Skipped with fewer than 2 GPUs; on a CPU it runs with gloo (about 40 s).
+   relative. Skipped with fewer than 2 GPUs; on a CPU it runs with gloo (about 40 s). `--quick`: the one-process
+   run in this process (no start-up of its own).
 4. speed: tokens/s, MFU and peak memory of the real `Trainer`'s logged records (4 steps, the median of steps 2-4)
    at Qwen3.5-0.8B and Qwen3.5-2B full depth (ViT + merger + LLM presets `qwen3.5-0.8b` / `qwen3.5-2b`), bf16
    autocast, encoder frozen, projector and LLM full, 4 samples of 2,048 tokens with one image each (the image size
@@ -40,6 +41,7 @@ allocator. `--device cpu` hides CUDA from the Trainer (`CUDA_VISIBLE_DEVICES=""`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import importlib.util
@@ -251,18 +253,28 @@ def fsdp_dataset(root: Path) -> Path:
     return config
 
 
-def train_losses(config: Path, out: Path, *overrides: str, procs: int = 1) -> list[float]:
-    launcher = [sys.executable]  # --standalone: a free rendezvous port, so two runs at once never collide
-    if procs > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
-    cmd = [*launcher, "-m", "mmadapt", "train", str(config), f"train.out={out}", *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr[-2000:])
+def train_losses(config: Path, out: Path, *overrides: str, procs: int = 1, here: bool = False) -> list[float]:
+    """The losses `mmadapt train` logs, run in `procs` processes (torchrun), or in this process (`here`, procs 1:
+    --quick spares a start-up; its output goes to stderr)."""
+    args = ["train", str(config), f"train.out={out}", *overrides]
+    if here and procs == 1:
+        from mmadapt.cli import main as mmadapt_main
+
+        with contextlib.redirect_stdout(sys.stderr):
+            code = mmadapt_main(args)
+        if code:
+            raise RuntimeError(f"mmadapt {' '.join(args)} exited with {code} (its output is above)")
+    else:
+        launcher = [sys.executable]  # --standalone: a free rendezvous port, so two runs at once never collide
+        if procs > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+        result = subprocess.run([*launcher, "-m", "mmadapt", *args], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr[-2000:])
     return [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def check_fsdp(table: Table, device: Any) -> None:
+def check_fsdp(table: Table, device: Any, quick: bool = False) -> None:
 
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     backend = "NCCL" if device.type == "cuda" else "gloo"
@@ -273,7 +285,7 @@ def check_fsdp(table: Table, device: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = fsdp_dataset(Path(tmp))
         try:
-            one = train_losses(base, Path(tmp) / "one", "data.batch_size=2", "train.grad_accum=2")
+            one = train_losses(base, Path(tmp) / "one", "data.batch_size=2", "train.grad_accum=2", here=quick)
             two = train_losses(base, Path(tmp) / "fsdp", "data.batch_size=2", "distributed.strategy=fsdp", procs=2)
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             table.add("fsdp: 2 processes == 1", config, f"run failed: {str(error)[-300:]!r}", "runs", False)
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if "packing" in args.only:
         check_packing(table, device)
     if "fsdp" in args.only:
-        check_fsdp(table, device)
+        check_fsdp(table, device, args.quick)
     if "speed" in args.only:
         check_speed(table, device, args.quick)
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
