@@ -5,12 +5,14 @@
 `write_run(path, model={...}, data={...}, train={...})` writes a run YAML from plain mappings (paths may be
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
 `TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
-placeholder (below). Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in
-real_tokenizers.py.
+placeholder (below). `pairwise(*axes)`: a test matrix whose every pair of values is in the fast tier, the other
+combinations marked slow (the full suite runs them all). Fixtures (tiny transformers checkpoints) live in
+conftest.py; the real tokenizers in real_tokenizers.py.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -30,6 +32,27 @@ from PIL import Image
 # span to the bare pad first (`Qwen3VLProcessor.get_text_with_replacements`) and writes Qwen's reference stream.
 # (pyproject's range starts at 5.24.)
 TRANSFORMERS_KEEPS_VIDEO_WRAPPER = Version(version("transformers")) < Version("5.25")
+
+
+
+def pairwise(*axes: Sequence[Any], ids: bool = True) -> list:
+    """The product of `axes` as pytest params: a greedy set that holds every pair of values of any two axes runs
+    in the fast tier, the other combinations are marked slow. A bug that needs two settings to show is found by
+    the fast tier; one that needs three by the full suite (README, Development). Deterministic: the first
+    combination that covers the most pairs not yet covered is taken, in product order."""
+    import pytest
+
+    product = list(itertools.product(*axes))
+    pairs = lambda combo: {(i, combo[i], j, combo[j]) for i, j in itertools.combinations(range(len(combo)), 2)}  # noqa: E731
+    uncovered = set().union(*(pairs(c) for c in product))
+    fast: set = set()
+    while uncovered:
+        best = max(product, key=lambda c: len(pairs(c) & uncovered))
+        fast.add(best)
+        uncovered -= pairs(best)
+    return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow,
+                         id="-".join(str(v) for v in c) if ids else None) for c in product]
+
 
 TINY_LLAVA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"}
 

@@ -50,6 +50,7 @@ def retained_mib(mode: str) -> int:
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.slow  # two Python processes, each importing torch and allocating 800 MiB
 def test_freed_activations_go_back_to_the_os():
     assert retained_mib("default") > 400  # glibc's defaults keep the freed 800 MiB in the heap
     assert retained_mib("fixed") < 100

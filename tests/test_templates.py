@@ -197,21 +197,24 @@ def encode_jinja(encoder, turns, tokens_per_image, **kwargs):
 
 
 @pytest.mark.parametrize("template", ["qwen3_5", "qwen3_vl", "qwen2_vl_style"])
-@pytest.mark.parametrize("name", list(QWEN_CONVERSATIONS))
-@pytest.mark.parametrize("system", [None, "You are a careful assistant."])
-def test_jinja_mode_equals_apply_chat_template_with_qwens_tokenizer(qwen_model, template, name, system):
-    tokenizer = qwen_tokenizer(template)
+def test_jinja_mode_equals_apply_chat_template_with_qwens_tokenizer(qwen_model, template):
+    tokenizer = qwen_tokenizer(template)  # one load per template (0.6 s each): the conversations run in a loop
     encoder = SampleEncoder.for_model(qwen_model, tokenizer)
     # auto: the tokenizer's own (an official one mmadapt ships is recognised as that built-in)
     assert encoder.template.name == ("tokenizer" if template == "qwen2_vl_style" else template)
-    turns = ([("system", system)] if system else []) + QWEN_CONVERSATIONS[name]
+    for system in (None, "You are a careful assistant."):
+        for name, conversation in QWEN_CONVERSATIONS.items():
+            check_jinja_mode(tokenizer, encoder, template, conversation, system, case=f"{name}, system {system!r}")
+
+
+def check_jinja_mode(tokenizer, encoder, template, conversation, system, case):
+    turns = ([("system", system)] if system else []) + conversation
     images = sum(t.count("<image>") for _, t in turns)
-    expected = tokenizer.apply_chat_template(messages_of(QWEN_CONVERSATIONS[name], system), tokenize=True)
-    expected = chat_ids(expected)
+    expected = chat_ids(tokenizer.apply_chat_template(messages_of(conversation, system), tokenize=True))
     ids, labels = encode_jinja(encoder, turns, [1] * images)
-    assert ids == expected  # token for token, one <|image_pad|> per image
+    assert ids == expected, case  # token for token, one <|image_pad|> per image
     ids4, labels4 = encode_jinja(encoder, turns, [4] * images)  # and each expanded in place to its visual tokens
-    assert len(ids4) == len(ids) + 3 * images and ids4.count(encoder.image_token_id) == 4 * images
+    assert len(ids4) == len(ids) + 3 * images and ids4.count(encoder.image_token_id) == 4 * images, case
     # labels: every assistant content and its <|im_end|>, nothing else. Qwen3.5's thinking mode: the template's
     # "\n</think>\n\n" after the generation prompt's "<think>\n" is part of the last answer; in the token stream the
     # prompt's "\n" and the answer's first "\n" are one token "\n\n", which is supervised (a label is per token)
@@ -219,8 +222,8 @@ def test_jinja_mode_equals_apply_chat_template_with_qwens_tokenizer(qwen_model, 
     expected_supervised = [f"{a}<|im_end|>" for a in answers]
     if template == "qwen3_5":
         expected_supervised[-1] = f"\n\n</think>\n\n{answers[-1]}<|im_end|>"
-    assert supervised_text(tokenizer, ids, labels) == expected_supervised
-    assert supervised_text(tokenizer, ids4, labels4) == expected_supervised
+    assert supervised_text(tokenizer, ids, labels) == expected_supervised, case
+    assert supervised_text(tokenizer, ids4, labels4) == expected_supervised, case
 
 
 def test_qwen3_5_non_thinking_form_is_the_official_rendering_and_its_think_block_is_prompt(qwen_model):
@@ -334,17 +337,17 @@ def test_data_show_prints_the_samples_with_supervised_tokens_marked(tmp_path, ca
     assert "USER: Hi ASSISTANT:[[Hello!</s>]]" in out
 
 
-@pytest.mark.parametrize("name", list(QWEN_CONVERSATIONS))
-@pytest.mark.parametrize("system", [None, "You are a careful assistant."])
-def test_chatml_is_qwen3_vls_official_rendering(qwen_model, name, system):
-    tokenizer = qwen_tokenizer("qwen3_vl")
-    official = SampleEncoder.for_model(qwen_model, tokenizer)
+def test_chatml_is_qwen3_vls_official_rendering(qwen_model):
+    official = SampleEncoder.for_model(qwen_model, qwen_tokenizer("qwen3_vl"))
     chatml = SampleEncoder.for_model(qwen_model, qwen_tokenizer("qwen3_vl"), chat_template="chatml")  # no mismatch
-    turns = ([("system", system)] if system else []) + QWEN_CONVERSATIONS[name]
-    images = sum(t.count("<image>") for _, t in turns)
-    assert encode_jinja(chatml, turns, [3] * images) == encode_jinja(official, turns, [3] * images)
-    assert encode_jinja(chatml, turns[:-1], [3] * images, add_generation_prompt=True) == \
-        encode_jinja(official, turns[:-1], [3] * images, add_generation_prompt=True)
+    for system in (None, "You are a careful assistant."):
+        for name, conversation in QWEN_CONVERSATIONS.items():
+            turns = ([("system", system)] if system else []) + conversation
+            images = [3] * sum(t.count("<image>") for _, t in turns)
+            case = f"{name}, system {system!r}"
+            assert encode_jinja(chatml, turns, images) == encode_jinja(official, turns, images), case
+            assert encode_jinja(chatml, turns[:-1], images, add_generation_prompt=True) == \
+                encode_jinja(official, turns[:-1], images, add_generation_prompt=True), case
 
 
 def test_llava_hf_template_with_a_sentencepiece_tokenizer(llava_model):
