@@ -558,7 +558,7 @@ class VLMDataset(torch.utils.data.Dataset):
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: SampleEncoder) -> None:
         self.records = (read_records(records, errors="report") if isinstance(records, (str, os.PathLike))
-                        else list(records))
+                        else records if isinstance(records, Sequence) else list(records))
         self.encoder = encoder
 
     def __len__(self) -> int:

@@ -322,7 +322,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: PairEncoder | SampleEncoder) -> None:
         self.records = (read_records(records, errors="report") if isinstance(records, (str, os.PathLike))
-                        else list(records))
+                        else records if isinstance(records, Sequence) else list(records))
         self.encoder = encoder if isinstance(encoder, PairEncoder) else PairEncoder(encoder)
 
     def __len__(self) -> int:

@@ -22,9 +22,8 @@ Image and video paths resolve against the image root; absolute paths and `..` es
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from mmadapt.data.problems import DataProblem
+from mmadapt.data.records import open_records
 
 IMAGE = "<image>"
 VIDEO = "<video>"
@@ -95,8 +95,10 @@ class EncodedSample:
         return len(self.tokens_per_video)
 
 
-def read_records(path: str | os.PathLike, errors: str = "raise") -> list[Any]:
-    """Records of a `.json` (a list) or `.jsonl` file.
+def read_records(path: str | os.PathLike, errors: str = "raise") -> Sequence[Any]:
+    """Records of a `.json` (a list) or `.jsonl` file, as a memory-mapped `records.Records` sequence: the file is
+    converted once (streamed) to the records cache and `records[i]` is parsed when asked for, so memory does not
+    grow with the file (mmadapt.data.records).
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -107,64 +109,10 @@ def read_records(path: str | os.PathLike, errors: str = "raise") -> list[Any]:
     """
     if errors not in ("raise", "report"):
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        return _jsonl_records(path, errors)
-    data = _json_document(path)
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of samples (or use .jsonl), got {type(data).__name__}")
-    return data
-
-
-# What parsing one JSON text may raise: JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the refusal of
-# an integer of more than `sys.get_int_max_str_digits()` digits; RecursionError for nesting deeper than the parser's.
-JSON_ERRORS = (ValueError, RecursionError)
-
-
-def _jsonl_records(path: Path, errors: str) -> list[Any]:
-    records: list[Any] = []
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                if line.strip():
-                    records.append(json.loads(line))
-            except JSON_ERRORS as e:
-                message = f"{path}:{number}: {json_error(e, raw)}. Fix or remove the line."
-                if errors != "report":
-                    raise ValueError(message) from None
-                records.append(DataProblem("bad_format", message, sample_id=f"line {number}"))
+    records = open_records(path)
+    if errors == "raise" and (problems := records.problems()):
+        raise ValueError(problems[0].detail)
     return records
-
-
-def _json_document(path: Path) -> Any:
-    raw = path.read_bytes()
-    try:
-        return json.loads(raw.decode("utf-8-sig"))
-    except json.JSONDecodeError as e:
-        message = f"{path}:{e.lineno}:{e.colno}: {json_error(e, raw)}"
-    except UnicodeDecodeError as e:
-        line, line_start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
-        message = f"{path}:{line}: {json_error(e, raw[line_start:], line_start)}"
-    except JSON_ERRORS as e:
-        message = f"{path}: {json_error(e, raw)}"
-    raise ValueError(f"{message}. Fix the file (a .json file is one list that must parse whole; a .jsonl file is read "
-                     "line by line, a bad line counted and skipped)")
-
-
-def json_error(error: BaseException, raw: bytes, offset: int = 0) -> str:
-    """What is wrong with a JSON text, in words: the parser's message, or the encoding or limit it hit. `raw`: the
-    bytes of the line (`offset`: where they start in what was decoded)."""
-    if isinstance(error, UnicodeDecodeError):
-        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-            return "not UTF-8: it starts with a UTF-16 byte-order mark; save the file as UTF-8"
-        column = error.start - offset
-        return f"not UTF-8: byte 0x{raw[column]:02x} at column {column + 1} is not valid UTF-8; save the file as UTF-8"
-    if isinstance(error, json.JSONDecodeError):
-        return f"not valid JSON ({error.msg}, column {error.colno})"
-    if isinstance(error, RecursionError):
-        return "nested too deeply to parse (RecursionError)"
-    return f"a value JSON allows but Python refuses ({type(error).__name__}: {error})"
 
 
 def record_id(record: Any, index: int) -> str:
