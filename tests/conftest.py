@@ -17,11 +17,12 @@ from mmadapt.encoders import ENCODERS
 def pytest_configure(config):
     """Under pytest-xdist (`-n 2`: the full suite's command) each worker computes on one thread, and so do the
     processes it starts: two workers on two cores, not four threads fighting for them. The records cache
-    (mmadapt.data.records) is a temporary directory of the session's, not the user's."""
+    (mmadapt.data.records) and `datasets`' cache are a temporary directory of the session's, not the user's."""
     if "MMADAPT_CACHE" not in os.environ:
         cache = tempfile.mkdtemp(prefix="mmadapt-cache-")
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
         os.environ["MMADAPT_CACHE"] = cache
+        os.environ["HF_DATASETS_CACHE"] = os.path.join(cache, "datasets")  # `datasets`' Parquet conversions
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)

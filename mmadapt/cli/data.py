@@ -101,7 +101,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     run, run_model = run_config(args)
     encoder = data_encoder(args, run, run_model)
-    report = check_dataset(read_records(args.data, errors="report"), encoder, progress=sys.stderr.isatty())
+    records = read_records(args.data, errors="report", columns=encoder.config.columns)
+    report = check_dataset(records, encoder, progress=sys.stderr.isatty())
     print(describe_encoder(args, encoder, run_model))
     print(report.format())
     if args.json:
@@ -130,7 +131,8 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     print(f"{describe_encoder(args, encoder, run_model)}; supervised tokens in {marks}, images as <image x visual "
           "tokens>")
     shown = 0
-    for i, record in enumerate(read_records(args.data, errors="report")):  # a bad line: shown as skipped
+    records = read_records(args.data, errors="report", columns=encoder.config.columns)
+    for i, record in enumerate(records):  # a bad line: shown as skipped
         if shown == args.n:
             break
         try:

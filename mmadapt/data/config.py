@@ -43,6 +43,9 @@ class DataConfig:
     image_root: str | None = field(default=None, metadata=about("directory image and video paths are relative to"))
     allow_outside_root: bool = field(default=False, metadata=about(
         "accept absolute image paths and paths leaving the image root"))
+    columns: dict[str, str] = field(default_factory=dict, metadata=about(
+        "a Parquet / Arrow dataset's column names for mmadapt's (conversations, messages, texts, images, videos, "
+        "id), when its layout is not recognised as it is", "{conversations: conv, images: pictures}"))
     max_length: int = field(default=2048, metadata=about("tokens per sample, image and video tokens included"))
     truncation: Truncation = field(default="drop", metadata=about(
         "a sample over max_length: drop (a counted problem), raise (stop), or text (cut the text after the last "
@@ -84,6 +87,10 @@ class DataConfig:
                 raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if self.chat_template not in MODES and self.chat_template not in TEMPLATES:
             raise ValueError(f"chat_template must be one of {[*MODES, *TEMPLATES.names()]}, got {self.chat_template!r}")
+        if not isinstance(self.columns, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in self.columns.items()):
+            raise TypeError(f"columns must map mmadapt's column names to the dataset's, such as "
+                            f"'{{conversations: conv}}', got {self.columns!r}")
         if not isinstance(self.template_kwargs, dict):
             raise TypeError(f"template_kwargs must be a mapping, got {type(self.template_kwargs).__name__}")
         if self.max_length < 2:

@@ -30,6 +30,11 @@ Pillow is asked for exactly these parsers (`Image.open(..., formats=FORMATS)`), 
 (PSD, EPS, ICO, PCX, ...) never reaches another parser and is an `unreadable_image` naming the allowed formats.
 An allocation failure while decoding (`MemoryError`) is an `out_of_memory` problem.
 
+An image embedded in a dataset (the hub's Parquet files hold them as bytes: the `datasets` `Image` feature) is an
+`EmbeddedImage(data, name)`: both functions take it where they take a path, with the same checks in the same order
+(the header's pixels against the cap before any pixel is decoded, the allowed formats only); `name` (the dataset
+file, row and column) is the `path` its problems name.
+
 `image_size` reads only the header (and the EXIF / XMP orientation stored before the pixel data)
 and returns (width, height) as `load_image` would give them, i.e. swapped for orientations 5-8.
 """
@@ -37,9 +42,11 @@ and returns (width, height) as `load_image` would give them, i.e. swapped for or
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import struct
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -64,10 +71,25 @@ FORMATS: Final[tuple[str, ...]] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 BOMB_ERRORS: Final[tuple[type[BaseException], ...]] = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
 
-def load_image(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """The image at `path` as a decoded 8-bit RGB image, EXIF orientation applied; `DataProblem` if bad."""
-    name = os.fspath(path)
-    with _open(name, max_pixels) as image:
+@dataclass(frozen=True)
+class EmbeddedImage:
+    """An image's encoded bytes as a dataset holds them; `name` says where (file, row, column) for its problems."""
+
+    data: bytes
+    name: str
+
+    def __repr__(self) -> str:
+        return f"EmbeddedImage({self.name!r}, {len(self.data)} bytes)"
+
+
+ImageSource = str | os.PathLike[str] | EmbeddedImage
+
+
+def load_image(path: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The image at `path` (or embedded) as a decoded 8-bit RGB image, EXIF orientation applied; `DataProblem` if
+    bad."""
+    name = _name(path)
+    with _open(path, max_pixels) as image:
         if ImageFile.LOAD_TRUNCATED_IMAGES:
             _warn_truncation_allowed()
         try:
@@ -85,10 +107,10 @@ def load_image(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PI
                               path=name) from e
 
 
-def image_size(path: str | os.PathLike[str], *, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+def image_size(path: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """(width, height) after EXIF orientation, from the header only; same `DataProblem`s as `load_image`."""
-    name = os.fspath(path)
-    with _open(name, max_pixels) as image:
+    name = _name(path)
+    with _open(path, max_pixels) as image:
         width, height = image.size
         try:
             # PNG's own getexif() decodes the image to look for an eXIf chunk after the pixel data;
@@ -125,14 +147,19 @@ def _gray_to_rgb(values: np.ndarray, scale: int) -> Image.Image:
     return Image.fromarray(gray).convert("RGB")
 
 
-def _open(name: str, max_pixels: int) -> Image.Image:
+def _name(source: ImageSource) -> str:
+    return source.name if isinstance(source, EmbeddedImage) else os.fspath(source)
+
+
+def _open(source: ImageSource, max_pixels: int) -> Image.Image:
     """`Image.open` (header only) with every failure as a `DataProblem`, and the pixel cap checked."""
     if max_pixels < 1:
         raise ValueError(f"max_pixels must be >= 1, got {max_pixels}")
-    if os.path.isdir(name):
+    name = _name(source)
+    if not isinstance(source, EmbeddedImage) and os.path.isdir(name):
         raise DataProblem("unreadable_image", "it is a directory, not an image file", path=name)
     try:
-        image = Image.open(name, formats=FORMATS)
+        image = Image.open(io.BytesIO(source.data) if isinstance(source, EmbeddedImage) else name, formats=FORMATS)
     except FileNotFoundError as e:
         raise DataProblem("missing_image", "no such file. Fix: correct the path or the image root, "
                           "or drop the sample.", path=name) from e

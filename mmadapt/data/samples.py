@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
+from mmadapt.data.tables import TableRecords, is_table_source
 
 IMAGE = "<image>"
 VIDEO = "<video>"
@@ -95,10 +97,12 @@ class EncodedSample:
         return len(self.tokens_per_video)
 
 
-def read_records(path: str | os.PathLike, errors: str = "raise") -> Sequence[Any]:
+def read_records(path: str | os.PathLike, errors: str = "raise",
+                 columns: dict[str, str] | None = None) -> Sequence[Any]:
     """Records of a `.json` (a list) or `.jsonl` file, as a memory-mapped `records.Records` sequence: the file is
     converted once (streamed) to the records cache and `records[i]` is parsed when asked for, so memory does not
-    grow with the file (mmadapt.data.records).
+    grow with the file (mmadapt.data.records). A Parquet or Arrow file or directory, or a `save_to_disk` directory,
+    is read with `datasets` (`tables.TableRecords`, its column layout recognised or mapped by `columns`).
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -109,6 +113,8 @@ def read_records(path: str | os.PathLike, errors: str = "raise") -> Sequence[Any
     """
     if errors not in ("raise", "report"):
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
+    if is_table_source(path):
+        return TableRecords(path, columns)
     records = open_records(path)
     if errors == "raise" and (problems := records.problems()):
         raise ValueError(problems[0].detail)
@@ -147,18 +153,19 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
             raise DataProblem("bad_format", "videos are given both in 'videos' and inside {'type': 'video'} parts; "
                               "give each video once (either place)", sample_id=sample_id)
         videos = inline
-    images = [images] if isinstance(images, str) else images
+    images = [images] if isinstance(images, str | EmbeddedImage) else images
     if max_images is not None and isinstance(images, list) and len(images) > max_images:
         raise over_limit(sample_id, f"{len(images)} images", "max_images", max_images)
     listed = sum(len(v) for v in videos if isinstance(v, list)) if isinstance(videos, list) else 0
     if max_frames is not None and listed > max_frames:
         raise over_limit(sample_id, f"{listed} frames in its frame lists", "max_sample_frames", max_frames)
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+    if not isinstance(images, list) or not all(isinstance(p, str | EmbeddedImage) for p in images):
         raise DataProblem("bad_format", f"images must be a path or a list of paths, got {_clip(images)}",
                           sample_id=sample_id)
     if any(turn.role == "system" for turn in turns[1:]):
         raise DataProblem("bad_format", "a system turn may only come first", sample_id=sample_id)
-    paths = tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in images)
+    paths = tuple(p if isinstance(p, EmbeddedImage) else resolve_image_path(p, image_root, allow_outside_root,
+                                                                             sample_id) for p in images)
     return Sample(sample_id, paths, turns, _videos(videos, image_root, allow_outside_root, sample_id))
 
 

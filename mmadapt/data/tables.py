@@ -1,0 +1,171 @@
+"""Datasets in the hub's formats as records: Parquet files, Arrow files and `save_to_disk` directories, read with
+`datasets` (memory-mapped Arrow, shared by every process; a Parquet source is converted once into `datasets`' own
+cache), each row given as a LLaVA or messages record when it is asked for, its embedded images as `EmbeddedImage`s.
+
+Column layouts (`LAYOUTS`), recognised from the column names:
+
+- `llava`: `conversations` ([{from, value}]) + `image` or `images` (+ `video` / `videos`, `id`): LLaVA-OneVision-Data,
+  ShareGPT4V, LLaVA-Video-178K;
+- `messages`: `messages` ([{role, content}], content a string or OpenAI-style parts) + `images` (+ `videos`, `id`):
+  LLaMA-Factory, ms-swift, trl's vision sets (llava-instruct-mix);
+- `texts`: `texts` ([{user, assistant}]) + `images`: The Cauldron, FineVision, Docmatix. Their texts hold no image
+  placeholder: the images go before the first user text as `<image>\\n` each (the LLaVA convention), so a row gives
+  the same tokens as the same sample written as LLaVA JSON.
+
+`columns:` (a data setting) maps the names of a dataset whose columns are named otherwise:
+`{conversations: conv, images: pictures}` reads `conv` as `conversations` and `pictures` as `images`. A dataset
+whose columns fit no layout is one ValueError naming the columns found and the layouts known.
+
+An image cell is `{bytes, path}` (the `datasets` `Image` feature): its bytes, when present, are the image, checked
+from its header before decoding like a file (`mmadapt.data.images`); a path alone is a file relative to the image
+root, confined to it like any path in a record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmadapt.data.images import EmbeddedImage
+from mmadapt.data.problems import DataProblem
+
+LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",)}
+"""layout -> the columns that identify it (the first layout whose columns are all present is taken)."""
+IMAGE_COLUMNS = ("images", "image")
+VIDEO_COLUMNS = ("videos", "video")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+def is_table_source(path: str | os.PathLike) -> bool:
+    """A Parquet or Arrow file, or a directory of them, or a `save_to_disk` directory."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / "state.json").is_file() or any(_table_files(path))
+    return path.suffix in TABLE_SUFFIXES
+
+
+def _table_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.suffix in TABLE_SUFFIXES and p.is_file())
+
+
+def _load(path: Path) -> Any:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"{path}: reading Parquet / Arrow datasets needs the `datasets` package. Fix: pip install "
+                          "'mmadapt[datasets]'") from e
+    datasets.disable_progress_bars()
+    if path.is_dir() and (path / "state.json").is_file():
+        return datasets.load_from_disk(str(path))
+    files = _table_files(path) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"{path}: no .parquet or .arrow files in it")
+    suffixes = {f.suffix for f in files}
+    if len(suffixes) > 1:
+        raise ValueError(f"{path}: holds both Parquet and Arrow files; give one kind")
+    if suffixes == {".arrow"}:
+        parts = [datasets.Dataset.from_file(str(f)) for f in files]
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return datasets.Dataset.from_parquet([str(f) for f in files])
+
+
+def layout_of(columns: Sequence[str], mapping: Mapping[str, str], source: str) -> str:
+    """The layout these columns fit once renamed by `mapping` (theirs -> ours); a ValueError naming the columns
+    found when none."""
+    names = {mapping.get(c, c) for c in columns}
+    missing = [c for c in mapping if c not in columns]
+    if missing:
+        raise ValueError(f"{source}: columns: names {missing} that the dataset does not have; its columns: "
+                         f"{list(columns)}")
+    for layout, needed in LAYOUTS.items():
+        if all(n in names for n in needed):
+            return layout
+    known = "; ".join(f"{k}: {' + '.join(v)}" for k, v in LAYOUTS.items())
+    raise ValueError(f"{source}: no known column layout in columns {list(columns)} (known: {known}, with images in "
+                     f"'images' or 'image'). Fix: map yours with data.columns, e.g. {{conversations: <your column>}}")
+
+
+class TableRecords(Sequence):
+    """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its
+    memory-mapped files (`datasets` pickles a mapped table by its path)."""
+
+    def __init__(self, path: str | os.PathLike, columns: Mapping[str, str] | None = None) -> None:
+        self.source = str(path)
+        self.columns = dict(columns or {})  # ours -> theirs
+        dataset = _load(Path(path))
+        self.layout = layout_of(dataset.column_names, {v: k for k, v in self.columns.items()}, self.source)
+        self._rows = dataset.with_format("arrow")  # raw cells: images stay bytes, nothing decoded by `datasets`
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)} in {self.source}")
+        row = self._rows[index].to_pylist()[0]
+        theirs = {v: k for k, v in self.columns.items()}
+        row = {theirs.get(k, k): v for k, v in row.items()}
+        try:
+            return self.record(row, index)
+        except DataProblem as problem:
+            return problem
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def record(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        """Row `index` as a LLaVA or messages record."""
+        sample_id = str(row["id"]) if row.get("id") is not None else str(index)
+        images = self._media(row, IMAGE_COLUMNS, index, sample_id)
+        videos = self._media(row, VIDEO_COLUMNS, index, sample_id)
+        if self.layout == "llava":
+            return {"id": sample_id, "conversations": row["conversations"], "image": images, "videos": videos}
+        if self.layout == "messages":
+            return {"id": sample_id, "messages": row["messages"], "images": images, "videos": videos}
+        texts = row["texts"]
+        if not isinstance(texts, list) or not texts:
+            raise DataProblem("bad_format", "'texts' must be a non-empty list of {user, assistant}",
+                              sample_id=sample_id, path=self.source)
+        conversations = []
+        for k, turn in enumerate(texts):
+            if not isinstance(turn, dict) or not isinstance(turn.get("user"), str) \
+                    or not isinstance(turn.get("assistant"), str):
+                raise DataProblem("bad_format", f"texts[{k}] needs 'user' and 'assistant' strings",
+                                  sample_id=sample_id, path=self.source)
+            user = ("<image>\n" * len(images) if k == 0 else "") + turn["user"]
+            conversations += [{"from": "human", "value": user}, {"from": "gpt", "value": turn["assistant"]}]
+        return {"id": sample_id, "conversations": conversations, "image": images, "videos": videos}
+
+    def _media(self, row: dict[str, Any], names: tuple[str, ...], index: int, sample_id: str) -> list[Any]:
+        column = next((n for n in names if n in row), None)
+        cells = row.get(column) if column else None
+        if cells is None:
+            return []
+        cells = cells if isinstance(cells, list) else [cells]
+        out = []
+        for k, cell in enumerate(cells):
+            where = f"{self.source} row {index} {column}[{k}]"
+            if isinstance(cell, dict) and cell.get("bytes") is not None:
+                if column in VIDEO_COLUMNS:
+                    raise DataProblem("bad_format", f"{column}[{k}] holds a video's bytes: mmadapt reads videos from "
+                                      "files. Fix: write the videos to files under the image root and give their "
+                                      "paths", sample_id=sample_id, path=self.source)
+                out.append(EmbeddedImage(bytes(cell["bytes"]), where))
+            elif isinstance(cell, dict) and isinstance(cell.get("path"), str):
+                out.append(cell["path"])
+            elif isinstance(cell, str | list):
+                out.append(cell)  # a path, or a video's frame paths
+            else:
+                raise DataProblem("bad_format", f"{column}[{k}] is neither bytes nor a path: {str(cell)[:80]}",
+                                  sample_id=sample_id, path=self.source)
+        return out
+
+    def __repr__(self) -> str:
+        return f"TableRecords({self.source!r}, {len(self)} rows, layout {self.layout!r})"
