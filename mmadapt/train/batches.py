@@ -34,11 +34,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.num_samples, self.micro_batch, self.grad_accum = num_samples, micro_batch, grad_accum
         self.seed, self.rank, self.world, self.start_step, self.shuffle = seed, rank, world, start_step, shuffle
         self.steps_per_epoch = num_samples // self.global_batch
+        self._epoch: int | None = None
+        self._order = torch.empty(0, dtype=torch.long)
 
     def indices(self, step: int) -> list[list[int]]:
         epoch, k = divmod(step, self.steps_per_epoch)
-        order = (torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-                 if self.shuffle else torch.arange(self.num_samples))
+        if self._epoch != epoch:  # the epoch's permutation, drawn once (8 bytes a sample), not at every step
+            self._epoch, self._order = epoch, (
+                torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+                if self.shuffle else torch.arange(self.num_samples))
+        order = self._order
         mine = order[k * self.global_batch : (k + 1) * self.global_batch][self.rank :: self.world].tolist()
         return [mine[m * self.micro_batch : (m + 1) * self.micro_batch] for m in range(self.grad_accum)]
 
