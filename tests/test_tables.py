@@ -149,3 +149,17 @@ def test_mmadapt_train_and_data_check_read_a_parquet_dataset(corpus, tmp_path, c
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     state = json.loads((latest_checkpoint(tmp_path / "out") / "trainer_state.json").read_text())
     assert state["samples_seen"] == 8 and state["bad_samples"] == 0
+
+
+def test_a_source_is_converted_once_to_the_records_cache_and_pickles_as_its_path(corpus, monkeypatch):
+    import pickle
+
+    import mmadapt.data.records as records_module
+
+    _, written = corpus
+    first = read_records(written["cauldron"])
+    monkeypatch.setattr(records_module, "_file_sha256", lambda *a: pytest.fail("the source was read again"))
+    again = read_records(written["cauldron"])
+    assert again._rows.arrow == first._rows.arrow and again.layout == "texts"
+    payload = pickle.dumps(again)
+    assert len(payload) < 1000 and pickle.loads(payload)[3] == again[3]

@@ -43,27 +43,14 @@ class Records(Sequence):
     of a line that did not parse. Pickles as its cache path (a loader worker maps the same file)."""
 
     def __init__(self, arrow: str | os.PathLike, source: str) -> None:
-        self.arrow, self.source = Path(arrow), source
-        self._open()
+        self.table, self.source = MappedBatches(arrow), source
 
-    def _open(self) -> None:
-        import pyarrow as pa
-
-        self._reader = pa.ipc.open_file(pa.memory_map(str(self.arrow), "r"))
-        self._starts = [0]
-        for k in range(self._reader.num_record_batches):  # reads each batch's header, no data
-            self._starts.append(self._starts[-1] + self._reader.get_batch(k).num_rows)
-        self._batch: tuple[int, Any, Any] | None = None
-
-    def __getstate__(self) -> dict:
-        return {"arrow": str(self.arrow), "source": self.source}
-
-    def __setstate__(self, state: dict) -> None:
-        self.arrow, self.source = Path(state["arrow"]), state["source"]
-        self._open()
+    @property
+    def arrow(self) -> Path:
+        return self.table.arrow
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return len(self.table)
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
         if isinstance(index, slice):
@@ -73,16 +60,11 @@ class Records(Sequence):
             index += n
         if not 0 <= index < n:
             raise IndexError(f"record {index} of {n} in {self.source}")
-        k = bisect.bisect_right(self._starts, index) - 1
-        if self._batch is None or self._batch[0] != k:
-            batch = self._reader.get_batch(k)  # zero-copy: a view of the mapped file
-            self._batch = (k, batch.column(0), batch.column(1))
-        _, texts, problems = self._batch
-        row = index - self._starts[k]
-        problem = problems[row].as_py()
+        batch, row = self.table.batch_of(index)
+        problem = batch.column(1)[row].as_py()
         if problem is not None:
-            return DataProblem("bad_format", self.source + problem, sample_id=texts[row].as_py())
-        return json.loads(texts[row].as_py())
+            return DataProblem("bad_format", self.source + problem, sample_id=batch.column(0)[row].as_py())
+        return json.loads(batch.column(0)[row].as_py())
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -91,8 +73,9 @@ class Records(Sequence):
     def problems(self) -> list[DataProblem]:
         """The lines that did not parse (read from the problem column only)."""
         out = []
-        for k in range(self._reader.num_record_batches):
-            batch = self._reader.get_batch(k)
+        reader = self.table._reader
+        for k in range(reader.num_record_batches):
+            batch = reader.get_batch(k)
             if batch.column(1).null_count == batch.num_rows:
                 continue
             for row, problem in enumerate(batch.column(1).to_pylist()):
@@ -110,21 +93,86 @@ def open_records(path: str | os.PathLike) -> Records:
     path = Path(path)
     if path.suffix not in (".json", ".jsonl"):
         raise ValueError(f"{path}: expected a .json or .jsonl file")
-    stat = path.stat()  # FileNotFoundError names the path
+    return Records(cached_arrow([path], path.suffix, lambda target: _convert(path, target)), str(path))
+
+
+def cached_arrow(files: list[Path], kind: str, write: Any) -> Path:
+    """The records cache's Arrow IPC file for `files` (in order): found by their paths, sizes and modification times
+    without reading them, else named by the SHA-256 of their bytes and written by `write(target)` (to a temporary
+    file renamed when complete) under the cache's lock. `kind` keeps conversions of the same bytes apart."""
+    stats = [(str(f.resolve()), f.stat()) for f in files]  # FileNotFoundError names the path
     root = cache_root()
     (root / "stat").mkdir(parents=True, exist_ok=True)
-    seen = root / "stat" / (_digest(f"{FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}") + ".json")
+    key = "|".join(f"{name}|{st.st_size}|{st.st_mtime_ns}" for name, st in stats)
+    seen = root / "stat" / (_digest(f"{FORMAT}|{kind}|{key}") + ".json")
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
         target = root / json.loads(seen.read_text())["arrow"]
         if target.is_file():
-            return Records(target, str(path))
+            return target
     with _locked(root / "convert.lock"):
-        checksum = _file_sha256(path)
-        target = root / f"{checksum}-{FORMAT}{path.suffix}.arrow"
+        checksum = _digest("|".join(_file_sha256(f) for f in files)) if len(files) > 1 else _file_sha256(files[0])
+        target = root / f"{checksum}-{FORMAT}{kind}.arrow"
         if not target.is_file():
-            _convert(path, target)
-        _write_atomic(seen, json.dumps({"arrow": target.name, "source": str(path.resolve())}))
-    return Records(target, str(path))
+            write(target)
+        _write_atomic(seen, json.dumps({"arrow": target.name, "sources": [name for name, _ in stats]}))
+    return target
+
+
+def write_batches(target: Path, schema: Any, batches: Iterator[Any]) -> None:
+    """Record batches into an Arrow IPC file at `target`, through a temporary file renamed when complete."""
+    import pyarrow as pa
+
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".arrow")
+    os.close(fd)
+    try:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class MappedBatches:
+    """An Arrow IPC file, memory-mapped, read a record batch at a time: `row(i)` touches only the batch holding row i
+    (opening reads each batch's header, not its data). Pickles as its path."""
+
+    def __init__(self, arrow: str | os.PathLike) -> None:
+        self.arrow = Path(arrow)
+        self._open()
+
+    def _open(self) -> None:
+        import pyarrow as pa
+
+        self._reader = pa.ipc.open_file(pa.memory_map(str(self.arrow), "r"))
+        self.schema = self._reader.schema
+        self._starts = [0]
+        for k in range(self._reader.num_record_batches):
+            self._starts.append(self._starts[-1] + self._reader.get_batch(k).num_rows)
+        self._batch: tuple[int, Any] | None = None
+
+    def __getstate__(self) -> dict:
+        return {"arrow": str(self.arrow)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.arrow = Path(state["arrow"])
+        self._open()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def batch_of(self, index: int) -> tuple[Any, int]:
+        """(the record batch holding row `index`, the row's place in it)."""
+        k = bisect.bisect_right(self._starts, index) - 1
+        if self._batch is None or self._batch[0] != k:
+            self._batch = (k, self._reader.get_batch(k))  # zero-copy: a view of the mapped file
+        return self._batch[1], index - self._starts[k]
+
+    def row(self, index: int) -> dict[str, Any]:
+        batch, row = self.batch_of(index)
+        return batch.slice(row, 1).to_pylist()[0]
 
 
 # What parsing one JSON text may raise: JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the refusal of
@@ -192,33 +240,27 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _convert(path: Path, target: Path) -> None:
-    """Stream `path`'s records into an Arrow IPC file at `target` (a temporary file renamed when complete)."""
+    """Stream `path`'s records into an Arrow IPC file at `target`."""
     import pyarrow as pa
 
     schema = pa.schema([("record", pa.large_string()), ("problem", pa.string())],
                        metadata={"mmadapt.format": str(FORMAT)})
     rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _json_list_rows(path)
-    written = 0
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".arrow")
-    os.close(fd)
-    try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            texts: list[str] = []
-            problems: list[str | None] = []
-            for text, problem in rows:
-                texts.append(text)
-                problems.append(problem)
-                if len(texts) == BATCH_ROWS:
-                    writer.write_batch(pa.record_batch([texts, problems], schema=schema))
-                    written += 1
-                    texts, problems = [], []
-            if texts or not written:
-                writer.write_batch(pa.record_batch([texts, problems], schema=schema))
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+
+    def batches() -> Iterator[Any]:
+        texts: list[str] = []
+        problems: list[str | None] = []
+        written = False
+        for text, problem in rows:
+            texts.append(text)
+            problems.append(problem)
+            if len(texts) == BATCH_ROWS:
+                yield pa.record_batch([texts, problems], schema=schema)
+                written, texts, problems = True, [], []
+        if texts or not written:
+            yield pa.record_batch([texts, problems], schema=schema)
+
+    write_batches(target, schema, batches())
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, str | None]]:

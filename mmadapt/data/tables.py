@@ -1,6 +1,12 @@
-"""Datasets in the hub's formats as records: Parquet files, Arrow files and `save_to_disk` directories, read with
-`datasets` (memory-mapped Arrow, shared by every process; a Parquet source is converted once into `datasets`' own
-cache), each row given as a LLaVA or messages record when it is asked for, its embedded images as `EmbeddedImage`s.
+"""Datasets in the hub's formats as records: Parquet files, Arrow files and `save_to_disk` directories, each row
+given as a LLaVA or messages record when it is asked for, its embedded images as `EmbeddedImage`s.
+
+A source is converted once into the records cache (`mmadapt.data.records`: an Arrow IPC file named by the checksum
+of the source's bytes, found again by path, size and modification time), in record batches of `TABLE_ROWS` rows:
+Parquet is read with pyarrow, Arrow files and `save_to_disk` directories with `datasets` (its row order and any
+indices applied). The converted file is memory-mapped and read a batch at a time, so that opening it touches no
+row's data. (`datasets`' own cache is Arrow's stream format, which it opens by reading every record batch: the
+whole file would become resident in every process that opens it.)
 
 Column layouts (`LAYOUTS`), recognised from the column names:
 
@@ -30,12 +36,14 @@ from typing import Any
 
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
+from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
 
 LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",)}
 """layout -> the columns that identify it (the first layout whose columns are all present is taken)."""
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
 TABLE_SUFFIXES = (".parquet", ".arrow")
+TABLE_ROWS = 1024  # rows per converted record batch: a row's batch is what reading it maps (images make rows large)
 
 
 def is_table_source(path: str | os.PathLike) -> bool:
@@ -50,25 +58,50 @@ def _table_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.suffix in TABLE_SUFFIXES and p.is_file())
 
 
-def _load(path: Path) -> Any:
+def _datasets() -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"{path}: reading Parquet / Arrow datasets needs the `datasets` package. Fix: pip install "
+        raise ImportError("reading Arrow and save_to_disk datasets needs the `datasets` package. Fix: pip install "
                           "'mmadapt[datasets]'") from e
     datasets.disable_progress_bars()
+    return datasets
+
+
+def _convert(path: Path) -> Path:
+    """The records cache's copy of the dataset at `path` (see the module docstring)."""
+    import pyarrow.parquet as pq
+
     if path.is_dir() and (path / "state.json").is_file():
-        return datasets.load_from_disk(str(path))
+        dataset = _datasets().load_from_disk(str(path))
+        files = [Path(f["filename"]) for f in dataset.cache_files]
+        return cached_arrow(files, ".saved", lambda target: _write_dataset(dataset, target))
     files = _table_files(path) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"{path}: no .parquet or .arrow files in it")
-    suffixes = {f.suffix for f in files}
-    if len(suffixes) > 1:
+    if len({f.suffix for f in files}) > 1:
         raise ValueError(f"{path}: holds both Parquet and Arrow files; give one kind")
-    if suffixes == {".arrow"}:
+    if files[0].suffix == ".arrow":
+        datasets = _datasets()
         parts = [datasets.Dataset.from_file(str(f)) for f in files]
-        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    return datasets.Dataset.from_parquet([str(f) for f in files])
+        dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        return cached_arrow(files, ".arrow-table", lambda target: _write_dataset(dataset, target))
+    schema = pq.read_schema(files[0])
+    for f in files[1:]:
+        if not pq.read_schema(f).equals(schema, check_metadata=False):
+            raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one schema")
+
+    def batches() -> Any:
+        for f in files:
+            yield from pq.ParquetFile(f).iter_batches(batch_size=TABLE_ROWS)
+
+    return cached_arrow(files, ".parquet", lambda target: write_batches(target, schema, batches()))
+
+
+def _write_dataset(dataset: Any, target: Path) -> None:
+    tables = dataset.with_format("arrow").iter(batch_size=TABLE_ROWS)  # raw cells, in the dataset's row order
+    batches = (batch for table in tables for batch in table.to_batches())
+    write_batches(target, dataset.data.schema, batches)
 
 
 def layout_of(columns: Sequence[str], mapping: Mapping[str, str], source: str) -> str:
@@ -88,15 +121,14 @@ def layout_of(columns: Sequence[str], mapping: Mapping[str, str], source: str) -
 
 
 class TableRecords(Sequence):
-    """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its
-    memory-mapped files (`datasets` pickles a mapped table by its path)."""
+    """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
+    path."""
 
     def __init__(self, path: str | os.PathLike, columns: Mapping[str, str] | None = None) -> None:
         self.source = str(path)
         self.columns = dict(columns or {})  # ours -> theirs
-        dataset = _load(Path(path))
-        self.layout = layout_of(dataset.column_names, {v: k for k, v in self.columns.items()}, self.source)
-        self._rows = dataset.with_format("arrow")  # raw cells: images stay bytes, nothing decoded by `datasets`
+        self._rows = MappedBatches(_convert(Path(path)))
+        self.layout = layout_of(self._rows.schema.names, {v: k for k, v in self.columns.items()}, self.source)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -108,7 +140,7 @@ class TableRecords(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of {len(self)} in {self.source}")
-        row = self._rows[index].to_pylist()[0]
+        row = self._rows.row(index)
         theirs = {v: k for k, v in self.columns.items()}
         row = {theirs.get(k, k): v for k, v in row.items()}
         try:
