@@ -163,3 +163,11 @@ def test_a_source_is_converted_once_to_the_records_cache_and_pickles_as_its_path
     assert again._rows.arrow == first._rows.arrow and again.layout == "texts"
     payload = pickle.dumps(again)
     assert len(payload) < 1000 and pickle.loads(payload)[3] == again[3]
+
+
+def test_a_file_that_is_not_parquet_is_one_line_naming_it(tmp_path, capsys):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not a parquet file PAR1")
+    assert main(["data", "check", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {bad}: not a readable Parquet file") and "\n" not in err

@@ -73,9 +73,7 @@ class Records(Sequence):
     def problems(self) -> list[DataProblem]:
         """The lines that did not parse (read from the problem column only)."""
         out = []
-        reader = self.table._reader
-        for k in range(reader.num_record_batches):
-            batch = reader.get_batch(k)
+        for batch in self.table.batches():
             if batch.column(1).null_count == batch.num_rows:
                 continue
             for row, problem in enumerate(batch.column(1).to_pylist()):
@@ -162,6 +160,10 @@ class MappedBatches:
 
     def __len__(self) -> int:
         return self._starts[-1]
+
+    def batches(self) -> Iterator[Any]:
+        for k in range(self._reader.num_record_batches):
+            yield self._reader.get_batch(k)
 
     def batch_of(self, index: int) -> tuple[Any, int]:
         """(the record batch holding row `index`, the row's place in it)."""
@@ -299,14 +301,18 @@ def _json_list_rows(path: Path) -> Iterator[tuple[str, None]]:
             pos = 0
             return True
 
-        try:
+        def skip(at: int) -> int:  # past white space, reading on when the buffer ends there
+            nonlocal pos
+            pos = _skip_space(buffer, at)
             while pos >= len(buffer) and more():
                 pos = _skip_space(buffer, pos)
+            return pos
+
+        try:
+            skip(pos)
             if buffer[pos:pos + 1] != "[":
                 raise ValueError("not a list")
-            pos = _skip_space(buffer, pos + 1)
-            while pos >= len(buffer) and more():
-                pos = _skip_space(buffer, pos)
+            skip(pos + 1)
             if buffer[pos:pos + 1] == "]":
                 return
             while True:
@@ -320,21 +326,15 @@ def _json_list_rows(path: Path) -> Iterator[tuple[str, None]]:
                     if not more():
                         raise ValueError("item does not parse")
                 yield buffer[pos:end], None
-                pos = _skip_space(buffer, end)
-                while pos >= len(buffer) and more():
-                    pos = _skip_space(buffer, pos)
+                skip(end)
                 if buffer[pos:pos + 1] == "]":
-                    pos = _skip_space(buffer, pos + 1)
-                    while pos >= len(buffer) and more():
-                        pos = _skip_space(buffer, pos)
+                    skip(pos + 1)
                     if pos < len(buffer):
                         raise ValueError("data after the list")
                     return
                 if buffer[pos:pos + 1] != ",":
                     raise ValueError("expected , or ]")
-                pos = _skip_space(buffer, pos + 1)
-                while pos >= len(buffer) and more():
-                    pos = _skip_space(buffer, pos)
+                skip(pos + 1)
         except (ValueError, RecursionError):
             data = json_document(path)  # raises the precise error for a file that does not parse
             if not isinstance(data, list):

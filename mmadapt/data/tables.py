@@ -86,9 +86,10 @@ def _convert(path: Path) -> Path:
         parts = [datasets.Dataset.from_file(str(f)) for f in files]
         dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         return cached_arrow(files, ".arrow-table", lambda target: _write_dataset(dataset, target))
-    schema = pq.read_schema(files[0])
-    for f in files[1:]:
-        if not pq.read_schema(f).equals(schema, check_metadata=False):
+    schemas = [_parquet_schema(f) for f in files]
+    schema = schemas[0]
+    for f, other in zip(files[1:], schemas[1:], strict=True):
+        if not other.equals(schema, check_metadata=False):
             raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one schema")
 
     def batches() -> Any:
@@ -96,6 +97,16 @@ def _convert(path: Path) -> Path:
             yield from pq.ParquetFile(f).iter_batches(batch_size=TABLE_ROWS)
 
     return cached_arrow(files, ".parquet", lambda target: write_batches(target, schema, batches()))
+
+
+def _parquet_schema(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({e}). Fix: re-download or rewrite the file") from None
 
 
 def _write_dataset(dataset: Any, target: Path) -> None:
