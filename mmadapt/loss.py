@@ -84,22 +84,29 @@ def supervised(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
                    num_items_in_batch: torch.Tensor | int | None = None, *, rows: int | None = None,
-                   embeds: torch.Tensor | None = None) -> torch.Tensor:
+                   embeds: torch.Tensor | None = None, token_losses: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' causal-LM loss of `head(hidden)` for (B, L) `labels`, without the (B, L, V) logits.
 
     hidden (B, L, D): the base model's last hidden states; `head`: the LM's output layer (`lm_head`); `embeds`
     (B, L, D), optional: the input embeddings `hidden` was computed from, so that a head tied to them gets one (V, D)
     gradient buffer, not two (`TiedEmbedding`). Returns the fp32 scalar loss: sum of the token losses /
-    `num_items_in_batch` (else / N).
+    `num_items_in_batch` (else / N). `token_losses` (B, L) fp32, optional: filled with each position's token loss
+    (position t's for predicting labels[t + 1]; 0 where nothing is predicted), detached: what a mixture's per-source
+    loss is summed from.
     """
     states, targets = supervised(hidden, labels.to(hidden.device))
     weight = getattr(head, "weight", None)
     rows = rows or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
+    each = None if token_losses is None else states.new_zeros(targets.shape, dtype=torch.float32)
     if type(head) is nn.Linear:
         tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
-        total = LinearCrossEntropy.apply(states, head.weight, head.bias, targets, rows, tied)
+        total = LinearCrossEntropy.apply(states, head.weight, head.bias, targets, rows, tied, each)
     else:
-        total = checkpointed_cross_entropy(states, head, targets, rows)
+        total = checkpointed_cross_entropy(states, head, targets, rows, each)
+    if token_losses is not None:
+        token_losses.zero_()
+        token_losses[F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(token_losses.device) != IGNORE_INDEX] = (
+            each.to(token_losses.device))
     if num_items_in_batch is None:
         return total / targets.numel()  # 0 / 0 = NaN with nothing supervised, as transformers' mean
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -107,18 +114,35 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
     return total / num_items_in_batch
 
 
-def _chunk_cross_entropy(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(states).float(), targets, reduction="sum")
+@torch.no_grad()
+def logits_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) fp32 token losses from full (B, L, V) logits, as `causal_lm_loss(token_losses=)` gives them."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
+    losses = F.cross_entropy(logits.float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses
+
+
+def _chunk_cross_entropy(head: nn.Module, states: torch.Tensor, targets: torch.Tensor,
+                         reduction: str = "sum") -> torch.Tensor:
+    return F.cross_entropy(head(states).float(), targets, reduction=reduction)
 
 
 def checkpointed_cross_entropy(states: torch.Tensor, head: nn.Module, targets: torch.Tensor,
-                               rows: int) -> torch.Tensor:
-    """Sum of the token losses, one chunk of logits at a time, each recomputed in the backward pass."""
+                               rows: int, token_losses: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of the token losses, one chunk of logits at a time, each recomputed in the backward pass; `token_losses`
+    (N,), optional: filled with each token's loss (detached)."""
     from torch.utils.checkpoint import checkpoint
 
     total = states.new_zeros((), dtype=torch.float32)
+    start = 0
     for part, part_targets in zip(states.split(rows), targets.split(rows), strict=True):
-        total = total + checkpoint(_chunk_cross_entropy, head, part, part_targets, use_reentrant=False)
+        if token_losses is None:
+            total = total + checkpoint(_chunk_cross_entropy, head, part, part_targets, use_reentrant=False)
+            continue
+        each = checkpoint(_chunk_cross_entropy, head, part, part_targets, "none", use_reentrant=False)
+        token_losses[start : start + len(each)] = each.detach()
+        start += len(each)
+        total = total + each.sum()
     return total
 
 
@@ -136,11 +160,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     """sum_n CE(states_n @ weight.T + bias, targets_n), fp32, with its gradients computed chunk by chunk in the
     forward pass (no logits kept for the backward, none recomputed). states (N, D), weight (V, D), bias (V,) or
     None, targets (N,) in [0, V). Gradients are only computed for the inputs that require them. `tied`: the
-    input embedding that shares `weight` (`TiedEmbedding.find`), told where the weight's gradient is."""
+    input embedding that shares `weight` (`TiedEmbedding.find`), told where the weight's gradient is.
+    `token_losses` (N,) fp32, optional: filled with each token's loss (not a differentiable output)."""
 
     @staticmethod
     def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, rows: int, tied: TiedEmbedding | None = None) -> torch.Tensor:
+                targets: torch.Tensor, rows: int, tied: TiedEmbedding | None = None,
+                token_losses: torch.Tensor | None = None) -> torch.Tensor:
         want_states, want_weight = states.requires_grad, weight.requires_grad
         want_bias = bias is not None and bias.requires_grad
         grad_states = torch.empty_like(states) if want_states else None
@@ -153,7 +179,10 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, part_targets[:, None]).squeeze(1)
-            total += (lse - picked).sum()
+            each = lse - picked
+            total += each.sum()
+            if token_losses is not None:
+                token_losses[start : start + rows] = each
             if not (want_states or want_weight or want_bias):
                 continue
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
@@ -192,7 +221,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grads[2] = grads[2].to(ctx.dtypes[1])
         if ctx.tied is not None and grads[1] is not None and not torch.is_grad_enabled():  # not for create_graph
             ctx.tied.arm(grads[1])
-        return grads[0], grads[1], grads[2], None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None
 
 
 class TiedEmbedding:

@@ -330,6 +330,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         sequence_logps: bool = False,
         reference: tuple[torch.Tensor, Any] | None = None,
         keep_states: bool = False,
+        token_losses: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | SequenceLogProbs:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
@@ -342,7 +343,10 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         `sequence_logps=True` (preference objectives, `mmadapt.train.objectives`) returns `SequenceLogProbs` instead:
         per row, the sum of the log-probs of its labelled tokens and their count, from the supervised positions only
         (`mmadapt.loss.sequence_logps`, no (B, L, V) logits); `keep_states` adds those positions' hidden states (a
-        reference model's, for the KL), `reference` = (those states, their head) adds the per-row KL to it."""
+        reference model's, for the KL), `reference` = (those states, their head) adds the per-row KL to it.
+
+        `token_losses` (B, L) fp32, optional, with `labels`: filled with each position's token loss, detached
+        (position t's for predicting labels[t + 1], 0 where nothing is predicted): a mixture's loss per source."""
         inputs = self.prepare(VisionBatch.of(locals()))  # the arguments that are inputs, by VisionBatch's fields
         if sequence_logps:
             if labels is None:
@@ -357,8 +361,14 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         chunked = labels is not None and self.training and not return_logits and self.loss_without_logits()
         with inputs.verified(self.backbone):
             if chunked or self.router_aux_loss(kwargs):
-                return self.own_loss(inputs, labels, chunked=chunked, **kwargs)
-            return self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
+                out = self.own_loss(inputs, labels, chunked=chunked, token_losses=token_losses, **kwargs)
+            else:
+                out = self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
+        if token_losses is not None and out.logits is not None and labels is not None:
+            from mmadapt.loss import logits_token_losses
+
+            token_losses.copy_(logits_token_losses(out.logits, labels))
+        return out
 
     def sequence_scores(self, inputs: ModelInputs, labels: torch.Tensor, *, reference: Any = None,
                         keep_states: bool = False, **kwargs: Any) -> SequenceLogProbs:
@@ -393,7 +403,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
     def own_loss(self, inputs: ModelInputs, labels: torch.Tensor | None, *, chunked: bool,
                  num_items_in_batch: Any = None, output_router_logits: bool | None = None,
-                 **kwargs: Any) -> CausalLMOutputWithPast:
+                 token_losses: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
         """The backbone's base model, then the losses computed here: the token loss over the supervised positions
         only, in chunks (`chunked`: `mmadapt.loss`; given the input embeddings, so that a head tied to them has one
         (V, D) gradient buffer), or from full logits with the backbone's own loss function;
@@ -409,7 +419,8 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         hidden, head, logits, loss = out.last_hidden_state, self.backbone.get_output_embeddings(), None, None
         config = self.backbone.config
         if chunked:
-            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch, embeds=inputs.inputs_embeds)
+            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch, embeds=inputs.inputs_embeds,
+                                  token_losses=token_losses)
         else:
             logits = head(hidden)
             if labels is not None:

@@ -10,6 +10,7 @@
 from mmadapt.data.collate import Collator
 from mmadapt.data.geometry import Geometry
 from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
+from mmadapt.data.mixture import Mixture, Source, parse_sources, training_set
 from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_grouped_sampler
 from mmadapt.data.problems import REASONS, DataProblem
 from mmadapt.data.processors import FixedSizeProcessor, ImageProcessor, ProcessedImages, QwenProcessor, processor_for
@@ -45,11 +46,13 @@ __all__ = [
     "FixedSizeProcessor",
     "Geometry",
     "ImageProcessor",
+    "Mixture",
     "ProcessedImages",
     "ProcessedVideos",
     "QwenProcessor",
     "Sample",
     "SampleEncoder",
+    "Source",
     "Turn",
     "VLMDataset",
     "Video",
@@ -64,6 +67,7 @@ __all__ = [
     "load_image",
     "load_video",
     "parse_record",
+    "parse_sources",
     "prepare_tokenizer",
     "probe_video",
     "processor_for",
@@ -71,4 +75,5 @@ __all__ = [
     "saved_tokenizer",
     "show_sample",
     "tokenizer_for",
+    "training_set",
 ]

@@ -8,7 +8,8 @@ keyword inputs of `VisionLanguageModel.forward`:
     images_per_sample (B,), pixel_values / image_grid_thw (images in row order),
     videos_per_sample (B,), pixel_values_videos / video_grid_thw (when any sample has a video),
     mm_token_type_ids (B, L) (M-RoPE backbones: 1 at image tokens, 2 at video tokens, as transformers' Qwen needs),
-    cu_seqlens (S+1,) int32 (packing only; see `mmadapt.packing`), meta {sample_ids, problems}.
+    cu_seqlens (S+1,) int32 (packing only; see `mmadapt.packing`), meta {sample_ids, problems, and for a
+    mixture's samples: sources and lengths, per row}.
 
 Position ids are computed by the model from the mask, the image spans and `cu_seqlens`, so
 they restart at every packed sample (per-sample M-RoPE for Qwen) and can never disagree
@@ -55,6 +56,9 @@ class Collator:
         rows = self.pack(samples) if self.packing else [[s] for s in samples]
         batch = self.rows_to_batch(rows)
         batch["meta"] = {"sample_ids": [[s.id for s in row] for row in rows], "problems": problems}
+        if any(s.source is not None for s in samples):  # a mixture's: per-source counts and loss
+            batch["meta"]["sources"] = [[s.source for s in row] for row in rows]
+            batch["meta"]["lengths"] = [[len(s) for s in row] for row in rows]
         return batch
 
     def pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:

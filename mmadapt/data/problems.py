@@ -52,10 +52,11 @@ class DataProblem(ValueError):
     """
 
     def __init__(self, reason: str, detail: str, *, sample_id: str | None = None, path: str | None = None,
-                 fatal: bool = False) -> None:
+                 fatal: bool = False, source: str | None = None) -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown data problem reason {reason!r}; known: {sorted(REASONS)}")
         self.reason, self.detail, self.sample_id, self.path, self.fatal = reason, detail, sample_id, path, fatal
+        self.source = source  # the `data.train` source, in a mixture (`mmadapt.data.mixture`)
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -64,18 +65,21 @@ class DataProblem(ValueError):
         return f"{where}{self.reason}: {self.detail}"
 
     def __reduce__(self) -> tuple:  # picklable across DataLoader workers
-        return (_rebuild, (self.reason, self.detail, self.sample_id, self.path, self.fatal))
+        return (_rebuild, (self.reason, self.detail, self.sample_id, self.path, self.fatal, self.source))
 
     def for_sample(self, sample_id: str) -> DataProblem:
         """The same problem, attributed to `sample_id` (image loaders do not know which sample asked)."""
-        return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path, fatal=self.fatal)
+        return DataProblem(self.reason, self.detail, sample_id=sample_id, path=self.path, fatal=self.fatal,
+                           source=self.source)
 
     def to_dict(self) -> dict[str, str | None]:
-        return {"id": self.sample_id, "reason": self.reason, "detail": self.detail, "path": self.path}
+        return {"id": self.sample_id, "reason": self.reason, "detail": self.detail, "path": self.path,
+                **({"source": self.source} if self.source is not None else {})}
 
 
-def _rebuild(reason: str, detail: str, sample_id: str | None, path: str | None, fatal: bool) -> DataProblem:
-    return DataProblem(reason, detail, sample_id=sample_id, path=path, fatal=fatal)
+def _rebuild(reason: str, detail: str, sample_id: str | None, path: str | None, fatal: bool,
+             source: str | None = None) -> DataProblem:
+    return DataProblem(reason, detail, sample_id=sample_id, path=path, fatal=fatal, source=source)
 
 
 @contextlib.contextmanager

@@ -33,11 +33,12 @@ import torch
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
-from mmadapt.data.tables import TableRecords, is_table_source
+from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
+from mmadapt.data.video.decode import EmbeddedVideo
 
 IMAGE = "<image>"
 VIDEO = "<video>"
-VideoSource = str | tuple[str, ...]  # a video file, or its frames' image files in order
+VideoSource = str | EmbeddedVideo | tuple[str, ...]  # a video file (or its bytes), or its frames' image files in order
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -84,6 +85,7 @@ class EncodedSample:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     tokens_per_video: list[int] = field(default_factory=list)
+    source: str | None = None  # the `data.train` source it came from, in a mixture (`mmadapt.data.mixture`)
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -102,7 +104,9 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
     """Records of a `.json` (a list) or `.jsonl` file, as a memory-mapped `records.Records` sequence: the file is
     converted once (streamed) to the records cache and `records[i]` is parsed when asked for, so memory does not
     grow with the file (mmadapt.data.records). A Parquet or Arrow file or directory, or a `save_to_disk` directory,
-    is read with `datasets` (`tables.TableRecords`, its column layout recognised or mapped by `columns`).
+    is read with `datasets` (`tables.TableRecords`, its column layout recognised or mapped by `columns`), and so is a
+    hub dataset in the local hub cache, named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`tables.HubDataset`: offline, split
+    default `train`, subset default the dataset's default).
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -113,6 +117,8 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
     """
     if errors not in ("raise", "report"):
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
+    if is_hub_source(path):
+        return TableRecords(HubDataset.parse(str(path)), columns)
     if is_table_source(path):
         return TableRecords(path, columns)
     records = open_records(path)
@@ -171,8 +177,9 @@ def parse_record(record: Any, index: int, image_root: str | os.PathLike | None =
 
 def _videos(videos: Any, image_root: str | os.PathLike | None, allow_outside_root: bool,
             sample_id: str) -> tuple[VideoSource, ...]:
-    """Resolved video sources: a path, or a list of frame paths (one video) - a list of these."""
-    videos = [videos] if isinstance(videos, str) else videos
+    """Resolved video sources: a path, a video embedded in a dataset (kept as it is), or a list of frame paths (one
+    video) - a list of these."""
+    videos = [videos] if isinstance(videos, str | EmbeddedVideo) else videos
     if not isinstance(videos, list):
         raise DataProblem("bad_format", f"videos must be a list of videos (a path, or a list of frame paths), got "
                           f"{videos!r}", sample_id=sample_id)
@@ -180,6 +187,8 @@ def _videos(videos: Any, image_root: str | os.PathLike | None, allow_outside_roo
     for k, video in enumerate(videos):
         if isinstance(video, str):
             out.append(resolve_image_path(video, image_root, allow_outside_root, sample_id))
+        elif isinstance(video, EmbeddedVideo):
+            out.append(video)
         elif isinstance(video, list) and video and all(isinstance(p, str) for p in video):
             out.append(tuple(resolve_image_path(p, image_root, allow_outside_root, sample_id) for p in video))
         else:

@@ -23,16 +23,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     Step s takes global batch s of the seed's permutation of the epoch (tail dropped); rank r
     gets its every world-th sample, cut into `grad_accum` micro-batches of `micro_batch`.
+    `epoch_indices`: index i of epoch e is given as `e * num_samples + i`, for a dataset whose samples differ from
+    epoch to epoch (`mmadapt.data.Mixture`).
     """
 
     def __init__(self, num_samples: int, *, micro_batch: int, grad_accum: int = 1, seed: int = 0, rank: int = 0,
-                 world: int = 1, start_step: int = 0, shuffle: bool = True) -> None:
+                 world: int = 1, start_step: int = 0, shuffle: bool = True, epoch_indices: bool = False) -> None:
         self.global_batch = micro_batch * grad_accum * world
         if num_samples < self.global_batch:
             raise ValueError(f"{num_samples} training samples cannot fill one global batch of {self.global_batch} "
                              f"(batch_size {micro_batch} x grad_accum {grad_accum} x {world} ranks)")
         self.num_samples, self.micro_batch, self.grad_accum = num_samples, micro_batch, grad_accum
         self.seed, self.rank, self.world, self.start_step, self.shuffle = seed, rank, world, start_step, shuffle
+        self.epoch_indices = epoch_indices
         self.steps_per_epoch = num_samples // self.global_batch
         self._epoch: int | None = None
         self._order = torch.empty(0, dtype=torch.long)
@@ -43,7 +46,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self._epoch, self._order = epoch, (
                 torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
                 if self.shuffle else torch.arange(self.num_samples))
-        order = self._order
+        order = self._order if not self.epoch_indices else self._order + epoch * self.num_samples
         mine = order[k * self.global_batch : (k + 1) * self.global_batch][self.rank :: self.world].tolist()
         return [mine[m * self.micro_batch : (m + 1) * self.micro_batch] for m in range(self.grad_accum)]
 

@@ -79,9 +79,11 @@ class DataSection(DataConfig):
     """The run's data: every data setting (`DataConfig`, the same keys as `mmadapt data check`'s flags) and what
     only a run has: the files, the tokenizer, batching, packing, workers and the bad-sample budget."""
 
-    train: str | None = field(default=None, metadata=about("the training set: a LLaVA or messages .json / .jsonl "
-                                                           "file"))
-    eval: str | None = field(default=None, metadata=about("an evaluation set, the same formats"))
+    train: str | list[Any] | None = field(default=None, metadata=about(
+        "the training set: a LLaVA or messages .json / .jsonl file, a Parquet / Arrow dataset, or a list of sources "
+        "mixed ({path, weight} or {path, samples} each; mmadapt.data.mixture)"))
+    eval: str | list[Any] | None = field(default=None, metadata=about(
+        "an evaluation set, the same formats (a list: the sources one after the other)"))
     tokenizer: str | None = field(default=None, metadata=about(
         "a transformers tokenizer directory; None: the pretrained backbone's (or model's) directory when it holds "
         "tokenizer files, else mmadapt's char tokenizer (with a warning when the backbone is pretrained)"))
@@ -93,6 +95,13 @@ class DataSection(DataConfig):
     packing: bool = field(default=False, metadata=about("pack samples into rows of max_tokens instead of padding"))
     max_tokens: int = field(default=4096, metadata=about("tokens per packed row"))
     num_workers: int = field(default=0, metadata=about("DataLoader worker processes"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from mmadapt.data.mixture import parse_sources
+
+        parse_sources(self.train)  # a bad source list is one error when the config is read, not at the first step
+        parse_sources(self.eval)
 
 
 @dataclass(kw_only=True)
@@ -326,8 +335,11 @@ class RunConfig:
         return RunConfig.from_dict(data)
 
 
-def absolute(path: str | None) -> str | None:
-    """`path` made absolute against the working directory (None stays None)."""
+def absolute(path: Any) -> Any:
+    """`path` made absolute against the working directory (None stays None); a list of sources (`data.train` as a
+    mixture), each source's path."""
+    if isinstance(path, list | tuple):
+        return [absolute(p) if not isinstance(p, dict) else {**p, "path": absolute(p.get("path"))} for p in path]
     return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 

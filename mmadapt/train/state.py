@@ -19,7 +19,8 @@ REQUIRED = ("step", "skipped", "consecutive_skips", "history")  # in every check
 @dataclass
 class TrainerState:
     """The step, the non-finite skips, the bad-sample counters (all ranks' totals; `bad_counts` and `first_bad` are
-    this rank's, by reason), the log records so far and the objective's own state."""
+    this rank's, by reason), the log records so far, the objective's own state and, for a mixture of sources, the
+    samples and problems seen of each (all ranks)."""
 
     step: int = 0
     skipped: int = 0
@@ -30,6 +31,7 @@ class TrainerState:
     first_bad: dict[str, dict[str, Any]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     objective: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)  # a mixture's samples and problems per source
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint's trainer state: one key per field, in field order (the values are not copied)."""

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mmadapt.data.mixture import Mixture
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
 from mmadapt.directory import write_model_files
@@ -124,6 +125,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.plan: dict[str, Any] | None = None  # the run's memory plan, logged with the config (train.run sets it)
         self.warned_slow_data = False
+        self.step_sources: dict[str, dict[str, int]] = {}  # this step's counts per mixture source (count_problems)
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
             with dist_utils.failing_together(), self.out_lock():
@@ -140,7 +142,8 @@ class Trainer:
     def loader(self, start_step: int) -> Iterator[dict[str, Any]]:
         sampler = GlobalBatchSampler(len(self.train_data), micro_batch=self.cfg.data.batch_size,
                                      grad_accum=self.cfg.train.grad_accum, seed=self.cfg.train.seed,
-                                     rank=self.dist.rank, world=self.dist.world, start_step=start_step)
+                                     rank=self.dist.rank, world=self.dist.world, start_step=start_step,
+                                     epoch_indices=isinstance(self.train_data, Mixture))
         return iter(DataLoader(self.train_data, batch_sampler=sampler, collate_fn=self.collate_fn,
                                num_workers=self.cfg.data.num_workers))
 
@@ -163,6 +166,9 @@ class Trainer:
                 self.check_fresh_out()
             self.cfg.save(self.run.config_file)
             log.info(self.cfg.precision.mode.describe())
+            if isinstance(self.train_data, Mixture):
+                log.info("training on a mixture of %d sources, %d samples per epoch:\n%s",
+                         len(self.train_data.sources), len(self.train_data), self.train_data.describe())
         self.objective.prepare(self)
         batches = self.loader(self.step)
         progress = self.progress_bar()
@@ -225,6 +231,9 @@ class Trainer:
         record = {"loss": loss_value, "grad_norm": grad_norm, **learning_rates(self.scheduler, self.optimizer, t.lr,
                                                                                 t.lr_by_part),
                   "tokens": result.tokens, "problems": self.count_problems(micro), **result.logged}
+        if self.step_sources:  # a mixture: this step's samples, problems and (from the objective) loss per source
+            record["sources"] = {name: {**counts, **record.get("sources", {}).get(name, {})}
+                                 for name, counts in self.step_sources.items()}
         if math.isfinite(loss_value) and math.isfinite(grad_norm):
             drop_unseen_vision_gradients(self.model, micro, self.dist, self.device)
             self.optimizer.step()
@@ -259,13 +268,35 @@ class Trainer:
                         "smaller images (the processor's max pixels)", self.step, 100 * waited / seconds, seconds,
                         100 * share, self.cfg.data.num_workers)
 
+    def source_names(self) -> list[str]:
+        """The training mixture's source names (`mmadapt.data.Mixture`), in order; [] for one source."""
+        return [s.name for s in self.train_data.sources] if isinstance(self.train_data, Mixture) else []
+
     def count_problems(self, micro: list[dict[str, Any]]) -> int:
         """Sum one global batch's samples and bad samples over the ranks and hand them to the bad-sample budget
-        (it logs the first of each reason and raises `BadDataError` when over budget). Returns the step's count."""
+        (it logs the first of each reason and raises `BadDataError` when over budget). Returns the step's count.
+        A mixture's counts per source go into the state (`TrainerState.sources`) and `self.step_sources`."""
         problems = [p for b in micro for p in b.get("meta", {}).get("problems", ())]
         good = sum(len(row) for b in micro for row in b.get("meta", {}).get("sample_ids", ()))
-        counts = dist_utils.all_reduce_sum(torch.tensor([good + len(problems), len(problems)], device=self.device))
-        seen, bad = (int(v) for v in counts.tolist())
+        names = self.source_names()
+        per_source = [0] * (2 * len(names))
+        for b in micro:
+            for row in b.get("meta", {}).get("sources", ()):
+                for name in row:
+                    per_source[names.index(name)] += 1
+        for p in problems:
+            if p.get("source") in names:
+                per_source[len(names) + names.index(p["source"])] += 1
+        counts = dist_utils.all_reduce_sum(torch.tensor([good + len(problems), len(problems), *per_source],
+                                                        device=self.device))
+        seen, bad, *per_source = (int(v) for v in counts.tolist())
+        self.step_sources = {}
+        for k, name in enumerate(names):
+            step = {"samples": per_source[k] + per_source[len(names) + k], "problems": per_source[len(names) + k]}
+            total = self.state.sources.setdefault(name, {"samples": 0, "problems": 0})
+            for key, value in step.items():
+                total[key] += value
+            self.step_sources[name] = step
         budget = self.bad_sample_budget()
         budget.add(problems, seen, bad)
         if bad:
@@ -314,8 +345,10 @@ class Trainer:
             progress.set_postfix(loss=f"{record['loss']:.4f}", grad=f"{record['grad_norm']:.3g}",
                                  tok_s=f"{record['tokens_per_s']:.0f}")
         if self.step % max(self.cfg.train.log_every, 1) == 0 or record.get("skipped"):
-            log.info("step %d  loss %.4f  grad_norm %.4g  lr %.3g%s", record["step"], record["loss"],
-                     record["grad_norm"], record["lr"], "  SKIPPED" if record.get("skipped") else "")
+            log.info("step %d  loss %.4f  grad_norm %.4g  lr %.3g%s%s", record["step"], record["loss"],
+                     record["grad_norm"], record["lr"], "  SKIPPED" if record.get("skipped") else "",
+                     "".join(f"\n  {name}: {v['samples']} samples, {v['problems']} problems, loss "
+                             f"{v.get('loss', math.nan):.4f}" for name, v in record.get("sources", {}).items()))
 
     def save(self) -> Path | None:
         model_state = dist_utils.full_model_state(self.wrapped, self.model)

@@ -56,6 +56,10 @@ class Run(Protocol):
 
     def precision_context(self) -> Any: ...
 
+    def source_names(self) -> list[str]:
+        """The training mixture's source names, in order; [] for one source."""
+        ...
+
 
 @dataclass
 class StepResult:

@@ -231,6 +231,9 @@ class PreferenceObjective(Objective):
         from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
 
         d = self.config.data
+        if not all(isinstance(v, str | None) for v in (d.train, d.eval)):
+            raise ValueError("train.objective dpo reads one data.train file (its precomputed reference is keyed by the "
+                             "record's index in it); a mixture (a list of sources) trains with sft")
         if d.packing:
             raise ValueError("train.objective dpo pads its pairs (chosen and rejected rows side by side); set "
                              "data.packing: false")

@@ -25,11 +25,12 @@ class SupervisedObjective(Objective):
     """Next-token loss on the supervised (answer) tokens of conversations (`mmadapt.data.VLMDataset`)."""
 
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
-        from mmadapt.data import Collator, VLMDataset
+        from mmadapt.data import Collator, VLMDataset, training_set
 
-        d = self.config.data
+        d, seed = self.config.data, self.config.train.seed
         collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
-        return ObjectiveData(VLMDataset(d.train, encoder), VLMDataset(d.eval, encoder) if d.eval else None, collate)
+        return ObjectiveData(training_set(d.train, lambda path: VLMDataset(path, encoder), seed),
+                             training_set(d.eval, lambda path: VLMDataset(path, encoder), seed), collate)
 
     def loss(self, run: Run, batch: dict[str, Any], total_tokens: int) -> torch.Tensor:
         """One micro-batch's loss: its summed token losses / the global batch's supervised tokens."""
@@ -39,10 +40,14 @@ class SupervisedObjective(Objective):
         tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(run.device))
         total_tokens = max(int(tokens.item()), 1)
         loss_sum = torch.zeros((), device=run.device)
+        names = run.source_names()
+        by_source = torch.zeros(2, len(names), dtype=torch.float64)  # summed token losses, supervised tokens
         run.wrapped.train()
         for k, batch in enumerate(micro):
             if batch["input_ids"].shape[0] == 0:  # every sample of it was a problem (counted in the log)
                 batch = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
+            elif names:  # a mixture: the model fills each position's token loss, summed per source below
+                batch = {**batch, "token_losses": torch.zeros(batch["labels"].shape, device=run.device)}
             sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
             with sync, run.precision_context():
                 loss = self.loss(run, batch, total_tokens)
@@ -50,7 +55,14 @@ class SupervisedObjective(Objective):
             if clock is not None:
                 clock.backward_done()
             loss_sum += loss.detach().float()
-        return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens)
+            if "token_losses" in batch:
+                by_source += losses_by_source(batch, names)
+        logged = {}
+        if names:
+            by_source = dist_utils.all_reduce_sum(by_source.to(run.device)).cpu()
+            logged["sources"] = {name: {"loss": float(by_source[0, j] / by_source[1, j]) if by_source[1, j] else
+                                        float("nan"), "tokens": int(by_source[1, j])} for j, name in enumerate(names)}
+        return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens, logged)
 
     @torch.no_grad()
     def evaluate(self, run: Run) -> dict[str, float]:
@@ -66,3 +78,22 @@ class SupervisedObjective(Objective):
                 loss = run.wrapped(**to_device(batch, run.device), num_items_in_batch=max(n, 1)).loss
             total, tokens = total + float(loss) * n, tokens + n
         return {"eval_loss": total / max(tokens, 1)}
+
+
+def losses_by_source(batch: dict[str, Any], names: list[str]) -> torch.Tensor:
+    """(2, sources): the summed token losses and the supervised tokens of each mixture source in one micro-batch,
+    from the model's `token_losses` (position t: the loss of predicting labels[t + 1]) and the collator's per-row
+    `sources` and `lengths` (a packed row's samples lie one after the other from its start)."""
+    losses = batch["token_losses"].detach().double().cpu()
+    labels = batch["labels"]
+    supervised = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).cpu()
+    out = torch.zeros(2, len(names), dtype=torch.float64)
+    meta = batch["meta"]
+    for r, (row, lengths) in enumerate(zip(meta["sources"], meta["lengths"], strict=True)):
+        start = 0
+        for name, length in zip(row, lengths, strict=True):
+            j = names.index(name)
+            out[0, j] += losses[r, start : start + length].sum()
+            out[1, j] += supervised[r, start : start + length].sum()
+            start += length
+    return out
