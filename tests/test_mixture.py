@@ -67,7 +67,9 @@ def test_data_train_takes_a_path_or_a_list_of_sources_and_a_bad_list_is_one_line
     for name, (value, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             RunConfig.from_dict({"data": {"train": value}})
-        assert "\n" not in str(pytest.raises(ValueError, parse_sources, value).value), name
+        with pytest.raises(ValueError) as raised:
+            parse_sources(value)
+        assert "\n" not in str(raised.value), name
     config = RunConfig.from_dict({"data": {"train": [{"path": "rel/a.json", "weight": 3}, {"path": "b", "weight": 1}]}})
     assert config.resolved().data.train[0] == {"path": str(tmp_path.cwd() / "rel/a.json"), "weight": 3}
 

@@ -166,8 +166,14 @@ def hash_seed(*parts: int) -> int:
     return value & (2**63 - 1)
 
 
-def training_set(value: Any, make: Callable[[str], Any], seed: int = 0) -> Any:
-    """The dataset of `data.train` / `data.eval`: `make(path)` for one path, a `Mixture` of `make(path)`s for a list."""
+def training_set(value: Any, make: Callable[[str], Any], seed: int = 0, encoder: Any = None) -> Any:
+    """The dataset of `data.train` / `data.eval`: `make(path)` for one path, a `Mixture` of `make(path)`s for a list,
+    a `StreamingDataset` (`mmadapt.data.stream`, samples encoded by `encoder`) for `{stream: SHARDS, buffer: N}`."""
+    from mmadapt.data.stream import StreamingDataset, stream_source
+
+    stream = stream_source(value)
+    if stream is not None:
+        return StreamingDataset(stream["stream"], encoder, buffer=stream["buffer"], seed=seed)
     sources = parse_sources(value)
     if sources is None:
         return None

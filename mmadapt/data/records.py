@@ -112,7 +112,7 @@ def cached_arrow(files: list[Path], kind: str, write: Any) -> Path:
         target = root / f"{checksum}-{FORMAT}{kind}.arrow"
         if not target.is_file():
             write(target)
-        _write_atomic(seen, json.dumps({"arrow": target.name, "sources": [name for name, _ in stats]}))
+        write_text_atomic(seen, json.dumps({"arrow": target.name, "sources": [name for name, _ in stats]}))
     return target
 
 
@@ -234,7 +234,7 @@ def _locked(lock: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
         f.write(text)

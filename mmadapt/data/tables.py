@@ -1,5 +1,6 @@
-"""Datasets in the hub's formats as records: Parquet files, Arrow files and `save_to_disk` directories, each row
-given as a LLaVA or messages record when it is asked for, its embedded images as `EmbeddedImage`s.
+"""Datasets in the hub's formats as records: Parquet files, Arrow files, `save_to_disk` directories and hub datasets
+in the local hub cache, each row given as a LLaVA or messages record when it is asked for, its embedded images as
+`EmbeddedImage`s and its embedded videos as `EmbeddedVideo`s.
 
 A source is converted once into the records cache (`mmadapt.data.records`: an Arrow IPC file named by the checksum
 of the source's bytes, found again by path, size and modification time), in record batches of `TABLE_ROWS` rows:
@@ -24,19 +25,33 @@ whose columns fit no layout is one ValueError naming the columns found and the l
 
 An image cell is `{bytes, path}` (the `datasets` `Image` feature): its bytes, when present, are the image, checked
 from its header before decoding like a file (`mmadapt.data.images`); a path alone is a file relative to the image
-root, confined to it like any path in a record.
+root, confined to it like any path in a record. A video cell is the same (the `Video` feature): its bytes are the
+video container, opened from memory and checked from its header against the video limits before any frame is
+decoded, exactly as a file is (`mmadapt.data.video.decode`).
+
+A hub dataset is named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`HubDataset`; split default `train`, subset default the
+dataset's default config) and read from the local hub cache only, never the network: `huggingface_hub` finds the
+snapshot of `refs/main` in the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read
+when the source is opened), and `datasets` says which of its files are the subset's split, as the hub does (the
+README's `configs:` YAML, else the `data/{split}-*` and `{subset}/{split}-*` file-name conventions). Those Parquet or
+Arrow shards, in `datasets`' order, are one source, converted like a local directory of them. A snapshot holding a
+dataset script (`NAME.py`) is refused: mmadapt never runs a dataset's code (`datasets` >= 4 refuses it too). Not
+`hf://datasets/...`: that is an fsspec path into the repository's files, where a third part is a folder, not a
+subset.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
+from mmadapt.data.video.decode import EmbeddedVideo
 
 LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",)}
 """layout -> the columns that identify it (the first layout whose columns are all present is taken)."""
@@ -44,6 +59,99 @@ IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
 TABLE_SUFFIXES = (".parquet", ".arrow")
 TABLE_ROWS = 1024  # rows per converted record batch: a row's batch is what reading it maps (images make rows large)
+HUB_SCHEME = "hub:"
+HUB_FORM = "hub:OWNER/NAME[/SUBSET][@SPLIT]"
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset of the hub, read from the local hub cache (see the module docstring): `repo_id` OWNER/NAME, `subset`
+    the config name (None: the dataset's default), `split`."""
+
+    repo_id: str
+    subset: str | None = None
+    split: str = "train"
+
+    @classmethod
+    def parse(cls, text: str) -> HubDataset:
+        """`hub:OWNER/NAME[/SUBSET][@SPLIT]` as a `HubDataset`; a ValueError showing the form when it is not one."""
+        body, at, split = text.removeprefix(HUB_SCHEME).partition("@")
+        parts = body.split("/")
+        if not text.startswith(HUB_SCHEME) or len(parts) not in (2, 3) or not all(parts) or "@" in split \
+                or (at and not split):
+            raise ValueError(f"{text!r}: a hub dataset is written {HUB_FORM}, e.g. "
+                             "hub:HuggingFaceM4/the_cauldron/ai2d@train")
+        return cls("/".join(parts[:2]), parts[2] if len(parts) == 3 else None, split or "train")
+
+    def __str__(self) -> str:
+        return f"{HUB_SCHEME}{self.repo_id}{'/' + self.subset if self.subset else ''}@{self.split}"
+
+    def files(self) -> list[Path]:
+        """The subset's split's Parquet or Arrow files in the cached snapshot, in order; one-line ValueErrors when the
+        dataset is not cached, is a script, or has no such subset or split."""
+        snapshot = self.snapshot()
+        script = snapshot / f"{self.repo_id.split('/')[1]}.py"
+        if script.is_file():
+            raise ValueError(f"{self}: {self.repo_id} is a dataset script ({script.name}), and mmadapt never runs a "
+                             "dataset's code. Fix: where you trust it, load it with datasets and save its splits "
+                             "with to_parquet, then give that directory as the source")
+        builder = self._builder(snapshot)
+        splits = dict(builder.config.data_files or {})
+        if self.split not in splits:
+            raise ValueError(f"{self}: no split {self.split!r} in subset {builder.config.name!r} of {self.repo_id}; "
+                             f"its splits: {list(splits)}. Fix: name one after '@'")
+        files = [Path(f) for f in splits[self.split]]
+        odd = [f for f in files if f.suffix not in TABLE_SUFFIXES or not f.is_file()]
+        if odd:
+            raise ValueError(f"{self}: {odd[0]} is not a Parquet or Arrow file in the snapshot; mmadapt reads a hub "
+                             "dataset's Parquet or Arrow files. Fix: give that file itself as the source")
+        return files
+
+    def snapshot(self) -> Path:
+        """The cached snapshot of the dataset's `refs/main`, found without the network."""
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        cache = hub_cache()
+        try:
+            return Path(snapshot_download(self.repo_id, repo_type="dataset", cache_dir=cache, local_files_only=True))
+        except LocalEntryNotFoundError as e:  # also an incomplete snapshot (IncompleteSnapshotError)
+            raise ValueError(f"{self}: dataset {self.repo_id} is not (completely) in the local hub cache {cache} "
+                             "(mmadapt reads the hub offline). Fix: on a machine with internet run `hf download "
+                             f"--repo-type dataset {self.repo_id}` (huggingface-cli download on older versions) "
+                             "and copy its cache here, or set HF_HUB_CACHE to the cache that holds it") from e
+
+    def _builder(self, snapshot: Path) -> Any:
+        """`datasets`' builder of the subset (its data files resolved as the hub resolves them; no code is run)."""
+        datasets = _datasets()
+        try:
+            return datasets.load_dataset_builder(str(snapshot), name=self.subset)
+        except FileNotFoundError as e:  # datasets' EmptyDatasetError / DataFilesNotFoundError
+            raise ValueError(f"{self}: the cached snapshot {snapshot} holds no data files datasets recognises "
+                             f"({type(e).__name__}). Fix: download the dataset again") from None
+        except ValueError:
+            known = datasets.get_dataset_config_names(str(snapshot))
+            if self.subset is not None and self.subset not in known:
+                raise ValueError(f"{self}: no subset {self.subset!r} in {self.repo_id}; its subsets: {known}. Fix: "
+                                 f"write {HUB_SCHEME}{self.repo_id}/SUBSET with one of them") from None
+            if self.subset is None:
+                raise ValueError(f"{self}: {self.repo_id} has several subsets and none is the default; its "
+                                 f"subsets: {known}. Fix: write {HUB_SCHEME}{self.repo_id}/SUBSET") from None
+            raise
+
+
+def hub_cache() -> Path:
+    """The hub cache directory as `huggingface_hub` derives it from the environment, read now (its own constant is
+    fixed when it is imported, so a later `HF_HUB_CACHE` or `HF_HOME` would be missed)."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def is_hub_source(path: str | os.PathLike) -> bool:
+    """A `hub:` dataset name (a path is a `PathLike` or a string without the scheme)."""
+    return isinstance(path, str) and path.startswith(HUB_SCHEME)
 
 
 def is_table_source(path: str | os.PathLike) -> bool:
@@ -68,10 +176,10 @@ def _datasets() -> Any:
     return datasets
 
 
-def _convert(path: Path) -> Path:
+def _convert(path: Path | HubDataset) -> Path:
     """The records cache's copy of the dataset at `path` (see the module docstring)."""
-    import pyarrow.parquet as pq
-
+    if isinstance(path, HubDataset):
+        return _convert_files(path.files(), str(path))
     if path.is_dir() and (path / "state.json").is_file():
         dataset = _datasets().load_from_disk(str(path))
         files = [Path(f["filename"]) for f in dataset.cache_files]
@@ -79,8 +187,15 @@ def _convert(path: Path) -> Path:
     files = _table_files(path) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"{path}: no .parquet or .arrow files in it")
+    return _convert_files(files, str(path))
+
+
+def _convert_files(files: list[Path], source: str) -> Path:
+    """The records cache's copy of these Parquet (or Arrow) files, in order: one dataset."""
+    import pyarrow.parquet as pq
+
     if len({f.suffix for f in files}) > 1:
-        raise ValueError(f"{path}: holds both Parquet and Arrow files; give one kind")
+        raise ValueError(f"{source}: holds both Parquet and Arrow files; give one kind")
     if files[0].suffix == ".arrow":
         datasets = _datasets()
         parts = [datasets.Dataset.from_file(str(f)) for f in files]
@@ -135,10 +250,10 @@ class TableRecords(Sequence):
     """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
     path."""
 
-    def __init__(self, path: str | os.PathLike, columns: Mapping[str, str] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None) -> None:
         self.source = str(path)
         self.columns = dict(columns or {})  # ours -> theirs
-        self._rows = MappedBatches(_convert(Path(path)))
+        self._rows = MappedBatches(_convert(path if isinstance(path, HubDataset) else Path(path)))
         self.layout = layout_of(self._rows.schema.names, {v: k for k, v in self.columns.items()}, self.source)
 
     def __len__(self) -> int:
@@ -196,11 +311,8 @@ class TableRecords(Sequence):
         for k, cell in enumerate(cells):
             where = f"{self.source} row {index} {column}[{k}]"
             if isinstance(cell, dict) and cell.get("bytes") is not None:
-                if column in VIDEO_COLUMNS:
-                    raise DataProblem("bad_format", f"{column}[{k}] holds a video's bytes: mmadapt reads videos from "
-                                      "files. Fix: write the videos to files under the image root and give their "
-                                      "paths", sample_id=sample_id, path=self.source)
-                out.append(EmbeddedImage(bytes(cell["bytes"]), where))
+                embedded = EmbeddedVideo if column in VIDEO_COLUMNS else EmbeddedImage
+                out.append(embedded(bytes(cell["bytes"]), where))
             elif isinstance(cell, dict) and isinstance(cell.get("path"), str):
                 out.append(cell["path"])
             elif isinstance(cell, str | list):

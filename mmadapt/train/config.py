@@ -79,9 +79,10 @@ class DataSection(DataConfig):
     """The run's data: every data setting (`DataConfig`, the same keys as `mmadapt data check`'s flags) and what
     only a run has: the files, the tokenizer, batching, packing, workers and the bad-sample budget."""
 
-    train: str | list[Any] | None = field(default=None, metadata=about(
-        "the training set: a LLaVA or messages .json / .jsonl file, a Parquet / Arrow dataset, or a list of sources "
-        "mixed ({path, weight} or {path, samples} each; mmadapt.data.mixture)"))
+    train: str | list[Any] | dict[str, Any] | None = field(default=None, metadata=about(
+        "the training set: a LLaVA or messages .json / .jsonl file, a Parquet / Arrow dataset, a list of sources "
+        "mixed ({path, weight} or {path, samples} each; mmadapt.data.mixture), or WebDataset shards streamed "
+        "({stream: SHARDS, buffer: N}; mmadapt.data.stream)"))
     eval: str | list[Any] | None = field(default=None, metadata=about(
         "an evaluation set, the same formats (a list: the sources one after the other)"))
     tokenizer: str | None = field(default=None, metadata=about(
@@ -99,9 +100,11 @@ class DataSection(DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         from mmadapt.data.mixture import parse_sources
+        from mmadapt.data.stream import stream_source
 
-        parse_sources(self.train)  # a bad source list is one error when the config is read, not at the first step
-        parse_sources(self.eval)
+        for value in (self.train, self.eval):  # a bad source is one error when the config is read, not at a step
+            if stream_source(value) is None:
+                parse_sources(value)
 
 
 @dataclass(kw_only=True)
@@ -340,6 +343,8 @@ def absolute(path: Any) -> Any:
     mixture), each source's path."""
     if isinstance(path, list | tuple):
         return [absolute(p) if not isinstance(p, dict) else {**p, "path": absolute(p.get("path"))} for p in path]
+    if isinstance(path, dict):  # a stream ({stream: SHARDS, buffer: N})
+        return {**path, "stream": absolute(path.get("stream"))}
     return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 

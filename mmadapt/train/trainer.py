@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 from mmadapt.data.mixture import Mixture
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
+from mmadapt.data.stream import StreamingDataset, StreamLayout
 from mmadapt.directory import write_model_files
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
@@ -113,7 +114,8 @@ class Trainer:
         groups = parameter_groups(model, self.wrapped, lr=t.lr, weight_decay=t.weight_decay, lr_by_part=t.lr_by_part)
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         global_batch = config.data.batch_size * t.grad_accum * self.dist.world
-        self.total_steps = total_steps(t, len(train_data) // global_batch)
+        # the dataset's size only when epochs ask for it (a stream counts its shards' samples for it)
+        self.total_steps = total_steps(t, len(train_data) // global_batch if t.epochs is not None else 0)
         self.warmup_steps = warmup_steps(t, self.total_steps)
         if t.epochs is not None:
             log.info("train.epochs %s: %d steps of %d samples", t.epochs, self.total_steps, global_batch)
@@ -139,7 +141,16 @@ class Trainer:
         """The context every forward runs in (`mmadapt.precision.Precision.autocast`)."""
         return self.cfg.precision.mode.autocast(self.device)
 
+    def stream_layout(self) -> StreamLayout:
+        """What a stream's position means in this run (`mmadapt.data.stream`): ranks, loader workers, batching."""
+        return StreamLayout(self.dist.world, self.cfg.data.num_workers, self.cfg.data.batch_size,
+                            self.cfg.train.grad_accum)
+
     def loader(self, start_step: int) -> Iterator[dict[str, Any]]:
+        if isinstance(self.train_data, StreamingDataset):  # every stream starts where `start_step` left it
+            part = self.train_data.for_rank(self.dist.rank, self.stream_layout(), start_step)
+            return iter(DataLoader(part, batch_size=self.cfg.data.batch_size, collate_fn=self.collate_fn,
+                                   num_workers=self.cfg.data.num_workers))
         sampler = GlobalBatchSampler(len(self.train_data), micro_batch=self.cfg.data.batch_size,
                                      grad_accum=self.cfg.train.grad_accum, seed=self.cfg.train.seed,
                                      rank=self.dist.rank, world=self.dist.world, start_step=start_step,
@@ -356,6 +367,8 @@ class Trainer:
                            "scheduler": self.scheduler.state_dict()}
         path = None
         self.state.objective = self.objective.state_dict()
+        if isinstance(self.train_data, StreamingDataset):
+            self.state.stream = self.stream_layout().to_dict()
         if self.is_main:
             path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
                                    trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
@@ -392,6 +405,11 @@ class Trainer:
         set_rng_state(state["rng"])
         self.state = TrainerState.from_dict(state["trainer"])
         self.objective.load_state_dict(self.state.objective)
+        if isinstance(self.train_data, StreamingDataset) and self.state.stream != self.stream_layout().to_dict():
+            raise ValueError(f"resume: {path} was taken reading the stream as {self.state.stream or 'a map-style run'}"
+                             f", this run reads it as {self.stream_layout().to_dict()}: the same step would mean other "
+                             "samples. Fix: resume with the same ranks, data.num_workers, data.batch_size and "
+                             "train.grad_accum")
         steps = dist_utils.gather_objects(self.step)
         if len(set(steps)) > 1:
             raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")

@@ -3,9 +3,10 @@
 Three steps, each usable alone, one module each:
 - `sampling`: `VideoSampling.sample_indices(total_frames, source_fps)`, which source frames to keep, exactly
   `Qwen3VLVideoProcessor.sample_frames`.
-- `decode`: `load_video(source, sampling=, limits=)` -> `Video` (uint8 (F, 3, H, W) frames decoded with PyAV, or a
-  list of already sampled frames) and `probe_video` -> `VideoHeader` (nothing decoded), with `VideoLimits` checked
-  from the header before any frame is decoded; a bad file raises `DataProblem`, never another exception type.
+- `decode`: `load_video(source, sampling=, limits=)` -> `Video` (uint8 (F, 3, H, W) frames decoded with PyAV from a
+  file or an `EmbeddedVideo`'s bytes, or a list of already sampled frames) and `probe_video` -> `VideoHeader`
+  (nothing decoded), with `VideoLimits` checked from the header before any frame is decoded; a bad file raises
+  `DataProblem`, never another exception type.
 - `processing`: `VideoProcessor(videos)` -> `ProcessedVideos` (pixel_values_videos, video_grid_thw, tokens and
   timestamps per video), on the image processor's `PatchGeometry`; `frame_text` writes Qwen3-VL's prompt text.
 `config`: `VideoConfig`, a run's `data.video` settings (a sampling, limits and pixel bounds) parsed from one flat
@@ -19,7 +20,15 @@ Shapes: F frames, V videos, C = 3, T temporal patch, P patch, m spatial merge.
 """
 
 from mmadapt.data.video.config import VideoConfig
-from mmadapt.data.video.decode import FrameSource, Video, VideoHeader, VideoLimits, load_video, probe_video
+from mmadapt.data.video.decode import (
+    EmbeddedVideo,
+    FrameSource,
+    Video,
+    VideoHeader,
+    VideoLimits,
+    load_video,
+    probe_video,
+)
 from mmadapt.data.video.processing import (
     ProcessedVideos,
     VideoProcessor,
@@ -31,6 +40,7 @@ from mmadapt.data.video.sampling import FALLBACK_FPS, VideoSampling
 
 __all__ = [
     "FALLBACK_FPS",
+    "EmbeddedVideo",
     "FrameSource",
     "ProcessedVideos",
     "Video",

@@ -12,6 +12,12 @@
 - `probe_video(source, limits=)` -> `VideoHeader`: frame count, fps and frame size, nothing decoded (token counts
   before loading).
 
+A video embedded in a dataset (a Parquet cell's bytes: the `datasets` `Video` feature) is an `EmbeddedVideo(data,
+name)`: both functions take it where they take a file, and PyAV opens its bytes from memory through the same code
+path (header read and checked against the limits before any frame is decoded, then the same sampling and decoding),
+so an embedded video gives the frames of the same file on disk; `name` (the dataset file, row and column) is the
+`path` its problems name. A corrupt blob is `unreadable_video`, like a corrupt file.
+
 `VideoLimits` are checked from the header before any frame is decoded: the stream's frames (a frame list's length,
 before any frame is opened), pixels per frame, seconds, and the bytes the kept frames take (frames x H x W x 3).
 An allocation that fails anyway is an `out_of_memory` problem.
@@ -35,6 +41,7 @@ Shapes: F frames, H x W frame size.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -56,6 +63,21 @@ from mmadapt.data.video.sampling import VideoSampling
 AV_ERRORS: Final[tuple[type[BaseException], ...]] = (av.FFmpegError, OSError, ValueError, EOFError, IndexError,
                                                      KeyError, RuntimeError, struct.error, ZeroDivisionError)
 FrameSource = str | os.PathLike[str] | Image.Image
+
+
+@dataclass(frozen=True)
+class EmbeddedVideo:
+    """A video file's bytes as a dataset holds them; `name` says where (file, row, column) for its problems."""
+
+    data: bytes
+    name: str
+
+    def __repr__(self) -> str:
+        return f"EmbeddedVideo({self.name!r}, {len(self.data)} bytes)"
+
+
+FileSource = str | os.PathLike[str] | EmbeddedVideo
+"""A video container: a file, or its bytes embedded in a dataset."""
 
 
 @dataclass(frozen=True)
@@ -100,22 +122,22 @@ class Video:
         return int(self.frames.shape[-2]), int(self.frames.shape[-1])
 
 
-def load_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, sampling: VideoSampling | None = None,
+def load_video(source: FileSource | Sequence[FrameSource], *, sampling: VideoSampling | None = None,
                limits: VideoLimits | None = None, fps: float | None = None, sample_id: str | None = None) -> Video:
-    """A video file (sampled by `sampling`) or a list of frames (all used, at `fps`) as a `Video`.
+    """A video file or embedded video (sampled by `sampling`) or a list of frames (all used, at `fps`) as a `Video`.
 
     Raises `DataProblem` (attributed to `sample_id`) for a bad file; see the module docstring.
     """
     sampling = VideoSampling() if sampling is None else sampling
     limits = VideoLimits() if limits is None else limits
     try:
-        if isinstance(source, str | os.PathLike):
+        if isinstance(source, str | os.PathLike | EmbeddedVideo):
             if fps is not None:
                 raise ValueError("load_video: fps= is for frame lists; a file's fps comes from its header")
-            return _load_file(os.fspath(source), sampling, limits)
+            return _load_file(source, sampling, limits)
         return _load_frames(source, fps, limits)
     except MemoryError as e:
-        problem = _out_of_memory(os.fspath(source) if isinstance(source, str | os.PathLike) else None, e)
+        problem = _out_of_memory(_name(source) if isinstance(source, str | os.PathLike | EmbeddedVideo) else None, e)
         raise problem if sample_id is None else problem.for_sample(sample_id) from e
     except DataProblem as problem:
         if sample_id is None:
@@ -123,18 +145,9 @@ def load_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, sampli
         raise problem.for_sample(sample_id) from problem
 
 
-def _load_file(name: str, sampling: VideoSampling, limits: VideoLimits) -> Video:
-    if os.path.isdir(name):
-        raise DataProblem("unreadable_video", "it is a directory, not a video file. Fix: point to the file.",
-                          path=name)
-    if not os.path.exists(name):
-        raise DataProblem("missing_video", "no such file. Fix: correct the path or the video root, or drop the "
-                          "sample.", path=name)
-    try:
-        container = av.open(name)
-    except AV_ERRORS as e:
-        raise _unreadable(name, f"not a readable video container: {type(e).__name__}: {e}") from e
-    with container:
+def _load_file(source: FileSource, sampling: VideoSampling, limits: VideoLimits) -> Video:
+    name = _name(source)
+    with _open(source) as container:
         if not container.streams.video:
             raise _unreadable(name, "the container has no video stream")
         stream = container.streams.video[0]
@@ -151,6 +164,29 @@ def _load_file(name: str, sampling: VideoSampling, limits: VideoLimits) -> Video
         except AV_ERRORS as e:
             raise _unreadable(name, f"decoding failed: {type(e).__name__}: {e}") from e
     return Video(frames, indices.tolist(), source_fps, total, name)
+
+
+def _name(source: FileSource) -> str:
+    return source.name if isinstance(source, EmbeddedVideo) else os.fspath(source)
+
+
+def _open(source: FileSource) -> Any:
+    """The PyAV container of a file or of embedded bytes (read from memory: the same demuxers and decoders, the
+    same checks after), every failure to open it a `DataProblem`."""
+    name = _name(source)
+    if not isinstance(source, EmbeddedVideo):
+        if os.path.isdir(name):
+            raise DataProblem("unreadable_video", "it is a directory, not a video file. Fix: point to the file.",
+                              path=name)
+        if not os.path.isfile(name):
+            raise DataProblem("missing_video", "no such file. Fix: correct the path or the video root, or drop the "
+                              "sample.", path=name)
+    embedded = isinstance(source, EmbeddedVideo)
+    try:
+        return av.open(io.BytesIO(source.data) if embedded else name)
+    except AV_ERRORS as e:
+        why = getattr(e, "strerror", None) if embedded else None  # PyAV's message names the file, '<none>' here
+        raise _unreadable(name, f"not a readable video container: {type(e).__name__}: {why or e}") from e
 
 
 def _header(container: Any, stream: Any, name: str, limits: VideoLimits) -> tuple[int, float | None]:
@@ -187,8 +223,10 @@ def _check_frames(name: str, frames: int, limits: VideoLimits, how: str) -> None
         raise _too_large(name, f"{frames} frames ({how}) exceeds max_frames_decoded = {limits.max_frames_decoded}")
 
 
-def check_bytes(name: str, frames: int, height: int, width: int, limits: VideoLimits) -> None:
-    """`video_too_large` when `frames` frames of H x W RGB exceed `limits.max_bytes_decoded`, before decoding."""
+def check_bytes(name: FileSource, frames: int, height: int, width: int, limits: VideoLimits) -> None:
+    """`video_too_large` when `frames` frames of H x W RGB exceed `limits.max_bytes_decoded`, before decoding (`name`:
+    the video's path, or the video itself)."""
+    name = _name(name)
     if limits.max_bytes_decoded is not None and frames * height * width * 3 > limits.max_bytes_decoded:
         raise _too_large(name, f"{frames} frames of {width} x {height} are {frames * height * width * 3} bytes "
                          f"decoded, more than max_bytes_decoded = {limits.max_bytes_decoded}")
@@ -231,25 +269,23 @@ class VideoHeader:
     width: int
 
 
-def probe_video(source: str | os.PathLike[str] | Sequence[FrameSource], *, limits: VideoLimits | None = None,
+def probe_video(source: FileSource | Sequence[FrameSource], *, limits: VideoLimits | None = None,
                 fps: float | None = None, sample_id: str | None = None) -> VideoHeader:
-    """A video file's (or frame list's) `VideoHeader` with the limits checked, decoding no frame (a frame list's
-    size comes from its first frame's image header): for token counts before loading (lengths, `mmadapt plan`)."""
+    """A video file's (an embedded video's, a frame list's) `VideoHeader` with the limits checked, decoding no frame
+    (a frame list's size comes from its first frame's image header): for token counts before loading (lengths,
+    `mmadapt plan`)."""
     limits = VideoLimits() if limits is None else limits
     try:
-        if not isinstance(source, str | os.PathLike):
+        if not isinstance(source, str | os.PathLike | EmbeddedVideo):
             if len(source) == 0:
                 raise DataProblem("empty_video", "the frame list is empty. Fix: give at least one frame.")
             _check_frames("frame list", len(source), limits, "in the list")
             first = source[0]
             width, height = first.size if isinstance(first, Image.Image) else image_size(first)
             return VideoHeader(len(source), fps, height, width)
-        name = os.fspath(source)
-        if not os.path.isfile(name):
-            raise DataProblem("missing_video", "no such file. Fix: correct the path or the video root, or drop the "
-                              "sample.", path=name)
+        name = _name(source)
         try:
-            with av.open(name) as container:
+            with _open(source) as container:
                 if not container.streams.video:
                     raise _unreadable(name, "the container has no video stream")
                 stream = container.streams.video[0]

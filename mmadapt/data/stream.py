@@ -1,0 +1,326 @@
+"""Streaming: WebDataset tar shards read as a stream, split across ranks and loader workers, shuffled in blocks,
+resumed exactly.
+
+    data:
+      train: {stream: /data/pretrain/*.tar, buffer: 1000}
+
+Stage-1 pretraining data (image-caption pairs by the million) comes as WebDataset shards: tar files whose members
+are grouped into samples by their name up to the first dot (`000017.jpg`, `000017.txt`, `000017.json`). A sample
+becomes a record: its `.json` member (a LLaVA or messages record) with the sample's images (its `.jpg` / `.jpeg` /
+`.png` / `.webp` / `.bmp` members, in the order of their extensions) as its images, or, without a `.json`, its `.txt`
+caption as the answer to its images (`<image>` per image: the LLaVA pretraining layout). Images are kept as bytes
+(`EmbeddedImage`, named `shard.tar:key.jpg`) and checked from their headers before decoding like any image; a member
+over `MAX_MEMBER_BYTES` is not read; a sample with neither record nor caption, or a record that does not parse, is a
+counted problem naming the shard and the key. Nothing is extracted to disk: no path from a tar is ever opened.
+
+Splitting: the `world * workers` streams (rank r's worker w is stream `r * workers + w`; a run without workers has
+one per rank) each take every `streams`-th shard of the epoch's seeded shard order, so no two streams read the same
+shard and each shard is read once an epoch. A stream runs through its shards epoch after epoch; it shuffles in blocks
+of `buffer` samples, each block permuted by a generator seeded by (seed, stream, block): a shuffle buffer whose
+contents are a function of the position, so the position alone restores it.
+
+Position: a rank's DataLoader takes its batches from its workers in turn (batch i from worker i % workers), so after
+s steps of `grad_accum` micro-batches each stream has yielded a number of samples that is a function of s
+(`StreamPosition`). A resumed run starts every stream there: it skips whole shards by their sample counts (counted
+once from the tar headers and kept in the records cache) and the skipped samples of a shard without decoding them,
+then refills the current block. The checkpoint records the layout it was taken with (world, workers, batch) and a
+resume with another layout is refused, since the same step would then mean other samples.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmadapt.data.images import EmbeddedImage
+from mmadapt.data.mixture import hash_seed
+from mmadapt.data.problems import DataProblem
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+MAX_MEMBER_BYTES = 256 * 1024 * 1024  # a member larger than this is not read (a counted problem)
+DEFAULT_BUFFER = 1000
+STREAM_KEYS = ("stream", "buffer")
+
+
+def stream_source(value: Any) -> dict[str, Any] | None:
+    """`data.train` as a stream (`{stream: PATTERN, buffer: N}`), checked; None when it is not one."""
+    if not isinstance(value, dict):
+        return None
+    unknown = sorted(set(value) - set(STREAM_KEYS))
+    if "stream" not in value or unknown:
+        raise ValueError(f"data.train as a stream is {{stream: SHARDS, buffer: N}}; got keys {sorted(value)}")
+    buffer = value.get("buffer", DEFAULT_BUFFER)
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+        raise ValueError(f"data.train.buffer (the shuffle buffer, samples) must be an integer >= 1, got {buffer!r}")
+    return {"stream": os.fspath(value["stream"]), "buffer": buffer}
+
+
+def shard_files(pattern: str) -> list[Path]:
+    """The shards of a stream: a `.tar` file, a directory of them, or a glob pattern (`shards/train-*.tar`)."""
+    path = Path(pattern).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.tar"))
+    elif path.is_file():
+        files = [path]
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path)) if p.endswith(".tar"))
+    if not files:
+        raise FileNotFoundError(f"data.train.stream {pattern!r} names no .tar shard: give a .tar file, a directory "
+                                "of them or a glob pattern such as 'shards/train-*.tar'")
+    return files
+
+
+def _key_and_extension(name: str) -> tuple[str, str]:
+    directory, _, base = name.rpartition("/")
+    stem, _, extension = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), extension.lower()
+
+
+class Shard:
+    """One tar shard: its sample count (from its headers, cached by path, size and modification time) and its
+    samples as records from any position."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._count: int | None = None
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = _cached_count(self.path)
+        return self._count
+
+    def groups(self) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
+        """(key, members) of each sample, in file order, reading headers only."""
+        with tarfile.open(self.path, "r:") as tar:
+            key, members = None, []
+            for info in tar:
+                if not info.isfile():
+                    continue
+                member_key, _ = _key_and_extension(info.name)
+                if member_key != key and members:
+                    yield key, members
+                    members = []
+                key = member_key
+                members.append(info)
+            if members:
+                yield key, members
+
+    def records(self, start: int = 0) -> Iterator[dict[str, Any] | DataProblem]:
+        """The records from sample `start` on; the samples before it are skipped by their headers."""
+        with open(self.path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            position = 0
+            key, members = None, []
+            for info in tar:
+                if not info.isfile():
+                    continue
+                member_key, _ = _key_and_extension(info.name)
+                if member_key != key and members:
+                    if position >= start:
+                        yield self.record(tar, key, members)
+                    position += 1
+                    members = []
+                key = member_key
+                members.append(info)
+            if members and position >= start:
+                yield self.record(tar, key, members)
+
+    def record(self, tar: tarfile.TarFile, key: str, members: list[tarfile.TarInfo]) -> dict[str, Any] | DataProblem:
+        sample_id = f"{self.path.name}:{key}"
+        parts: dict[str, tarfile.TarInfo] = {}
+        for info in members:
+            parts[_key_and_extension(info.name)[1]] = info
+        for extension, info in parts.items():
+            if info.size > MAX_MEMBER_BYTES:
+                return DataProblem("sample_too_large", f"member {key}.{extension} holds {info.size} bytes, over "
+                                   f"{MAX_MEMBER_BYTES}: not read", sample_id=sample_id, path=str(self.path))
+        images = [EmbeddedImage(tar.extractfile(parts[e]).read(), f"{self.path}:{key}.{e}")
+                  for e in sorted(parts, key=_image_order) if e.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS]
+        if "json" in parts:
+            try:
+                record = json.loads(tar.extractfile(parts["json"]).read())
+            except (ValueError, UnicodeDecodeError) as e:
+                return DataProblem("bad_format", f"{key}.json does not parse: {e}", sample_id=sample_id,
+                                   path=str(self.path))
+            if not isinstance(record, dict):
+                return DataProblem("bad_format", f"{key}.json holds a {type(record).__name__}, not a record",
+                                   sample_id=sample_id, path=str(self.path))
+            record = {"id": sample_id, **{k: v for k, v in record.items() if k not in ("image", "images")}}
+            if images:  # the sample's own images, under the key its layout reads (LLaVA: image; messages: images)
+                record["images" if "messages" in record else "image"] = images
+            return record
+        if "txt" in parts:
+            caption = tar.extractfile(parts["txt"]).read().decode("utf-8", errors="replace").strip()
+            return {"id": sample_id, "image": images, "conversations": [
+                {"from": "human", "value": "<image>\n" * len(images)}, {"from": "gpt", "value": caption}]}
+        return DataProblem("bad_format", f"sample {key} has members {sorted(parts)} but no .json record or .txt "
+                           "caption. Fix: give each sample a KEY.json (a LLaVA or messages record) or KEY.txt (a "
+                           "caption)", sample_id=sample_id, path=str(self.path))
+
+
+def _image_order(extension: str) -> tuple[int, str]:
+    """Members `0.jpg`, `1.jpg`, ... in their number's order, then the others by name."""
+    head = extension.split(".", 1)[0]
+    return (int(head), extension) if head.isdigit() else (1 << 30, extension)
+
+
+def _cached_count(path: Path) -> int:
+    """The shard's sample count, from its headers once, then from the records cache (keyed by path, size, mtime)."""
+    import hashlib
+
+    from mmadapt.data.records import cache_root, write_text_atomic
+
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    index = cache_root() / "shards" / f"{hashlib.sha256(key).hexdigest()}.json"
+    if index.is_file():
+        try:
+            return int(json.loads(index.read_text())["samples"])
+        except (ValueError, KeyError, OSError):
+            pass
+    count = sum(1 for _ in Shard(path).groups())
+    index.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(index, json.dumps({"path": str(path), "samples": count}))
+    return count
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """How a rank's loader consumes its streams: what a position means. A checkpoint keeps it."""
+
+    world: int
+    workers: int  # DataLoader workers per rank (0: the main process reads)
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def streams_per_rank(self) -> int:
+        return max(self.workers, 1)
+
+    def position(self, step: int, worker: int) -> int:
+        """Samples worker `worker`'s stream has yielded after `step` optimizer steps (its batches: every
+        `streams_per_rank`-th micro-batch of the rank's, from the worker's own index on)."""
+        batches, n = step * self.grad_accum, self.streams_per_rank
+        return max(0, (batches - worker + n - 1) // n) * self.micro_batch
+
+    def to_dict(self) -> dict[str, int]:
+        return {"world": self.world, "workers": self.workers, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum}
+
+
+class StreamingDataset(torch.utils.data.IterableDataset):
+    """A rank's part of a WebDataset stream: its workers' streams, encoded (`SampleEncoder`), from `start_step`.
+    `len()` is the stream's samples per epoch (all shards, counted from their headers)."""
+
+    def __init__(self, pattern: str, encoder: Any, *, buffer: int = DEFAULT_BUFFER, seed: int = 0) -> None:
+        self.pattern, self.encoder, self.buffer, self.seed = pattern, encoder, buffer, seed
+        self.shards = [Shard(p) for p in shard_files(pattern)]
+        self.rank, self.layout, self.start_step = 0, StreamLayout(1, 0, 1, 1), 0
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+    def for_rank(self, rank: int, layout: StreamLayout, start_step: int = 0) -> StreamingDataset:
+        """This dataset as rank `rank` reads it under `layout`, from `start_step` on."""
+        streams = layout.world * layout.streams_per_rank
+        if streams > len(self.shards):
+            raise ValueError(f"the stream {self.pattern!r} has {len(self.shards)} shards, fewer than its {streams} "
+                             f"readers ({layout.world} ranks x {layout.streams_per_rank} loader processes): each "
+                             "reader needs a shard of its own. Fix: fewer data.num_workers, or more, smaller shards")
+        copy = StreamingDataset.__new__(StreamingDataset)
+        copy.__dict__.update(self.__dict__)
+        copy.rank, copy.layout, copy.start_step = rank, layout, start_step
+        return copy
+
+    def shards_of(self, stream: int, epoch: int) -> list[Shard]:
+        """Stream `stream`'s shards in epoch `epoch`: every streams-th of the epoch's seeded shard order."""
+        streams = self.layout.world * self.layout.streams_per_rank
+        order = torch.randperm(len(self.shards), generator=torch.Generator().manual_seed(hash_seed(self.seed, epoch)))
+        return [self.shards[int(k)] for k in order[stream::streams]]
+
+    def raw(self, stream: int, start: int = 0) -> Iterator[Any]:
+        """Stream `stream`'s records (or problems), from its sample `start` on, forever, shuffled in blocks."""
+        epoch, skip = 0, start
+        while True:
+            shards = self.shards_of(stream, epoch)
+            size = sum(len(s) for s in shards)
+            if skip >= size:
+                epoch, skip = epoch + 1, skip - size
+                continue
+            block, offset = divmod(skip, self.buffer)
+            yield from self._blocks(shards, stream, epoch, block, offset, size)
+            epoch, skip = epoch + 1, 0
+
+    def _blocks(self, shards: list[Shard], stream: int, epoch: int, block: int, offset: int,
+                size: int) -> Iterator[Any]:
+        records = self._from(shards, block * self.buffer)
+        while block * self.buffer < size:
+            items = [next(records) for _ in range(min(self.buffer, size - block * self.buffer))]
+            generator = torch.Generator().manual_seed(hash_seed(self.seed, stream, epoch, block))
+            for k in torch.randperm(len(items), generator=generator).tolist()[offset:]:
+                yield items[k]
+            block, offset = block + 1, 0
+
+    @staticmethod
+    def _from(shards: Sequence[Shard], start: int) -> Iterator[Any]:
+        for shard in shards:
+            if start >= len(shard):
+                start -= len(shard)
+                continue
+            yield from shard.records(start)
+            start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        stream = self.rank * self.layout.streams_per_rank + worker
+        for index, record in enumerate(self.raw(stream, self.layout.position(self.start_step, worker))):
+            yield self.encode(record, index)
+
+    def encode(self, record: Any, index: int) -> Any:
+        if isinstance(record, DataProblem):
+            return record
+        from mmadapt.data.problems import problem_of
+        from mmadapt.data.samples import record_id
+
+        try:
+            return self.encoder.encode(record, index)
+        except DataProblem as problem:
+            if problem.fatal:
+                raise
+            return problem
+        except Exception as e:
+            return problem_of(e, record_id(record, index))
+
+    def __repr__(self) -> str:
+        return f"StreamingDataset({self.pattern!r}, {len(self.shards)} shards, buffer {self.buffer})"
+
+
+def write_shards(directory: str | os.PathLike, samples: Sequence[dict[str, bytes]], per_shard: int,
+                 prefix: str = "shard") -> list[Path]:
+    """`samples` (each {extension: bytes}, with a "__key__") written as WebDataset tar shards of `per_shard` samples:
+    what tests and benchmarks stream. Returns the shard paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for start in range(0, len(samples), per_shard):
+        path = directory / f"{prefix}-{start // per_shard:05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for sample in samples[start : start + per_shard]:
+                key = sample["__key__"]
+                for extension, data in sample.items():
+                    if extension == "__key__":
+                        continue
+                    info = tarfile.TarInfo(f"{key}.{extension}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        paths.append(path)
+    return paths
