@@ -55,6 +55,7 @@ def drawn(data, indices):
 # ---- the sources -------------------------------------------------------------------------------------------------
 def test_data_train_takes_a_path_or_a_list_of_sources_and_a_bad_list_is_one_line(tmp_path):
     assert parse_sources("x/a.jsonl") == (Source("x/a.jsonl", name="a"),)
+    assert parse_sources(["hub:o/n/sub@test"])[0].name == "o/n/sub@test"
     assert [s.to_dict() for s in parse_sources(["a.json", {"path": "d/b.parquet", "samples": 5}])] == [
         {"path": "a.json", "name": "a"}, {"path": "d/b.parquet", "samples": 5, "name": "b"}]
     bad = {"weight and samples": ([{"path": "a", "weight": 1, "samples": 2}], "gives both weight and samples"),

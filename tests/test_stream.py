@@ -112,7 +112,10 @@ def test_too_few_shards_for_the_readers_and_a_missing_stream_are_one_line(shards
         RunConfig.from_dict({"data": {"train": {"stream": str(shards), "buffer": 0}}})
 
 
-def test_bad_samples_in_a_shard_are_counted_problems_naming_the_shard_and_the_key(tmp_path, encoder):
+def test_bad_samples_in_a_shard_are_counted_problems_naming_the_shard_and_the_key(tmp_path, encoder, monkeypatch):
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", False)  # importing lmms_eval (other tests) switches it on
     _, enc = encoder
     bomb = io.BytesIO()
     Image.new("1", (20000, 20000)).save(bomb, format="PNG")
@@ -198,5 +201,20 @@ def test_a_streaming_run_killed_under_torchrun_resumes_bitwise(shards, tmp_path)
         return [json.loads(line)["loss"] for line in (tmp_path / out / "log.jsonl").read_text().splitlines()]
 
     assert len(losses("whole")) == 4 and losses("cut") == losses("whole")  # bitwise
-    other = launch(False, "cut", "data.num_workers=1", "train.steps=6", "--resume")
-    assert other.returncode != 0 and "the same step would mean other samples" in other.stderr
+
+
+def test_a_resume_that_reads_the_stream_otherwise_is_refused(shards, tmp_path):
+    from mmadapt.train import RunConfig
+    from mmadapt.train.run import run
+
+    def config(*overrides):
+        return RunConfig.from_dict({
+            "model": {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama", "preset": "tiny"},
+            "data": {"train": {"stream": str(shards), "buffer": 3}, "batch_size": 2, "max_length": 256,
+                     **dict(overrides)},
+            "train": {"steps": 2, "progress": False, "out": str(tmp_path / "out")}, "checkpoint": {"every": 2}})
+
+    assert run(config())["steps"] == 2
+    resumed = RunConfig.from_dict({**config(("batch_size", 4)).to_dict(), "checkpoint": {"resume": True}})
+    with pytest.raises(ValueError, match=r"the same step would mean other samples\. Fix: resume with the same ranks"):
+        run(resumed)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from mmadapt.data.stream import StreamingDataset, hash_seed, stream_source
+
 SOURCE_KEYS = ("path", "weight", "samples", "name")
 
 
@@ -67,6 +69,8 @@ class Source:
 
 
 def _stem(path: str) -> str:
+    if str(path).startswith("hub:"):  # a hub dataset (`mmadapt.data.tables.HubDataset`): its name, subset and split
+        return str(path)[4:]
     p = Path(str(path).rstrip("/"))
     return p.name.removesuffix(".gz").rsplit(".", 1)[0] if p.suffix else p.name
 
@@ -158,19 +162,9 @@ class Mixture(torch.utils.data.Dataset):
                          for s, n, size in zip(self.sources, self.counts, self.sizes, strict=True))
 
 
-def hash_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (stable across processes and Python versions, unlike `hash`)."""
-    value = 0x9E3779B97F4A7C15
-    for part in parts:
-        value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & (2**64 - 1)
-    return value & (2**63 - 1)
-
-
 def training_set(value: Any, make: Callable[[str], Any], seed: int = 0, encoder: Any = None) -> Any:
     """The dataset of `data.train` / `data.eval`: `make(path)` for one path, a `Mixture` of `make(path)`s for a list,
     a `StreamingDataset` (`mmadapt.data.stream`, samples encoded by `encoder`) for `{stream: SHARDS, buffer: N}`."""
-    from mmadapt.data.stream import StreamingDataset, stream_source
-
     stream = stream_source(value)
     if stream is not None:
         return StreamingDataset(stream["stream"], encoder, buffer=stream["buffer"], seed=seed)

@@ -42,13 +42,20 @@ from typing import Any
 import torch
 
 from mmadapt.data.images import EmbeddedImage
-from mmadapt.data.mixture import hash_seed
 from mmadapt.data.problems import DataProblem
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # a member larger than this is not read (a counted problem)
 DEFAULT_BUFFER = 1000
 STREAM_KEYS = ("stream", "buffer")
+
+
+def hash_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes and Python versions, unlike `hash`)."""
+    value = 0x9E3779B97F4A7C15
+    for part in parts:
+        value = (value ^ (part + 0x9E3779B97F4A7C15 + (value << 6) + (value >> 2))) & (2**64 - 1)
+    return value & (2**63 - 1)
 
 
 def stream_source(value: Any) -> dict[str, Any] | None:
