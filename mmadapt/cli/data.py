@@ -91,26 +91,74 @@ def bad_fraction_limit(args: argparse.Namespace, run: Any) -> tuple[float, str]:
     return 0.05, "--max-bad-fraction"
 
 
+def data_sources(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(name, path or stream pattern) of each source DATA names: a data file or dataset, or a run file (its
+    data.train: one path, each source of a mixture, or a stream's shards), which is then also the run file."""
+    from mmadapt.data.mixture import parse_sources
+    from mmadapt.data.stream import stream_source
+    from mmadapt.train.config import RunConfig
+
+    if not str(args.data).endswith((".yaml", ".yml")):
+        return [(str(args.data), args.data)]
+    args.run = [args.data, *args.run]
+    train = RunConfig.load(args.data).resolved().data.train
+    if train is None:
+        raise ValueError(f"{args.data} sets no data.train: give a data file, or a run file that names one")
+    stream = stream_source(train)
+    if stream is not None:
+        return [(stream["stream"], stream["stream"])]
+    return [(source.name, source.path) for source in parse_sources(train)]
+
+
+def chosen_indices(args: argparse.Namespace, size: int) -> range | list[int] | None:
+    """--limit N: the first N records; --sample N: N records drawn at random (seeded by --seed), in file order."""
+    import random
+
+    if args.limit is not None and args.sample is not None:
+        raise ValueError("give --limit (the first N records) or --sample (N at random), not both")
+    if args.limit is not None:
+        return range(min(args.limit, size))
+    if args.sample is not None:
+        return sorted(random.Random(args.seed).sample(range(size), min(args.sample, size)))
+    return None
+
+
 def cmd_data_check(args: argparse.Namespace) -> int:
-    """Run the data pipeline over DATA; print the report; exit 1 when too many samples have problems."""
+    """Run the data pipeline over DATA (each source of a run file's mixture apart); print the report; exit 1 when
+    too many samples have problems."""
     import json
     import logging
+    import os
 
     from mmadapt.data import check_dataset, read_records
+    from mmadapt.data.report import DataReport
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    sources = data_sources(args)
     run, run_model = run_config(args)
     encoder = data_encoder(args, run, run_model)
-    records = read_records(args.data, errors="report", columns=encoder.config.columns)
-    report = check_dataset(records, encoder, progress=sys.stderr.isatty())
+    workers = args.workers if args.workers is not None else min(4, os.cpu_count() or 1)
+    reports = {}
+    for name, path in sources:
+        records = read_records(path, errors="report", columns=encoder.config.columns)
+        reports[name] = check_dataset(records, encoder, progress=sys.stderr.isatty(), workers=workers,
+                                      indices=chosen_indices(args, len(records)))
     print(describe_encoder(args, encoder, run_model))
-    print(report.format())
+    total = DataReport(total=sum(r.total for r in reports.values()))
+    for name, report in reports.items():
+        total.merge(report)
+        if len(reports) > 1:
+            print(f"\n== source {name}")
+        print(report.format())
+    if len(reports) > 1:
+        print(f"\n== all {len(reports)} sources\n{total.format()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=2)
+            json.dump({**total.to_dict(), **({"sources": {name: r.to_dict() for name, r in reports.items()}}
+                                             if len(reports) > 1 else {})}, f, indent=2)
     limit, name = bad_fraction_limit(args, run)
-    if report.bad_fraction > limit:
-        print(f"FAILED: {100 * report.bad_fraction:.1f}% of samples have problems, more than {name} {limit}")
+    if total.bad_fraction > limit:
+        print(f"FAILED: {100 * total.bad_fraction:.1f}% of samples have problems, more than {name} {limit}")
         return 1
     return 0
 
@@ -119,11 +167,10 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     """Print the first --n samples of DATA as the model will see them (supervised stretches marked)."""
     import logging
 
-    from mmadapt.data import DataProblem, read_records, show_sample
-    from mmadapt.data.preference import PairEncoder, is_preference_record
-    from mmadapt.data.report import show_pair
+    from mmadapt.data import read_records
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    sources = data_sources(args)
     run, run_model = run_config(args)
     encoder = data_encoder(args, run, run_model)
     colour = {"always": True, "never": False}.get(args.colour, sys.stdout.isatty())
@@ -131,10 +178,25 @@ def cmd_data_show(args: argparse.Namespace) -> int:
     print(f"{describe_encoder(args, encoder, run_model)}; supervised tokens in {marks}, images as <image x visual "
           "tokens>")
     shown = 0
-    records = read_records(args.data, errors="report", columns=encoder.config.columns)
-    for i, record in enumerate(records):  # a bad line: shown as skipped
-        if shown == args.n:
+    for _, path in sources:
+        records = read_records(path, errors="report", columns=encoder.config.columns)
+        chosen = chosen_indices(args, len(records))
+        shown += show_records(encoder, records, chosen if chosen is not None else range(len(records)),
+                              args.n - shown, colour)
+    return 0
+
+
+def show_records(encoder: Any, records: Any, indices: Any, n: int, colour: bool) -> int:
+    """Print up to n of `records` (at `indices`) as the model sees them; returns how many were shown."""
+    from mmadapt.data import DataProblem, show_sample
+    from mmadapt.data.preference import PairEncoder, is_preference_record
+    from mmadapt.data.report import show_pair
+
+    shown = 0
+    for i in indices:  # a bad line: shown as skipped
+        if shown >= n:
             break
+        record = records[i]
         try:
             if is_preference_record(record):
                 print("\n" + show_pair(encoder, PairEncoder(encoder).encode(record, i), colour=colour))
@@ -146,7 +208,7 @@ def cmd_data_show(args: argparse.Namespace) -> int:
             continue
         print("\n" + show_sample(encoder, sample, colour=colour))
         shown += 1
-    return 0
+    return shown
 
 
 def add_data_commands(sub: argparse._SubParsersAction) -> None:
@@ -156,7 +218,9 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
                            "supervised tokens marked, images as <image x N>, counts")
     for command in (check, show):
         command.add_argument("data", help="a LLaVA or messages dataset, or preference pairs (trl, LLaMA-Factory, "
-                             "ms-swift), .json or .jsonl")
+                             "ms-swift), .json or .jsonl; a Parquet / Arrow dataset, hub:OWNER/NAME[/SUBSET][@SPLIT] "
+                             "(the local hub cache) or WebDataset .tar shards; or a run file: its data.train, each "
+                             "source of a mixture reported apart")
         command.add_argument("run", nargs="*", metavar="RUN", help="right after DATA: a run file (its model, tokenizer "
                              "and data section) and/or its settings as section.key=value (e.g. data.max_length=4096)")
         add_build_arguments(command)
@@ -166,6 +230,12 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
                              "data.tokenizer, else the --model directory's, else the run's pretrained model's, else "
                              "mmadapt's character tokenizer, as the demo model uses)")
         add_data_arguments(command)
+    for command in (check, show):
+        command.add_argument("--limit", type=int, default=None, help="only the first N records (a quick look)")
+        command.add_argument("--sample", type=int, default=None, help="N records drawn at random (--seed)")
+        command.add_argument("--seed", type=int, default=0, help="the seed of --sample (default 0)")
+    check.add_argument("--workers", type=int, default=None, help="processes checking records in parallel (default: "
+                       "the CPU count, at most 4)")
     check.add_argument("--json", default=None, help="also write the report as JSON here")
     check.add_argument("--max-bad-fraction", type=float, default=None, help="exit 1 when the share of problem "
                        "samples is above this (default: the run file's data.max_bad_fraction, else 0.05)")

@@ -47,6 +47,13 @@ class DataReport:
     def bad_fraction(self) -> float:
         return len(self.problems) / self.total if self.total else 0.0
 
+    def merge(self, other: DataReport) -> None:
+        """Add a part's problems and lengths (its total is counted by whoever made the parts)."""
+        self.problems.extend(other.problems)
+        self.token_lengths.extend(other.token_lengths)
+        self.visual_tokens.extend(other.visual_tokens)
+        self.video_tokens.extend(other.video_tokens)
+
     def by_reason(self) -> Counter:
         return Counter(p["reason"] for p in self.problems)
 
@@ -88,17 +95,55 @@ def summary(values: Sequence[int]) -> dict[str, float]:
             "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "max": ordered[-1]}
 
 
-def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: bool = False) -> DataReport:
-    """Every record through `encoder` and a collator; a `DataReport` of what is usable and what is not."""
+def check_dataset(records: Sequence[Any], encoder: SampleEncoder, *, progress: bool = False,
+                  indices: Sequence[int] | None = None, workers: int = 1) -> DataReport:
+    """Every record (or those at `indices`) through `encoder` and a collator; a `DataReport` of what is usable and
+    what is not. `workers` > 1: contiguous chunks checked in that many forked processes (the records are memory-mapped
+    and the encoder inherited, nothing is pickled but the chunks' reports); `progress`: a bar on stderr."""
     from tqdm.auto import tqdm
 
+    chosen = range(len(records)) if indices is None else indices
+    chunks = [chosen[k : k + CHUNK] for k in range(0, len(chosen), CHUNK)]
+    bar = tqdm(total=len(chosen), desc="checking", unit="sample", disable=not progress)
+    report = DataReport(total=len(chosen))
+    _shared.update(records=records, encoder=encoder)
+    try:
+        for part in _map(_check_chunk, chunks, workers):
+            report.merge(part)
+            bar.update(part.total)
+    finally:
+        _shared.clear()
+        bar.close()
+    return report
+
+
+CHUNK = 256  # records a worker checks at a time (a progress step; a memory-mapped batch is read once per chunk)
+_shared: dict[str, Any] = {}  # the records and encoder a check's forked workers inherit
+
+
+def _map(function: Any, chunks: list[Any], workers: int) -> Any:
+    """`function` over `chunks` in order: in this process, or in `workers` forked processes (where fork exists)."""
+    import multiprocessing
+
+    if workers <= 1 or len(chunks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield from map(function, chunks)
+        return
+    with multiprocessing.get_context("fork").Pool(min(workers, len(chunks))) as pool:
+        yield from pool.imap(function, chunks)
+
+
+def _check_chunk(indices: Sequence[int]) -> DataReport:
+    records, encoder = _shared["records"], _shared["encoder"]
     collate = Collator(pad_token_id=encoder.pad_token_id, image_token_id=encoder.image_token_id,
                        video_token_id=encoder.video_token_id)
     from mmadapt.data.preference import PairCollator, PairEncoder, is_preference_record
 
     pairs, pair_collate = PairEncoder(encoder), PairCollator(base=collate)
-    report = DataReport(total=len(records))
-    for index, record in enumerate(tqdm(records, desc="checking", unit="sample", disable=not progress)):
+    report = DataReport(total=len(indices))
+    contiguous = isinstance(indices, range) and indices.step == 1 and hasattr(records, "iter_from")
+    items = zip(indices, records.iter_from(indices.start) if contiguous else (records[i] for i in indices),
+                strict=False)
+    for index, record in items:
         try:
             if is_preference_record(record):  # a preference pair: both rows, the prompt's images once
                 pair = pairs.encode(record, index)

@@ -33,6 +33,7 @@ import torch
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
+from mmadapt.data.stream import ShardRecords, is_shard_source
 from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
 from mmadapt.data.video.decode import EmbeddedVideo
 
@@ -106,7 +107,8 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
     grow with the file (mmadapt.data.records). A Parquet or Arrow file or directory, or a `save_to_disk` directory,
     is read with `datasets` (`tables.TableRecords`, its column layout recognised or mapped by `columns`), and so is a
     hub dataset in the local hub cache, named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`tables.HubDataset`: offline, split
-    default `train`, subset default the dataset's default).
+    default `train`, subset default the dataset's default). WebDataset `.tar` shards (a file, a glob, a directory) are
+    read in file order (`stream.ShardRecords`: what `data check` and `data show` see of a stream).
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -121,6 +123,8 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
         return TableRecords(HubDataset.parse(str(path)), columns)
     if is_table_source(path):
         return TableRecords(path, columns)
+    if is_shard_source(path):
+        return ShardRecords(path)
     records = open_records(path)
     if errors == "raise" and (problems := records.problems()):
         raise ValueError(problems[0].detail)

@@ -296,7 +296,6 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if isinstance(record, DataProblem):
             return record
         from mmadapt.data.problems import problem_of
-        from mmadapt.data.samples import record_id
 
         try:
             return self.encoder.encode(record, index)
@@ -305,10 +304,45 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 raise
             return problem
         except Exception as e:
-            return problem_of(e, record_id(record, index))
+            return problem_of(e, str(record.get("id", index)))
 
     def __repr__(self) -> str:
         return f"StreamingDataset({self.pattern!r}, {len(self.shards)} shards, buffer {self.buffer})"
+
+
+def is_shard_source(path: str | os.PathLike) -> bool:
+    """A `.tar` file, a glob of them, or a directory holding `.tar` files (and no Parquet / Arrow)."""
+    text = os.fspath(path)
+    if text.endswith(".tar"):
+        return True
+    p = Path(text)
+    return p.is_dir() and any(p.glob("*.tar")) and not any(p.glob("*.parquet")) and not any(p.glob("*.arrow"))
+
+
+class ShardRecords(Sequence):
+    """A stream's shards as records in file order, for `data check` / `data show` / `read_records` (no split, no
+    shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one."""
+
+    def __init__(self, pattern: str | os.PathLike) -> None:
+        self.pattern = os.fspath(pattern)
+        self.shards = [Shard(p) for p in shard_files(self.pattern)]
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+    def iter_from(self, start: int) -> Iterator[Any]:
+        return StreamingDataset._from(self.shards, start)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iter_from(0)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} of {len(self)}")
+        return next(self.iter_from(index))
+
+    def __repr__(self) -> str:
+        return f"ShardRecords({self.pattern!r}, {len(self.shards)} shards)"
 
 
 def write_shards(directory: str | os.PathLike, samples: Sequence[dict[str, bytes]], per_shard: int,
