@@ -157,7 +157,8 @@ def test_every_documented_command_runs_here_or_in_a_named_test():
 
 
 def write_inputs(folder: Path) -> None:
-    """The files the cheap commands name: a small LLaVA dataset under data/ (images in data/images)."""
+    """The files the cheap commands name: a small LLaVA dataset under data/ (images in data/images), pairs, and a
+    run file mixing the dataset with itself."""
     from PIL import Image
 
     (folder / "data" / "images").mkdir(parents=True)
@@ -170,6 +171,10 @@ def write_inputs(folder: Path) -> None:
     pairs = [{"id": f"p{i}", "images": [f"{i}.png"], "prompt": "<image>\nWhat colour is this?", "chosen": colour,
               "rejected": "purple"} for i, colour in enumerate(["red", "blue", "green"])]  # trl's preference format
     (folder / "data" / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
+    (folder / "run.yaml").write_text(  # a run whose data.train is a mixture (data check run.yaml)
+        "model: {encoder: clip, projector: mlp2x_gelu, backbone: llama, preset: tiny}\n"
+        "data: {train: [{path: data/train.jsonl, weight: 3}, {path: data/train.jsonl, weight: 1, name: again}], "
+        "image_root: data/images}\n")
 
 
 def test_cheap_commands_run_as_documented(tmp_path, monkeypatch, capsys):
