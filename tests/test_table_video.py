@@ -108,3 +108,18 @@ def test_a_corrupt_blob_and_a_video_over_the_limits_are_counted_problems_naming_
     monkeypatch.setattr(video_decode, "_decode", lambda *args: pytest.fail("a frame was decoded"))
     problem = check_dataset(records[3:], encoder).problems[0]
     assert problem["reason"] == "video_too_large" and problem["path"].endswith("bad.parquet row 3 video[0]")
+
+
+def test_a_video_set_with_embedded_bytes_trains_through_mmadapt_train(media, tmp_path):
+    from helpers import write_run
+
+    from mmadapt.cli import main
+    from mmadapt.train import latest_checkpoint
+
+    write_run(tmp_path / "run.yaml", model={"encoder": "qwen3_5_vit", "projector": "qwen_merger",
+                                            "backbone": "qwen3_5", "preset": "tiny"},
+              data={"train": str(media / "videos.parquet"), "batch_size": 2, "video": VIDEO_SETTINGS},
+              train={"steps": 1, "out": str(tmp_path / "out"), "progress": False})
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    state = json.loads((latest_checkpoint(tmp_path / "out") / "trainer_state.json").read_text())
+    assert state["samples_seen"] == 2 and state["bad_samples"] == 0

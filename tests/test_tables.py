@@ -73,6 +73,27 @@ def corpus(tmp_path_factory):
         (root / name).mkdir()
         table.to_parquet(str(root / name / "train-00000-of-00001.parquet"))
         written[name] = root / name
+    # Each named dataset in the columns it is published with (checked against their dataset cards):
+    # LLaVA-OneVision-Data: id, image (one Image), conversations, data_source; one image a row
+    single = [{**row, "image": row["images"][0]} for row in onevision[:3]]
+    named = {"llava-onevision": ([{k: v for k, v in row.items() if k != "images"} for row in single],
+                                 {"image": datasets.Image()}),
+             # FineVision: images, texts, source and per-turn quality ratings
+             "finevision": ([{**row, "source": "test", "relevance_ratings": [5, 4], "formatting_ratings": [5, 5],
+                              "visual_dependency_ratings": [4, 3], "image_correspondence_ratings": [5, 5]}
+                             for row in cauldron], {"images": images}),
+             # Docmatix: images, texts ({user, assistant, source}), nothing else
+             "docmatix": (cauldron, {"images": images}),
+             # ShareGPT4V: id, image (a path under the image root), conversations
+             "sharegpt4v": ([{"id": r["id"], "image": r["image"][0], "conversations": r["conversations"]}
+                             for r in llava[:3]], {})}
+    for name, (rows, features) in named.items():
+        table = datasets.Dataset.from_list(rows)
+        for column, feature in features.items():
+            table = table.cast_column(column, feature)
+        (root / name).mkdir()
+        table.to_parquet(str(root / name / "train-00000-of-00001.parquet"))
+        written[name] = root / name
     table = datasets.Dataset.from_list(onevision).cast_column("images", images)
     table.save_to_disk(str(root / "saved"))
     written["save_to_disk"] = root / "saved"
@@ -88,19 +109,35 @@ def qwen(corpus):
     return SampleEncoder.for_model(model, tokenizer, chat_template="qwen3_5", image_root=str(corpus[0]))
 
 
-@pytest.mark.parametrize("layout", ["onevision", "cauldron", "messages", "save_to_disk", "arrow file"])
+NAMED = ["llava-onevision", "cauldron", "finevision", "docmatix", "sharegpt4v"]  # each in its own published columns
+
+
+@pytest.mark.parametrize("layout", ["onevision", "cauldron", "messages", "save_to_disk", "arrow file", *NAMED[2:],
+                                    NAMED[0]])
 def test_each_hub_layout_gives_the_tokens_labels_and_pixels_of_the_same_llava_json(corpus, qwen, layout):
     root, written = corpus
     reference = VLMDataset(root / "llava.json", qwen)
     table = VLMDataset(written[layout], qwen)
-    assert len(table) == len(reference) == 4
-    for k in range(4):
+    rows = 3 if layout in ("llava-onevision", "sharegpt4v") else 4  # one image a row: the first three samples
+    assert len(table) == rows and len(reference) == 4
+    for k in range(rows):
         ours, theirs = table[k], reference[k]
         assert not isinstance(ours, DataProblem), ours
         assert torch.equal(ours.input_ids, theirs.input_ids) and torch.equal(ours.labels, theirs.labels)
         assert torch.equal(ours.pixel_values, theirs.pixel_values)
         assert torch.equal(ours.image_grid_thw, theirs.image_grid_thw)
-    assert table[3].num_images == 2
+    assert rows == 3 or table[3].num_images == 2
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_each_named_dataset_trains_through_mmadapt_train(corpus, tmp_path, name):
+    root, written = corpus
+    write_run(tmp_path / "run.yaml", model=TINY_LLAVA,
+              data={"train": written[name], "batch_size": 3, "image_root": str(root)},
+              train={"steps": 1, "out": tmp_path / "out", "progress": False})
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    state = json.loads((latest_checkpoint(tmp_path / "out") / "trainer_state.json").read_text())
+    assert state["samples_seen"] == 3 and state["bad_samples"] == 0
 
 
 def test_columns_map_a_layout_named_otherwise_and_an_unknown_one_is_one_line(corpus, qwen, tmp_path):
