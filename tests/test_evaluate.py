@@ -108,6 +108,21 @@ def test_sees_prints_a_table_and_an_exit_code(trained, capsys):
     lines = out.strip().splitlines()
     assert lines[0].split()[:4] == ["batch", "loss", "blanked", "shuffled"] and len(lines) == 4
     assert "the model sees its images on 2 batch(es)" in lines[-1]
+    # the same records as Parquet with the images embedded, and as WebDataset shards: the same table
+    import datasets
+
+    from mmadapt.data.stream import write_shards
+
+    records = [json.loads(line) for line in Path(held_out).read_text().splitlines()]
+    blobs = [(root / r["image"]).read_bytes() for r in records]
+    (root / "parquet").mkdir(exist_ok=True)
+    datasets.Dataset.from_list([{**r, "image": {"bytes": b, "path": None}} for r, b in zip(records, blobs, strict=True)]
+                               ).cast_column("image", datasets.Image()).to_parquet(str(root / "parquet" / "eval.parquet"))
+    write_shards(root / "shards", [{"__key__": r["id"], "png": b, "json": json.dumps(
+        {k: v for k, v in r.items() if k != "image"}).encode()} for r, b in zip(records, blobs, strict=True)], 12)
+    for source in (root / "parquet" / "eval.parquet", root / "shards"):
+        assert main(["sees", str(root / "out" / "model"), str(source), "--batches", "2", "--batch-size", "6"]) == 0
+        assert capsys.readouterr().out.replace(str(source), "DATA") == out.replace(held_out, "DATA"), source
 
 
 def test_scoring_ignores_case_whitespace_and_final_punctuation():

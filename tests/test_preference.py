@@ -108,6 +108,33 @@ def test_trl_llama_factory_and_ms_swift_records_encode_the_same_pair(encoder):
     assert text.startswith("A square.")
 
 
+def test_trls_preference_layout_as_parquet_with_embedded_images_gives_the_pairs_of_its_json(model, tmp_path):
+    """trl's vision preference sets on the hub (prompt / chosen / rejected + images, e.g. RLAIF-V as trl formats it)
+    are Parquet with the images embedded: read as the same pairs as the JSONL with image files."""
+    import datasets
+
+    from mmadapt.data import read_records
+    from mmadapt.data.preference import PreferenceDataset
+
+    path = colour_pairs(tmp_path, "c", 4, seed=0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    cells = [{**r, "images": [{"bytes": (tmp_path / p).read_bytes(), "path": None} for p in r["images"]]}
+             for r in rows]
+    table = datasets.Dataset.from_list(cells).cast_column("images", datasets.Sequence(datasets.Image()))
+    table.to_parquet(str(tmp_path / "pairs.parquet"))
+    pairs = PairEncoder(SampleEncoder.for_model(model, char_tokenizer(), image_root=str(tmp_path)))
+    ours, theirs = (PreferenceDataset(read_records(p, errors="report"), pairs)
+                    for p in (tmp_path / "pairs.parquet", path))
+    assert len(ours) == len(theirs) == 4
+    for k in range(4):
+        a, b = ours[k], theirs[k]
+        assert a.id == b.id and a.shared and b.shared
+        for row in ("chosen", "rejected"):
+            assert torch.equal(getattr(a, row).input_ids, getattr(b, row).input_ids)
+            assert torch.equal(getattr(a, row).labels, getattr(b, row).labels)
+        assert torch.equal(a.chosen.pixel_values, b.chosen.pixel_values)
+
+
 def test_ms_swift_rejected_images_are_the_rejected_rows_own(encoder, model):
     record = {"messages": [{"role": "user", "content": "<image>\nWhat is it?"},
                            {"role": "assistant", "content": "A square."}], "images": ["0.png"],

@@ -36,6 +36,7 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -337,8 +338,15 @@ class ShardRecords(Sequence):
         return self.iter_from(0)
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return list(islice(self.iter_from(start), max(stop - start, 0)))
+            return [self[i] for i in range(start, stop, step)]
+        if index < 0:
+            index += len(self)
         if not 0 <= index < len(self):
-            raise IndexError(f"record {index} of {len(self)}")
+            raise IndexError(f"record {index} of {len(self)} in {self.pattern}")
         return next(self.iter_from(index))
 
     def __repr__(self) -> str:

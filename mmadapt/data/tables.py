@@ -15,6 +15,8 @@ Column layouts (`LAYOUTS`), recognised from the column names:
   ShareGPT4V, LLaVA-Video-178K;
 - `messages`: `messages` ([{role, content}], content a string or OpenAI-style parts) + `images` (+ `videos`, `id`):
   LLaMA-Factory, ms-swift, trl's vision sets (llava-instruct-mix);
+- `pairs`: `prompt` + `chosen` + `rejected` (+ `images`, `id`): trl's preference sets (RLAIF-V as trl formats it),
+  read as DPO pairs (`mmadapt.data.preference`);
 - `texts`: `texts` ([{user, assistant}]) + `images`: The Cauldron, FineVision, Docmatix. Their texts hold no image
   placeholder: the images go before the first user text as `<image>\\n` each (the LLaVA convention), so a row gives
   the same tokens as the same sample written as LLaVA JSON.
@@ -53,7 +55,8 @@ from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
 from mmadapt.data.video.decode import EmbeddedVideo
 
-LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",)}
+LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",),
+                                       "pairs": ("prompt", "chosen", "rejected")}
 """layout -> the columns that identify it (the first layout whose columns are all present is taken)."""
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
@@ -287,6 +290,9 @@ class TableRecords(Sequence):
             return {"id": sample_id, "conversations": row["conversations"], "image": images, "videos": videos}
         if self.layout == "messages":
             return {"id": sample_id, "messages": row["messages"], "images": images, "videos": videos}
+        if self.layout == "pairs":  # trl's preference layout: a DPO pair (`mmadapt.data.preference`)
+            return {"id": sample_id, "prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+                    **({"images": images} if images else {})}
         texts = row["texts"]
         if not isinstance(texts, list) or not texts:
             raise DataProblem("bad_format", "'texts' must be a non-empty list of {user, assistant}",
