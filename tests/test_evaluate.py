@@ -116,8 +116,9 @@ def test_sees_prints_a_table_and_an_exit_code(trained, capsys):
     records = [json.loads(line) for line in Path(held_out).read_text().splitlines()]
     blobs = [(root / r["image"]).read_bytes() for r in records]
     (root / "parquet").mkdir(exist_ok=True)
-    datasets.Dataset.from_list([{**r, "image": {"bytes": b, "path": None}} for r, b in zip(records, blobs, strict=True)]
-                               ).cast_column("image", datasets.Image()).to_parquet(str(root / "parquet" / "eval.parquet"))
+    cells = [{**r, "image": {"bytes": b, "path": None}} for r, b in zip(records, blobs, strict=True)]
+    table = datasets.Dataset.from_list(cells).cast_column("image", datasets.Image())
+    table.to_parquet(str(root / "parquet" / "eval.parquet"))
     write_shards(root / "shards", [{"__key__": r["id"], "png": b, "json": json.dumps(
         {k: v for k, v in r.items() if k != "image"}).encode()} for r, b in zip(records, blobs, strict=True)], 12)
     for source in (root / "parquet" / "eval.parquet", root / "shards"):

@@ -100,12 +100,18 @@ def test_an_epoch_reads_every_sample_once_across_ranks_and_workers_and_a_resumed
     assert len(set(i for b in loader_ids(data, 0, one, 0, 8) for i in b)) == 32  # one process, no workers
 
 
-def test_too_few_shards_for_the_readers_and_a_missing_stream_are_one_line(shards, encoder):
+def test_too_few_shards_for_the_readers_and_a_missing_stream_are_one_line(shards, encoder, tmp_path):
     _, enc = encoder
     with pytest.raises(ValueError, match=r"has 8 shards, fewer than its 12 readers \(2 ranks x 6 loader processes"):
         StreamingDataset(str(shards), enc).for_rank(0, StreamLayout(2, 6, 1, 1))
-    with pytest.raises(FileNotFoundError, match=r"names no \.tar shard"):
+    with pytest.raises(FileNotFoundError, match=r"names no \.tar or \.parquet shard"):
         StreamingDataset(str(shards / "nothing-*.tar"), enc)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_shards(mixed, samples(2), per_shard=2)
+    (mixed / "rows.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"mixes \['.parquet', '.tar'\] shards"):
+        StreamingDataset(str(mixed), enc)
     from mmadapt.train import RunConfig
 
     with pytest.raises(ValueError, match=r"buffer .* must be an integer >= 1"):
@@ -218,3 +224,40 @@ def test_a_resume_that_reads_the_stream_otherwise_is_refused(shards, tmp_path):
     resumed = RunConfig.from_dict({**config(("batch_size", 4)).to_dict(), "checkpoint": {"resume": True}})
     with pytest.raises(ValueError, match=r"the same step would mean other samples\. Fix: resume with the same ranks"):
         run(resumed)
+
+
+@pytest.fixture(scope="module")
+def parquet_shards(tmp_path_factory):
+    """The 32 samples as 8 Parquet shards of 4 rows (LLaVA-OneVision's columns, the images embedded), 2 row groups
+    each."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("parquet_shards")
+    rows = [{"id": f"s{k:04d}", "image": {"bytes": png(k), "path": None}, "conversations": [
+        {"from": "human", "value": f"<image>\nWhat is {k}?"}, {"from": "gpt", "value": f"Number {k}."}]}
+        for k in range(32)]
+    for shard in range(8):
+        table = datasets.Dataset.from_list(rows[4 * shard : 4 * shard + 4]).cast_column("image", datasets.Image())
+        pq.write_table(table.data.table, root / f"part-{shard:05d}.parquet", row_group_size=2)
+    return root
+
+
+def test_parquet_shards_stream_like_tar_shards_and_read_as_the_dataset_reads(parquet_shards, encoder):
+    from mmadapt.data import read_records
+    from mmadapt.data.tables import TableRecords
+
+    _, enc = encoder
+    data = StreamingDataset(str(parquet_shards / "*.parquet"), enc, buffer=3, seed=1)
+    assert len(data) == 32
+    layout = StreamLayout(world=2, workers=2, micro_batch=2, grad_accum=2)
+    seen = [i for rank in range(2) for batch in loader_ids(data, rank, layout, 0, 4) for i in batch]
+    assert Counter(seen) == Counter({f"s{k:04d}": 1 for k in range(32)})
+    for rank in range(2):
+        assert loader_ids(data, rank, layout, 3, 2) == loader_ids(data, rank, layout, 0, 5)[3 * 2 :]
+    streamed = read_records(str(parquet_shards / "*.parquet"))  # in file order, from any row (row groups skipped)
+    dataset = TableRecords(parquet_shards)
+    assert len(streamed) == len(dataset) == 32
+    for k in (0, 3, 17, 31):
+        ours, theirs = streamed[k], dataset[k]
+        assert ours["conversations"] == theirs["conversations"] and ours["image"][0].data == theirs["image"][0].data

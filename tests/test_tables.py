@@ -169,6 +169,7 @@ def test_bad_rows_are_counted_problems_naming_the_row(corpus, qwen, tmp_path, mo
             {"id": "not_png", "image": {"bytes": b"GIF87a but not", "path": None}, "conversations": turns},
             {"id": "escape", "image": {"bytes": None, "path": "../../etc/passwd"}, "conversations": turns},
             {"id": "no_turns", "image": {"bytes": good, "path": None}, "conversations": []},
+            {"id": "no_column", "image": {"bytes": good, "path": None}, "conversations": None},  # a null cell
             {"id": "fine", "image": {"bytes": good, "path": None}, "conversations": turns}]
     table = datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
     # pyarrow writes it: datasets' to_parquet stats every path to size its row groups, and this one must not exist
@@ -176,7 +177,7 @@ def test_bad_rows_are_counted_problems_naming_the_row(corpus, qwen, tmp_path, mo
     dataset = VLMDataset(tmp_path / "bad.parquet", qwen)
     found = {d.sample_id: d.reason for d in (dataset[k] for k in range(len(dataset))) if isinstance(d, DataProblem)}
     assert found == {"corrupt": "unreadable_image", "bomb": "image_too_large", "not_png": "unreadable_image",
-                     "escape": "path_outside_root", "no_turns": "bad_format"}
+                     "escape": "path_outside_root", "no_turns": "bad_format", "no_column": "bad_format"}
     assert f"{tmp_path / 'bad.parquet'} row 1 image[0]" in str(dataset[1])  # where: the file, row and column
 
 

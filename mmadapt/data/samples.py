@@ -121,10 +121,10 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
     if is_hub_source(path):
         return TableRecords(HubDataset.parse(str(path)), columns)
+    if is_shard_source(path):
+        return ShardRecords(path, columns)
     if is_table_source(path):
         return TableRecords(path, columns)
-    if is_shard_source(path):
-        return ShardRecords(path)
     records = open_records(path)
     if errors == "raise" and (problems := records.problems()):
         raise ValueError(problems[0].detail)

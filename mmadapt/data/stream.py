@@ -72,19 +72,31 @@ def stream_source(value: Any) -> dict[str, Any] | None:
     return {"stream": os.fspath(value["stream"]), "buffer": buffer}
 
 
+SHARD_SUFFIXES = (".tar", ".parquet")
+
+
 def shard_files(pattern: str) -> list[Path]:
-    """The shards of a stream: a `.tar` file, a directory of them, or a glob pattern (`shards/train-*.tar`)."""
+    """The shards of a stream: a `.tar` or `.parquet` file, a directory of them, or a glob pattern
+    (`shards/train-*.tar`); one kind of shard per stream."""
     path = Path(pattern).expanduser()
     if path.is_dir():
-        files = sorted(path.glob("*.tar"))
+        files = sorted(p for p in path.glob("*") if p.suffix in SHARD_SUFFIXES and p.is_file())
     elif path.is_file():
-        files = [path]
+        files = [path] if path.suffix in SHARD_SUFFIXES else []
     else:
-        files = sorted(Path(p) for p in glob.glob(str(path)) if p.endswith(".tar"))
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).suffix in SHARD_SUFFIXES)
     if not files:
-        raise FileNotFoundError(f"data.train.stream {pattern!r} names no .tar shard: give a .tar file, a directory "
-                                "of them or a glob pattern such as 'shards/train-*.tar'")
+        raise FileNotFoundError(f"data.train.stream {pattern!r} names no .tar or .parquet shard: give a shard file, "
+                                "a directory of them or a glob pattern such as 'shards/train-*.tar'")
+    kinds = sorted({p.suffix for p in files})
+    if len(kinds) > 1:
+        raise ValueError(f"data.train.stream {pattern!r} mixes {kinds} shards: stream one kind (a mixture of two "
+                         "streams is not supported yet)")
     return files
+
+
+def shard_of(path: Path, columns: dict[str, str] | None = None) -> Shard | ParquetShard:
+    return ParquetShard(path, columns) if path.suffix == ".parquet" else Shard(path)
 
 
 def _key_and_extension(name: str) -> tuple[str, str]:
@@ -174,6 +186,42 @@ class Shard:
                            "caption)", sample_id=sample_id, path=str(self.path))
 
 
+class ParquetShard:
+    """One Parquet shard of a stream: its row count from the file's footer, its rows as records (the hub's column
+    layouts, `mmadapt.data.tables.RowLayout`) from any position, whole row groups before it skipped unread."""
+
+    def __init__(self, path: Path, columns: dict[str, str] | None = None) -> None:
+        self.path, self.columns = Path(path), dict(columns or {})
+        self._count: int | None = None
+
+    def __len__(self) -> int:
+        if self._count is None:
+            import pyarrow.parquet as pq
+
+            self._count = pq.ParquetFile(self.path).metadata.num_rows
+        return self._count
+
+    def records(self, start: int = 0) -> Iterator[Any]:
+        import pyarrow.parquet as pq
+
+        from mmadapt.data.tables import RowLayout
+
+        file = pq.ParquetFile(self.path)
+        rows = RowLayout(str(self.path), file.schema_arrow.names, self.columns)
+        first = 0
+        for group in range(file.num_row_groups):
+            size = file.metadata.row_group(group).num_rows
+            if first + size <= start:
+                first += size
+                continue
+            for batch in file.iter_batches(batch_size=256, row_groups=[group]):
+                for offset, row in enumerate(batch.to_pylist()):
+                    index = first + offset
+                    if index >= start:
+                        yield rows.row_record(row, index)
+                first += batch.num_rows
+
+
 def _image_order(extension: str) -> tuple[int, str]:
     """Members `0.jpg`, `1.jpg`, ... in their number's order, then the others by name."""
     head = extension.split(".", 1)[0]
@@ -230,7 +278,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, pattern: str, encoder: Any, *, buffer: int = DEFAULT_BUFFER, seed: int = 0) -> None:
         self.pattern, self.encoder, self.buffer, self.seed = pattern, encoder, buffer, seed
-        self.shards = [Shard(p) for p in shard_files(pattern)]
+        columns = getattr(getattr(encoder, "config", None), "columns", None)
+        self.shards = [shard_of(p, columns) for p in shard_files(pattern)]
         self.rank, self.layout, self.start_step = 0, StreamLayout(1, 0, 1, 1), 0
 
     def __len__(self) -> int:
@@ -248,7 +297,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         copy.rank, copy.layout, copy.start_step = rank, layout, start_step
         return copy
 
-    def shards_of(self, stream: int, epoch: int) -> list[Shard]:
+    def shards_of(self, stream: int, epoch: int) -> list[Shard | ParquetShard]:
         """Stream `stream`'s shards in epoch `epoch`: every streams-th of the epoch's seeded shard order."""
         streams = self.layout.world * self.layout.streams_per_rank
         order = torch.randperm(len(self.shards), generator=torch.Generator().manual_seed(hash_seed(self.seed, epoch)))
@@ -267,7 +316,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             yield from self._blocks(shards, stream, epoch, block, offset, size)
             epoch, skip = epoch + 1, 0
 
-    def _blocks(self, shards: list[Shard], stream: int, epoch: int, block: int, offset: int,
+    def _blocks(self, shards: list[Shard | ParquetShard], stream: int, epoch: int, block: int, offset: int,
                 size: int) -> Iterator[Any]:
         records = self._from(shards, block * self.buffer)
         while block * self.buffer < size:
@@ -278,7 +327,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             block, offset = block + 1, 0
 
     @staticmethod
-    def _from(shards: Sequence[Shard], start: int) -> Iterator[Any]:
+    def _from(shards: Sequence[Shard | ParquetShard], start: int) -> Iterator[Any]:
         for shard in shards:
             if start >= len(shard):
                 start -= len(shard)
@@ -312,9 +361,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
 
 def is_shard_source(path: str | os.PathLike) -> bool:
-    """A `.tar` file, a glob of them, or a directory holding `.tar` files (and no Parquet / Arrow)."""
+    """A `.tar` file, a glob of `.tar` or `.parquet` shards, or a directory holding `.tar` files (and no Parquet /
+    Arrow: a directory of Parquet files is a dataset, `mmadapt.data.tables`)."""
     text = os.fspath(path)
-    if text.endswith(".tar"):
+    if text.endswith(".tar") or (glob.has_magic(text) and text.endswith(SHARD_SUFFIXES)):
         return True
     p = Path(text)
     return p.is_dir() and any(p.glob("*.tar")) and not any(p.glob("*.parquet")) and not any(p.glob("*.arrow"))
@@ -324,9 +374,9 @@ class ShardRecords(Sequence):
     """A stream's shards as records in file order, for `data check` / `data show` / `read_records` (no split, no
     shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one."""
 
-    def __init__(self, pattern: str | os.PathLike) -> None:
+    def __init__(self, pattern: str | os.PathLike, columns: dict[str, str] | None = None) -> None:
         self.pattern = os.fspath(pattern)
-        self.shards = [Shard(p) for p in shard_files(self.pattern)]
+        self.shards = [shard_of(p, columns) for p in shard_files(self.pattern)]
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)

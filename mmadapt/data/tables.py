@@ -249,37 +249,24 @@ def layout_of(columns: Sequence[str], mapping: Mapping[str, str], source: str) -
                      f"'images' or 'image'). Fix: map yours with data.columns, e.g. {{conversations: <your column>}}")
 
 
-class TableRecords(Sequence):
-    """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
-    path."""
+class RowLayout:
+    """How a table's rows become records: its `layout` (`LAYOUTS`, from its column names and `columns`), and `source`
+    (a file) for the problems' where. `TableRecords` reads rows from the records cache; a streamed Parquet shard
+    (`mmadapt.data.stream`) from the file."""
 
-    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None) -> None:
-        self.source = str(path)
+    def __init__(self, source: str, names: Sequence[str], columns: Mapping[str, str] | None = None) -> None:
+        self.source = source
         self.columns = dict(columns or {})  # ours -> theirs
-        self._rows = MappedBatches(_convert(path if isinstance(path, HubDataset) else Path(path)))
-        self.layout = layout_of(self._rows.schema.names, {v: k for k, v in self.columns.items()}, self.source)
+        self.layout = layout_of(names, {v: k for k, v in self.columns.items()}, self.source)
 
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"row {index} of {len(self)} in {self.source}")
-        row = self._rows.row(index)
+    def row_record(self, row: dict[str, Any], index: int) -> Any:
+        """Row `index` (its columns by the dataset's names) as a record, or the `DataProblem` that stops it."""
         theirs = {v: k for k, v in self.columns.items()}
         row = {theirs.get(k, k): v for k, v in row.items()}
         try:
             return self.record(row, index)
         except DataProblem as problem:
             return problem
-
-    def __iter__(self) -> Iterator[Any]:
-        for i in range(len(self)):
-            yield self[i]
 
     def record(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         """Row `index` as a LLaVA or messages record."""
@@ -327,6 +314,31 @@ class TableRecords(Sequence):
                 raise DataProblem("bad_format", f"{column}[{k}] is neither bytes nor a path: {str(cell)[:80]}",
                                   sample_id=sample_id, path=self.source)
         return out
+
+
+class TableRecords(RowLayout, Sequence):
+    """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
+    path."""
+
+    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None) -> None:
+        self._rows = MappedBatches(_convert(path if isinstance(path, HubDataset) else Path(path)))
+        super().__init__(str(path), self._rows.schema.names, columns)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)} in {self.source}")
+        return self.row_record(self._rows.row(index), index)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self[i]
 
     def __repr__(self) -> str:
         return f"TableRecords({self.source!r}, {len(self)} rows, layout {self.layout!r})"
