@@ -78,3 +78,21 @@ def test_a_run_files_mixture_is_checked_per_source_and_shards_are_checked_and_sh
     assert main(["data", "show", str(files / "shards" / "*.tar"), *LLAVA, "--n", "2", "--colour", "never"]) == 0
     shown = capsys.readouterr().out
     assert "caption 0" in shown and "caption 1" in shown and "caption 2" not in shown
+
+
+def test_the_host_memory_of_data_loading_counts_what_grows_with_the_dataset(files):
+    import os
+
+    from mmadapt.data import Mixture, parse_sources
+    from mmadapt.data.memory import data_memory
+
+    one = data_memory(str(files / "big.jsonl"), num_workers=2)
+    assert dict((n, b) for n, b, _ in one.rows) == {"sampler": 8 * 600}  # the epoch's order, nothing per record else
+    assert one.mapped == read_records(files / "big.jsonl").table.arrow.stat().st_size > 0  # the mapped cache file
+    mixture = [{"path": str(files / "big.jsonl"), "weight": 3}, {"path": str(files / "small.jsonl"), "weight": 1}]
+    mixed = data_memory(mixture, num_workers=2)
+    slots = len(Mixture(parse_sources(mixture), [range(600), range(40)]))
+    assert dict((n, b) for n, b, _ in mixed.rows) == {"sampler": 8 * slots, "mixture orders": 4 * 640 * 2}
+    stream = data_memory({"stream": str(files / "shards"), "buffer": 10}, num_workers=0)
+    per_sample = sum(os.path.getsize(p) for p in (files / "shards").glob("*.tar")) // 6
+    assert stream.to_json() == {"private": 10 * per_sample, "mapped": 0, "stream buffers": 10 * per_sample}

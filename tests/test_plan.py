@@ -163,14 +163,20 @@ def test_checkpointing_keeps_only_block_inputs():
 
 
 def test_the_command_prints_a_table_and_json_and_says_whether_it_fits(tmp_path, capsys):
+    records = [{"id": f"s{k}", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hi."}]}
+               for k in range(50)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     path = write_run(tmp_path / "run.yaml", model={"encoder": "qwen3_5_vit", "projector": "qwen_merger",
-                                                    "backbone": "qwen3_5"}, data={"max_length": 128, "batch_size": 2})
+                                                    "backbone": "qwen3_5"},
+                     data={"max_length": 128, "batch_size": 2, "train": str(tmp_path / "train.jsonl")})
     assert main(["plan", str(path), "--gpus", "2", "--gpu-memory", "1TiB"]) == 0
     out = capsys.readouterr().out
     assert "2 x cuda 1024.00 GiB, fsdp2" in out and "fits: yes" in out and "margin" in out
+    assert "host, per rank (data loading): 0.00 GiB private" in out and "8 B x 50 samples" in out
     assert main(["plan", str(path), "data.batch_size=4", "--gpu-memory", "1MiB", "--json"]) == 4
     report = json.loads(capsys.readouterr().out)
     assert report["fits"] is False and report["workload"]["images"] == 4
+    assert report["host"]["sampler"] == 8 * 50 and report["host"]["mapped"] > 0
     assert set(report["per_gpu"]) >= {"parameters", "gradients", "optimizer", "activations", "total"}
     assert report["per_gpu"]["total"] >= sum(report["per_gpu"][k] for k in ("parameters", "gradients"))
     assert {s["change"] for s in report["suggestions"]} >= {"train.activation_checkpointing: all", "--gpus 2"}

@@ -73,6 +73,14 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
                 gpu_memory=gpu_memory, notes=notes, attention=attention_paths(model, forward, load))
+    if config.data.train is not None:
+        from mmadapt.data.memory import data_memory
+
+        try:
+            plan.host = data_memory(config.data.train, num_workers=config.data.num_workers,
+                                    columns=config.data.columns)
+        except (OSError, ValueError) as e:  # a plan is a report: data it cannot read is a note
+            plan.notes.append(f"data loading not planned: {e}")
     if plan.fits is False:
         plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe)
     return plan

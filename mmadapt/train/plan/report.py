@@ -27,6 +27,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     attention: dict[str, str] = field(default_factory=dict)  # {part: its attention path, how it grows with length}
     suggestions: list[tuple[str, int]] = field(default_factory=list)
+    host: Any = None  # the data loading's host memory per rank (`mmadapt.data.memory.DataMemory`), when planned
 
     @property
     def fits(self) -> bool | None:
@@ -39,7 +40,8 @@ class Plan:
                 "activations": {"without_checkpointing": self.activations_without_checkpointing,
                                 "with_checkpointing": self.activations_with_checkpointing},
                 "attention": self.attention, "notes": self.notes,
-                "suggestions": [{"change": c, "total": t} for c, t in self.suggestions]}
+                "suggestions": [{"change": c, "total": t} for c, t in self.suggestions],
+                **({"host": self.host.to_json()} if self.host is not None else {})}
 
     def table(self) -> str:
         rows = [("parameters", self.per_gpu["parameters"],
@@ -64,6 +66,10 @@ class Plan:
                 lines += [f"  would fit: {change} ({gib(total + self.margin)})" for change, total in self.suggestions
                           if total + self.margin <= self.gpu_memory] or ["  none of: " + ", ".join(
                               c for c, _ in self.suggestions)]
+        if self.host is not None:
+            lines.append(f"host, per rank (data loading): {gib(self.host.private)} private; {gib(self.host.mapped)} "
+                         "of records mapped from the records cache (shared page cache)")
+            lines += [f"  {name:<13} {gib(value):>10}   {what}" for name, value, what in self.host.rows]
         lines += [f"attention, {part}: {path}" for part, path in self.attention.items()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
