@@ -135,14 +135,15 @@ def rollup(pid):  # proportional memory: shared pages divided among their sharer
     values = {}
     for line in open(f"/proc/{pid}/smaps_rollup"):
         key, _, rest = line.partition(":")
-        if key in ("Pss", "Pss_Anon"):
+        if key in ("Pss", "Pss_Anon", "Private_Clean", "Private_Dirty"):
             values[key] = int(rest.split()[0]) * 1024
     return values
 me = psutil.Process()
 workers = me.children(recursive=True)
 main, theirs = rollup(me.pid), [rollup(w.pid) for w in workers]
 print(json.dumps({"first_batch_s": first, "main_pss": main["Pss"], "workers_pss": sum(w["Pss"] for w in theirs),
-                  "anon_pss": main["Pss_Anon"] + sum(w["Pss_Anon"] for w in theirs), "workers": len(workers)}))
+                  "anon_pss": main["Pss_Anon"] + sum(w["Pss_Anon"] for w in theirs), "workers": len(workers),
+                  "uss": sum(p["Private_Clean"] + p["Private_Dirty"] for p in (main, *theirs))}))
 os._exit(0)
 """
 
@@ -178,7 +179,7 @@ def main() -> None:
            "OMP_NUM_THREADS": "1"}
     print(f"2 loader workers, batches of 8, tiny LLaVA (clip + mlp2x_gelu + llama); {os.cpu_count()} CPUs")
     print(f"{'records':>9} {'file':8} {'reader':7} {'convert s':>9} {'first batch s':>13} {'main MiB':>9} "
-          f"{'workers MiB':>11} {'total MiB':>9} {'of it anon':>11}")
+          f"{'workers MiB':>11} {'total MiB':>9} {'of it anon':>11} {'USS MiB':>8}")
     rows = []
     for size in sizes:
         paths = generate(size, workdir)
@@ -188,18 +189,18 @@ def main() -> None:
             for reader in (("list", "mapped") if kind == "json" else ("mapped",)):
                 m = measure(path, reader, workdir / "images", env)
                 main_mib, workers_mib = m["main_pss"] / 2**20, m["workers_pss"] / 2**20
-                anon = m["anon_pss"] / 2**20
-                rows.append((size, kind, reader, main_mib + workers_mib, anon, m["first_batch_s"]))
+                anon, uss = m["anon_pss"] / 2**20, m["uss"] / 2**20
+                rows.append((size, kind, reader, main_mib + workers_mib, anon, uss, m["first_batch_s"]))
                 print(f"{size:>9} {kind:8} {reader:7} {seconds if reader == 'mapped' else 0:>9.1f} "
                       f"{m['first_batch_s']:>13.2f} {main_mib:>9.0f} {workers_mib:>11.0f} "
-                      f"{main_mib + workers_mib:>9.0f} {anon:>11.0f}", flush=True)
-    print("\ngrowth per 100k records, smallest to largest size (total PSS, its anonymous part, first batch):")
+                      f"{main_mib + workers_mib:>9.0f} {anon:>11.0f} {uss:>8.0f}", flush=True)
+    print("\ngrowth per 100k records, smallest to largest size (total PSS, its anonymous part, USS, first batch):")
     for kind, reader in sorted({(r[1], r[2]) for r in rows}):
         mine = sorted((r for r in rows if (r[1], r[2]) == (kind, reader)), key=lambda r: r[0])
-        (n0, *_, m0, d0, t0), (n1, *_, m1, d1, t1) = mine[0], mine[-1]
+        (n0, *_, m0, d0, u0, t0), (n1, *_, m1, d1, u1, t1) = mine[0], mine[-1]
         per = (n1 - n0) / 100_000
         print(f"  {kind:8} {reader:7} {(m1 - m0) / per:+8.1f} MiB  {(d1 - d0) / per:+8.1f} MiB  "
-              f"{(t1 - t0) / per:+7.3f} s")
+              f"{(u1 - u0) / per:+8.1f} MiB  {(t1 - t0) / per:+7.3f} s")
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -79,6 +79,8 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
         try:
             plan.host = data_memory(config.data.train, num_workers=config.data.num_workers,
                                     columns=config.data.columns)
+        except FileNotFoundError as e:  # a recipe's placeholder path, like its absent checkpoints
+            plan.notes.append(f"data.train {e.filename or e} is not here: data loading not planned")
         except (OSError, ValueError) as e:  # a plan is a report: data it cannot read is a note
             plan.notes.append(f"data loading not planned: {e}")
     if plan.fits is False:
