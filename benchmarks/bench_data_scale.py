@@ -9,32 +9,32 @@ before its first step: read the records, build `VLMDataset`, start a `DataLoader
 `GlobalBatchSampler`, take the first batch of 8, then 20 more. Measured: seconds to the first batch (cache warm:
 the file converted before) and the memory of the main process and of its workers after the 21 batches as PSS
 (proportional set size: a page shared by n processes counts 1/n in each, so the sum is what they hold together),
-and of that the anonymous part (memory the OS cannot drop and read again, unlike a mapped file's pages). USS would
-mislead here: after the fork, the pages the main process and its workers share copy-on-write count in nobody's
-USS, so a list of records held by all three looks free until a worker's reference counting copies it. `list` is
+and of that the anonymous part (memory the OS cannot drop and read again, unlike a mapped file's pages), and USS
+(their private pages), which alone would mislead: after the fork, the pages the main process and its workers share
+copy-on-write count in nobody's USS, so a list of records held by all three looks free until a worker's reference
+counting copies it. `list` is
 the 0.19 reader (every record a Python object in the main process, copied into the workers as they touch it);
-`mapped` is `read_records` now (a memory-mapped Arrow file; a Parquet file through `datasets`).
+`mapped` is `read_records` now (a memory-mapped Arrow file in the records cache, a Parquet file converted into it).
 The first conversion of each file (cold cache) is timed separately. The model is the tiny LLaVA (clip + mlp2x_gelu
 + llama): the model does not matter here, the records do.
 
-Target (issue 45): memory (PSS) and time to the first batch flat in the dataset's size, growth per 100k records under
-10 MiB, against the list reader in the same table. `--quick`: sizes 2,000 and 20,000 (a smoke run).
+Target (issue 45): memory (PSS and USS) and time to the first batch flat in the dataset's size, growth per 100k
+records under 10 MiB, against the list reader in the same table. `--quick`: sizes 2,000 and 20,000 (a smoke run).
 
-Measured (2026-12-04, 2 CPUs, warm cache, while a test run used the other core: the times are upper bounds; MiB;
-growth per 100k records from 0.2M to 3.2M):
+Measured (2026-12-04, 2 CPUs, idle, warm cache; MiB; growth per 100k records from 0.2M to 3.2M):
 
-    records   file     reader  first batch s  total PSS  of it anon
-     200000   json     list             2.61       1119         763
-     200000   json     mapped           0.13        872         477
-     200000   parquet  mapped           0.16        887         484
-    1000000   json     list            13.10       2264        1908
-    1000000   json     mapped           0.15        935         483
-    1000000   parquet  mapped           0.16        952         490
-    3200000   json     list            42.70       5436        5080
-    3200000   json     mapped           0.63        995         500
-    3200000   parquet  mapped           0.50       1105         507
-    growth:   json list +143.9 MiB and +1.34 s; json mapped +4.1 MiB (anon +0.8) and +0.016 s;
-              parquet mapped +7.2 MiB (anon +0.8) and +0.011 s
+    records   file     reader  first batch s  total PSS  of it anon   USS
+     200000   json     list             2.80       1121         763   358
+     200000   json     mapped           0.13        874         477   364
+     200000   parquet  mapped           0.16        890         484   385
+    1000000   json     list            11.78       2267        1909   364
+    1000000   json     mapped           0.18        939         483   432
+    1000000   parquet  mapped           0.17        955         490   449
+    3200000   json     list            37.73       5438        5080   380
+    3200000   json     mapped           0.20       1002         500   500
+    3200000   parquet  mapped           0.23       1111         508   604
+    growth:   json list +143.9 MiB PSS, +0.7 MiB USS (its records shared copy-on-write: in nobody's USS), +1.16 s;
+              json mapped +4.3 MiB PSS, +4.5 MiB USS, +0.002 s; parquet mapped +7.4 MiB PSS, +7.3 MiB USS, +0.002 s
 
 Both readers of 0.20 meet the target. Parquet read through `datasets`' own cache instead (its stream format, opened
 by reading every record batch) grew by 46 MiB per 100k records: the reason sources are converted into the records

@@ -112,6 +112,12 @@ def test_too_few_shards_for_the_readers_and_a_missing_stream_are_one_line(shards
     (mixed / "rows.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match=r"mixes \['.parquet', '.tar'\] shards"):
         StreamingDataset(str(mixed), enc)
+    import tarfile
+
+    (tmp_path / "empty").mkdir()
+    tarfile.open(tmp_path / "empty" / "nothing.tar", "w").close()
+    with pytest.raises(ValueError, match="holds no samples in its 1 shards"):
+        StreamingDataset(str(tmp_path / "empty"), enc).for_rank(0, StreamLayout(1, 0, 1, 1))
     from mmadapt.train import RunConfig
 
     with pytest.raises(ValueError, match=r"buffer .* must be an integer >= 1"):

@@ -292,6 +292,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"the stream {self.pattern!r} has {len(self.shards)} shards, fewer than its {streams} "
                              f"readers ({layout.world} ranks x {layout.streams_per_rank} loader processes): each "
                              "reader needs a shard of its own. Fix: fewer data.num_workers, or more, smaller shards")
+        if len(self) == 0:
+            raise ValueError(f"the stream {self.pattern!r} holds no samples in its {len(self.shards)} shards")
         copy = StreamingDataset.__new__(StreamingDataset)
         copy.__dict__.update(self.__dict__)
         copy.rank, copy.layout, copy.start_step = rank, layout, start_step
