@@ -28,24 +28,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# Seconds of the longest test files in the full suite (one worker of `-n 2` on 2 cores, fresh-clone runs, summed from
-# --durations): they are handed out first, so that the many short files fill the end of both workers' queues (the
-# longest-first rule) instead of one long file starting last and running alone.
-LONGEST = {"test_distributed.py": 420, "test_benchmarks.py": 300, "test_evidence_fixed_encoders.py": 230,
-           "test_evidence_qwen_encoders.py": 110, "test_preference_ranks.py": 100, "test_stream.py": 90,
-           "test_video_motion.py": 60, "test_page_browser.py": 60, "test_notebooks.py": 55, "test_lmms_eval.py": 50,
-           "test_demo.py": 45}
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest files first (`LONGEST`), the others after them in their usual order; a file's tests stay in their
-    order. Every xdist worker computes the same order (the scheduler checks that they collected alike)."""
-    first = {}
-    for k, item in enumerate(items):
-        first.setdefault(item.path.name, k)
-    items.sort(key=lambda item: (-LONGEST.get(item.path.name, 0), first[item.path.name]))
-
-
 def tiny_options(registry, name: str) -> dict:
     options = registry.get(name).options("tiny")
     return {k: v for k, v in options.items() if not k.endswith("token_id")}

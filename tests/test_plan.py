@@ -10,6 +10,7 @@ tests/test_benchmarks.py runs both in their quick form).
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -182,6 +183,7 @@ def test_the_command_prints_a_table_and_json_and_says_whether_it_fits(tmp_path, 
     assert {s["change"] for s in report["suggestions"]} >= {"train.activation_checkpointing: all", "--gpus 2"}
     assert main(["plan", str(path), "--gpu-memory", "1MiB"]) == 4
     assert "fits: NO" in capsys.readouterr().out
+    assert logging.root.manager.disable == logging.NOTSET  # the command quiets its own logging only
 
 
 def test_a_missing_checkpoint_is_planned_from_its_declared_preset_or_is_one_line(tmp_path, capsys):

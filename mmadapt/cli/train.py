@@ -53,12 +53,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mmadapt.train import RunConfig
     from mmadapt.train.plan import parse_size, predict
 
-    logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     memory = parse_size(args.gpu_memory) if args.gpu_memory else None
     config = RunConfig.load(args.config, args.overrides)
-    plan = predict(config, gpus=args.gpus, gpu_memory=memory, device=args.device)
+    disabled = logging.root.manager.disable
+    logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
+    try:
+        plan = predict(config, gpus=args.gpus, gpu_memory=memory, device=args.device)
+    finally:  # a notebook's or a test's logging is as it was
+        logging.disable(disabled)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     return 0 if plan.fits is not False else 4
 
