@@ -49,7 +49,7 @@ import torch
 
 from mmadapt.data.config import DataConfig
 from mmadapt.data.images import image_size, load_image
-from mmadapt.data.problems import DataProblem, per_sample, problem_of
+from mmadapt.data.problems import DataProblem, guarded, per_sample
 from mmadapt.data.processors import ProcessedImages
 from mmadapt.data.samples import (
     IMAGE,
@@ -568,15 +568,8 @@ class VLMDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> EncodedSample | DataProblem:
         """The encoded sample, or its `DataProblem` (any exception while encoding it becomes one, its type and
         message kept in the detail; fatal problems, Ctrl-C and exit raise)."""
-        record = self.records[index]
-        try:
-            return self.encoder.encode(record, index)
-        except DataProblem as problem:
-            if problem.fatal:
-                raise
-            return problem
-        except Exception as e:  # `SampleEncoder.encode` converts these itself; this guards any other encoder
-            return problem_of(e, record_id(record, index))
+        record = self.records[index]  # `SampleEncoder.encode` converts errors itself; this guards any other encoder
+        return guarded(lambda: self.encoder.encode(record, index), lambda: record_id(record, index))
 
     def lengths(self) -> list[int]:
         return [self.encoder.estimated_length(r, i) for i, r in enumerate(self.records)]

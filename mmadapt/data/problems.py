@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +111,16 @@ def problem_of(error: Exception, sample_id: str | None = None) -> DataProblem:
 def is_allocation_error(error: BaseException) -> bool:
     """Whether `error` is an allocation failure: a `MemoryError`, or torch's `RuntimeError` "can't allocate memory"."""
     return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "allocate" in str(error))
+
+
+def guarded(encode: Callable[[], Any], sample_id: Callable[[], str]) -> Any:
+    """`encode()`, or the `DataProblem` that stops it: any exception becomes one (`problem_of`, attributed to
+    `sample_id()`); fatal problems, Ctrl-C and exit raise. What a dataset's `__getitem__` returns for a bad sample."""
+    try:
+        return encode()
+    except DataProblem as problem:
+        if problem.fatal:
+            raise
+        return problem
+    except Exception as e:
+        return problem_of(e, sample_id())

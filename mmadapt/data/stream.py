@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from mmadapt.data.images import EmbeddedImage
-from mmadapt.data.problems import DataProblem
+from mmadapt.data.problems import DataProblem, guarded
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # a member larger than this is not read (a counted problem)
@@ -121,37 +121,14 @@ class Shard:
     def groups(self) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
         """(key, members) of each sample, in file order, reading headers only."""
         with tarfile.open(self.path, "r:") as tar:
-            key, members = None, []
-            for info in tar:
-                if not info.isfile():
-                    continue
-                member_key, _ = _key_and_extension(info.name)
-                if member_key != key and members:
-                    yield key, members
-                    members = []
-                key = member_key
-                members.append(info)
-            if members:
-                yield key, members
+            yield from _groups(tar)
 
     def records(self, start: int = 0) -> Iterator[dict[str, Any] | DataProblem]:
         """The records from sample `start` on; the samples before it are skipped by their headers."""
-        with open(self.path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            position = 0
-            key, members = None, []
-            for info in tar:
-                if not info.isfile():
-                    continue
-                member_key, _ = _key_and_extension(info.name)
-                if member_key != key and members:
-                    if position >= start:
-                        yield self.record(tar, key, members)
-                    position += 1
-                    members = []
-                key = member_key
-                members.append(info)
-            if members and position >= start:
-                yield self.record(tar, key, members)
+        with tarfile.open(self.path, "r:") as tar:
+            for position, (key, members) in enumerate(_groups(tar)):
+                if position >= start:
+                    yield self.record(tar, key, members)
 
     def record(self, tar: tarfile.TarFile, key: str, members: list[tarfile.TarInfo]) -> dict[str, Any] | DataProblem:
         sample_id = f"{self.path.name}:{key}"
@@ -220,6 +197,22 @@ class ParquetShard:
                     if index >= start:
                         yield rows.row_record(row, index)
                 first += batch.num_rows
+
+
+def _groups(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
+    """(key, members) of each sample of an open tar: consecutive files sharing a name up to the first dot."""
+    key, members = None, []
+    for info in tar:
+        if not info.isfile():
+            continue
+        member_key, _ = _key_and_extension(info.name)
+        if member_key != key and members:
+            yield key, members
+            members = []
+        key = member_key
+        members.append(info)
+    if members:
+        yield key, members
 
 
 def _image_order(extension: str) -> tuple[int, str]:
@@ -347,16 +340,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def encode(self, record: Any, index: int) -> Any:
         if isinstance(record, DataProblem):
             return record
-        from mmadapt.data.problems import problem_of
-
-        try:
-            return self.encoder.encode(record, index)
-        except DataProblem as problem:
-            if problem.fatal:
-                raise
-            return problem
-        except Exception as e:
-            return problem_of(e, str(record.get("id", index)))
+        return guarded(lambda: self.encoder.encode(record, index), lambda: str(record.get("id", index)))
 
     def __repr__(self) -> str:
         return f"StreamingDataset({self.pattern!r}, {len(self.shards)} shards, buffer {self.buffer})"
