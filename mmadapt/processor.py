@@ -40,7 +40,7 @@ from typing import Any, Final
 from mmadapt import directory as model_directory
 from mmadapt.data import Collator, SampleEncoder
 from mmadapt.data.config import PREPROCESSING, DataConfig
-from mmadapt.data.images import load_image, to_rgb
+from mmadapt.data.images import EmbeddedImage, load_image, to_rgb
 from mmadapt.data.processors import RESCALE, FixedSizeProcessor, QwenProcessor, processor_for
 from mmadapt.data.samples import IMAGE, VIDEO, Turn, _message_turns
 from mmadapt.data.templates import JINJA_MARK, TEMPLATES, JinjaTemplate, TemplateRenderError, resolve_template
@@ -119,11 +119,12 @@ class Processor:
         raise TypeError(f"videos must be file paths or non-empty lists of frames, got {type(video).__name__}")
 
     def image(self, image: Any) -> Any:
-        if isinstance(image, (str, os.PathLike)):
+        """A path, encoded bytes (`EmbeddedImage`) or a PIL image -> the decoded RGB image training would see."""
+        if isinstance(image, (str, os.PathLike, EmbeddedImage)):
             return load_image(image, max_pixels=self.encoder.config.max_image_pixels)
         if hasattr(image, "mode") and hasattr(image, "size"):  # a PIL image
             return to_rgb(image)
-        raise TypeError(f"images must be PIL images or paths, got {type(image).__name__}")
+        raise TypeError(f"images must be PIL images, paths or EmbeddedImage, got {type(image).__name__}")
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens).strip()

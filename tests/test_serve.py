@@ -6,6 +6,7 @@ server goes on answering; a full queue is a 429; a client that leaves mid-stream
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.server
 import threading
 import time
@@ -251,13 +252,22 @@ def test_remote_images_load_only_when_allowed(served):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/noise.png"
+    internal = MediaPolicy(allow_remote=True, remote_networks=("127.0.0.0/8",))  # an image store the operator names
     try:
-        image = load_image_url(url, MediaPolicy(allow_remote=True), "p")
+        image = load_image_url(url, internal, "p")
         assert image.size == (48, 48) and image.tobytes() == load_image_url(data_url(png), MediaPolicy(), "p").tobytes()
         with pytest.raises(APIError, match="over the limit"):
-            load_image_url(url, MediaPolicy(allow_remote=True, max_image_bytes=100), "p")
+            load_image_url(url, dataclasses.replace(internal, max_image_bytes=100), "p")
         with pytest.raises(APIError, match="remote image URLs are off"):
             load_image_url(url, MediaPolicy(), "p")
+        for refused in (url, f"http://localhost:{server.server_address[1]}/x.png", "http://127.0.0.1:9/closed.png",
+                        "http://[::1]:9/x.png", "http://10.0.0.1:9/x.png", "http://169.254.169.254/latest/meta-data"):
+            start = time.monotonic()
+            with pytest.raises(APIError) as raised:  # loopback, private, link-local: never connected to
+                load_image_url(refused, MediaPolicy(allow_remote=True), "p")
+            assert time.monotonic() - start < 1.0
+            assert raised.value.message == ("could not fetch the image at that URL: this server fetches only public "
+                                            "http(s) addresses, within 10 s")  # one message: no port scanner
     finally:
         server.shutdown()
 

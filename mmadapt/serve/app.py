@@ -37,8 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmadapt.answering import Answer, PromptInputs, Sampling, TokenLogprob, respond
 from mmadapt.serve import protocol
+from mmadapt.serve.budget import RequestBudget, Tally
 from mmadapt.serve.errors import APIError, bad_request
-from mmadapt.serve.media import MediaPolicy, load_image_url, video_file
+from mmadapt.serve.guard import Guard, HostRules
+from mmadapt.serve.media import MediaPolicy, decode_image, image_header, stage_image, video_file
 from mmadapt.serve.protocol import ChatCompletionRequest
 from mmadapt.serve.worker import Cancelled, ModelWorker, QueueFull
 
@@ -50,7 +52,10 @@ class ServeSettings:
     """How the server answers: the model's `name` (what requests must ask for), an `api_key` (None: no key), what
     requests may point at (`media`; its `max_pixels` None takes the processor's `max_image_pixels`), the queue
     (`max_queue` requests wait behind the running one), `default_max_tokens` for a request that sets none, the most
-    one may ask for (`max_tokens_limit`), and the largest request body (`max_request_bytes`; images are inside)."""
+    one may ask for (`max_tokens_limit`), the largest request body (`max_request_bytes`; images are inside) and how
+    long it may take to arrive (`body_timeout` seconds), what one request may hold (`budget`: images, pixels, videos,
+    frames, text; `mmadapt.serve.budget`), the open connections (`max_connections`, uvicorn's 503 beyond) and the
+    `Host` names it answers to besides localhost and its bound address (`allowed_hosts`; `mmadapt.serve.guard`)."""
 
     name: str = "mmadapt"
     api_key: str | None = None
@@ -59,13 +64,19 @@ class ServeSettings:
     default_max_tokens: int = 512
     max_tokens_limit: int = 8192
     max_request_bytes: int = 64 * 1024 * 1024
+    budget: RequestBudget = field(default_factory=RequestBudget)
+    body_timeout: float = 30.0
+    max_connections: int = 64
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("default_max_tokens", "max_tokens_limit", "max_request_bytes"):
+        for name in ("default_max_tokens", "max_tokens_limit", "max_request_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens_limit {self.max_tokens_limit}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 seconds, got {self.body_timeout}")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for a server without one")
 
@@ -81,6 +92,7 @@ def create_app(model: Any, processor: Any, settings: ServeSettings = ServeSettin
 
     app = FastAPI(title="mmadapt serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(Guard, rules=service.hosts)  # Host, Origin and JSON bodies, for the API and the page
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -125,8 +137,11 @@ class Service:
 
     def __init__(self, model: Any, processor: Any, settings: ServeSettings) -> None:
         self.model, self.processor, self.settings = model, processor, settings
-        max_pixels = settings.media.max_pixels or processor.encoder.config.max_image_pixels
-        self.media = dataclasses.replace(settings.media, max_pixels=max_pixels)
+        data = processor.encoder.config
+        self.media = dataclasses.replace(settings.media, max_pixels=settings.media.max_pixels or data.max_image_pixels)
+        self.budget = settings.budget.resolved(data)
+        self.decoding = threading.BoundedSemaphore(self.budget.decode_slots)
+        self.hosts = HostRules(allowed=settings.allowed_hosts)  # the runner adds the address it binds
         self.worker = ModelWorker(settings.max_queue)
         self.created = protocol.now()
         self.active: set[threading.Event] = set()  # the cancel flags of the requests in progress
@@ -164,21 +179,25 @@ class Service:
                                         max_tokens_limit=settings.max_tokens_limit, seed=secrets.randbits(63))
         if body.user:
             log.info("request from user %r", body.user)
+        self.check_counts(body)
+        try:
+            place = self.worker.reserve()  # before anything is fetched or decoded: a full queue costs nothing
+        except QueueFull as e:
+            raise APIError(429, f"{e}; or raise the server's --max-queue", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
         scratch = tempfile.TemporaryDirectory(prefix="mmadapt-serve-")
         cancel, queued = threading.Event(), False
         try:
             messages = await run_in_threadpool(self.conversation, body, Path(scratch.name))
             job = Job(self, messages, sampling, cancel, scratch, asyncio.get_running_loop(), body)
             self.active.add(cancel)
-            future = asyncio.wrap_future(self.worker.submit(job.run))
+            future = asyncio.wrap_future(place.submit(job.run))
             queued = True
-        except QueueFull as e:
-            raise APIError(429, f"{e}; or raise the server's --max-queue", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(e.retry_after)}) from None
         except (ValueError, TypeError) as e:  # a part the checks above let through but the decoding refused
             raise protocol.error_from(e) from None
         finally:
             if not queued:  # the job cleans up after itself; a request that never queued does it here
+                place.release()
                 self.active.discard(cancel)
                 scratch.cleanup()
         future.add_done_callback(lambda done: self.active.discard(cancel) or done.cancelled() or done.exception())
@@ -217,7 +236,8 @@ class Service:
         return task.result()
 
     async def read_json(self, request: Request) -> Any:
-        """The body as JSON, at most `max_request_bytes` (413 beyond, counted as it arrives)."""
+        """The body as JSON, at most `max_request_bytes` (413 beyond, counted as it arrives), whole within
+        `body_timeout` seconds (408 after)."""
         limit = self.settings.max_request_bytes
         length = request.headers.get("content-length", "")
         too_large = APIError(413, f"the request body is over the server's limit of {limit} bytes: send smaller images "
@@ -225,36 +245,57 @@ class Service:
         if length.isdigit() and int(length) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):  # a slow body holds a connection, not forever
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.settings.body_timeout:g} s "
+                           "(--body-timeout)", code="request_timeout") from None
         try:
             return json.loads(body)
         except ValueError as e:
             raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
 
+    def check_counts(self, body: ChatCompletionRequest) -> None:
+        """The budget's first step, from the request alone: its images, videos and characters of text."""
+        images = videos = chars = 0
+        for message in body.messages:
+            for part in [message.content] if isinstance(message.content, str) else message.content:
+                if isinstance(part, str):
+                    chars += len(part)
+                elif part.type == "text":
+                    chars += len(part.text)
+                else:
+                    images += part.type == "image_url"
+                    videos += part.type == "video_url"
+        self.budget.check_counts(images=images, videos=videos, text_chars=chars)
+
     def conversation(self, body: ChatCompletionRequest, scratch: Path) -> list[dict[str, Any]]:
-        """The request's messages as `respond` takes them: images decoded, videos as files, text checked; any part
-        that cannot be used is a 400 naming it. Runs in a thread of the request's own (images decode here)."""
-        encoder = self.processor.encoder
-        images = sum(1 for m in body.messages if not isinstance(m.content, str)
-                     for p in m.content if p.type == "image_url")
-        if images > encoder.config.max_images:
-            raise bad_request(f"{images} images in one request, over the model's limit of {encoder.config.max_images} "
-                              "(data setting max_images)", param="messages", code="too_many_images")
+        """The request's messages as `respond` takes them; any part that cannot be used is a 400 naming it. Runs in a
+        thread of the request's own, after it holds its queue place: every image and video is staged (fetched,
+        nothing decoded) and its header added to the request's `Tally`; only then are the images decoded, at most
+        `decode_slots` requests at once (videos are decoded by the model's processor, on the worker)."""
+        tally = Tally(self.budget)
         messages = []
         for i, message in enumerate(body.messages):
             role = "system" if message.role == "developer" else message.role
             parts = ([protocol.TextPart(type="text", text=message.content)] if isinstance(message.content, str)
                      else message.content)
             content = [self.part(role, part, f"messages[{i}].content" + (
-                "" if isinstance(message.content, str) else f"[{j}]"), scratch) for j, part in enumerate(parts)]
+                "" if isinstance(message.content, str) else f"[{j}]"), scratch, tally) for j, part in enumerate(parts)]
             messages.append({"role": role, "content": content})
+        with self.decoding:
+            for content in (m["content"] for m in messages):
+                for part in content:
+                    if part["type"] == "image":
+                        part["image"] = decode_image(part["image"], self.media, part.pop("param"))
         return messages
 
-    def part(self, role: str, part: Any, where: str, scratch: Path) -> dict[str, Any]:
-        """One content part as `respond` takes it."""
+    def part(self, role: str, part: Any, where: str, scratch: Path, tally: Tally) -> dict[str, Any]:
+        """One content part as `respond` takes it (an image staged, not yet decoded: `param` says where it was)."""
         if part.type == "text":
             held = [p for p in self.processor.placeholder_texts if p in part.text]
             if held and role != "assistant":  # an assistant's placeholder text is removed by respond (logged)
@@ -270,11 +311,19 @@ class Service:
                               "resolution (its processor's pixel budget); leave detail out or 'auto'",
                               param=f"{where}.{part.type}.detail", code="unsupported_parameter")
         if part.type == "image_url":
-            return {"type": "image", "image": load_image_url(media.url, self.media, f"{where}.image_url")}
-        if self.processor.encoder.video_processor is None:
-            raise bad_request(f"this model takes no video: {self.processor.encoder.video_refusal}", param=where,
+            param = f"{where}.image_url"
+            source = stage_image(media.url, self.media, param)
+            tally.image(*image_header(source, self.media, param), param=param)
+            return {"type": "image", "image": source, "param": param}
+        encoder = self.processor.encoder
+        if encoder.video_processor is None:
+            raise bad_request(f"this model takes no video: {encoder.video_refusal}", param=where,
                               code="video_unsupported")
-        return {"type": "video", "video": video_file(media.url, self.media, f"{where}.video_url", scratch)}
+        param = f"{where}.video_url"
+        path = video_file(media.url, self.media, param, scratch)
+        plan = encoder.video_header(path, param)  # the header alone: frames kept, their decoded bytes
+        tally.video(plan.frames, plan.bytes, param=param)
+        return {"type": "video", "video": path}
 
 
 class Job:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
          503: "server_error"}
 
 

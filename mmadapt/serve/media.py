@@ -6,29 +6,36 @@ Three kinds of URL, each checked before anything is decoded:
 - a local path (`file:///abs/path`, `/abs/path` or a path relative to the root): only when the server has an
   `image_root`, and only if the path, resolved with its symlinks, lies under the resolved root (`..` and links
   leading out are refused);
-- `http(s)://...`: refused unless `allow_remote` (then fetched with a timeout and a byte limit).
+- `http(s)://...`: refused unless `allow_remote`; then fetched with a timeout and a byte limit, with no proxy, from
+  public addresses only: every connection (redirects included) resolves the host once, refuses it if any address is
+  loopback, private, link-local or reserved (unless inside `remote_networks`) and connects to the address it checked;
+  a failed fetch is one generic message (the cause goes to the server's log, not to the client).
 
-Images are then opened by `mmadapt.data.images.load_image` (its allow-list of formats, `FORMATS`; the pixel count
-read from the header and checked against `max_pixels` before any pixel is decoded; colour policy, EXIF rotation), so
-a served image is decoded exactly as a training image. Videos become files the data pipeline reads (a data URL is
-written into the request's scratch directory); its limits apply when the video is processed. Every failure is a
-`400` `APIError` naming the part (`param`) and the reason.
+An image goes through three steps, so that a request can be budgeted before it costs memory (`mmadapt.serve.budget`):
+`stage_image` (its encoded bytes or its path, signature checked, nothing decoded), `image_header` (width x height from
+the header, checked against `max_pixels`), `decode_image` (`mmadapt.data.images.load_image`: its allow-list of
+formats, colour policy, EXIF rotation, so a served image is decoded exactly as a training image). Videos become files
+the data pipeline reads (a data URL is written into the request's scratch directory); their headers are budgeted by
+the server and their limits apply when they are processed. Every failure is a `400` `APIError` naming the part
+(`param`) and the reason.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
+import ipaddress
 import logging
 import os
-import tempfile
+import socket
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmadapt.data.images import DEFAULT_MAX_PIXELS, FORMATS, load_image
+from mmadapt.data.images import DEFAULT_MAX_PIXELS, FORMATS, EmbeddedImage, ImageSource, image_size, load_image
 from mmadapt.data.problems import DataProblem
 from mmadapt.serve.errors import APIError, bad_request
 
@@ -45,8 +52,16 @@ VIDEO_TYPES = {"video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".
 @dataclass(frozen=True, kw_only=True)
 class MediaPolicy:
     """What a request may point at: local files only under `image_root` (None: no local files), remote URLs only
-    with `allow_remote`; at most `max_image_bytes` per image and `max_video_bytes` per video (encoded), and
-    `max_pixels` per image (the data settings' `max_image_pixels`)."""
+    with `allow_remote` and only from public addresses (or those inside `remote_networks`, CIDRs such as
+    "10.1.0.0/16": an internal image store), within `remote_timeout` seconds; at most `max_image_bytes` per image and
+    `max_video_bytes` per video (encoded), and `max_pixels` per image (the data settings' `max_image_pixels`)."""
+
+    def __post_init__(self) -> None:
+        for net in self.remote_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as e:
+                raise ValueError(f"remote_networks: {net!r} is not a network such as 10.1.0.0/16 ({e})") from None
 
     image_root: Path | None = None
     allow_remote: bool = False
@@ -54,6 +69,7 @@ class MediaPolicy:
     max_video_bytes: int = 256 * 1024 * 1024
     max_pixels: int = DEFAULT_MAX_PIXELS
     remote_timeout: float = 10.0
+    remote_networks: tuple[str, ...] = ()
 
 
 def image_format(data: bytes) -> str | None:
@@ -71,31 +87,72 @@ def image_format(data: bytes) -> str | None:
 
 def load_image_url(url: str, policy: MediaPolicy, param: str) -> Any:
     """The decoded RGB image `url` names (see the module docstring), or a 400 `APIError` about `param`."""
+    source = stage_image(url, policy, param)
+    image_header(source, policy, param)
+    return decode_image(source, policy, param)
+
+
+def stage_image(url: str, policy: MediaPolicy, param: str) -> ImageSource:
+    """The encoded image `url` names, nothing decoded: a data URL's or a remote image's bytes (`EmbeddedImage`, its
+    signature checked), or a local file under the image root (its path)."""
     if url.startswith("data:"):
         media_type, data = _data_url(url, policy.max_image_bytes, param, "image")
         if media_type not in IMAGE_TYPES:
             raise bad_request(f"a data URL image must be image/png, image/jpeg, image/webp or image/gif, got "
                               f"{media_type or 'no type'}", param=param, code="invalid_image_format")
-        return _decode(data, policy, param)
+        return _embedded(data, param)
     if _is_remote(url):
-        return _decode(_fetch(url, policy, policy.max_image_bytes, param, "image"), policy, param)
-    return _load(_local_path(url, policy, param, "image"), policy, param)
+        return _embedded(_fetch(url, policy, policy.max_image_bytes, param, "image"), param)
+    return _local_path(url, policy, param, "image")
 
 
-def load_image_file(path: str | os.PathLike, policy: MediaPolicy, param: str) -> Any:
-    """The decoded RGB image in the file at `path` (an upload the server itself stored), checked as a data URL's
-    bytes are: its size against `max_image_bytes` before it is read, its signature, then its pixel count against
-    `max_pixels` before any pixel is decoded; a 400 `APIError` about `param` otherwise."""
+def stage_image_file(path: str | os.PathLike, policy: MediaPolicy, param: str) -> Path:
+    """An image file the server itself stored (a page's upload), checked as a data URL's bytes are: its size against
+    `max_image_bytes` before it is read, then its signature; nothing decoded."""
     size = os.stat(path).st_size
     if size > policy.max_image_bytes:
-        raise bad_request(f"the image is {size} bytes, over the server's limit of {policy.max_image_bytes} bytes: send "
-                          "a smaller image", param=param, code="image_too_large")
+        raise bad_request(f"the image is {size} bytes, over the server's limit of {policy.max_image_bytes} bytes "
+                          "(--max-image-bytes): send a smaller image", param=param, code="image_too_large")
     with open(path, "rb") as f:
         head = f.read(16)
     if image_format(head) is None:
         raise bad_request("the file is not a PNG, JPEG, WebP or GIF image (its first bytes are no such signature)",
                           param=param, code="invalid_image_format")
-    return _load(Path(path), policy, param)
+    return Path(path)
+
+
+def load_image_file(path: str | os.PathLike, policy: MediaPolicy, param: str) -> Any:
+    """The decoded RGB image in the file at `path` (`stage_image_file`'s checks, then the pixel count from the
+    header before any pixel is decoded); a 400 `APIError` about `param` otherwise."""
+    return decode_image(stage_image_file(path, policy, param), policy, param)
+
+
+def image_header(source: ImageSource, policy: MediaPolicy, param: str) -> tuple[int, int]:
+    """(width, height) of a staged image from its header alone, its pixels checked against `max_pixels`."""
+    try:
+        return image_size(source, max_pixels=policy.max_pixels)
+    except DataProblem as e:
+        raise _refusal(e, param) from None
+
+
+def decode_image(source: ImageSource, policy: MediaPolicy, param: str) -> Any:
+    """A staged image decoded as training decodes it (`load_image`: colour modes, EXIF rotation)."""
+    try:
+        return load_image(source, max_pixels=policy.max_pixels)
+    except DataProblem as e:
+        raise _refusal(e, param) from None
+
+
+def _refusal(problem: DataProblem, param: str) -> APIError:
+    code = "image_too_large" if problem.reason == "image_too_large" else "invalid_image"
+    return bad_request(f"the image cannot be used: {problem.reason}: {problem.detail}", param=param, code=code)
+
+
+def _embedded(data: bytes, param: str) -> EmbeddedImage:
+    if image_format(data) is None:
+        raise bad_request("the image is not PNG, JPEG, WebP or GIF data (its first bytes are no such signature)",
+                          param=param, code="invalid_image_format")
+    return EmbeddedImage(data, param)
 
 
 def video_file(url: str, policy: MediaPolicy, param: str, scratch: Path) -> str:
@@ -132,26 +189,6 @@ def _data_url(url: str, max_bytes: int, param: str, kind: str) -> tuple[str, byt
                           code=f"invalid_{kind}_url") from None
 
 
-def _decode(data: bytes, policy: MediaPolicy, param: str) -> Any:
-    """Encoded image bytes -> the decoded image, through `load_image` on a private temporary file."""
-    found = image_format(data)
-    if found is None:
-        raise bad_request("the image is not PNG, JPEG, WebP or GIF data (its first bytes are no such signature)",
-                          param=param, code="invalid_image_format")
-    with tempfile.NamedTemporaryFile(prefix="mmadapt-serve-", suffix=f".{found.lower()}") as f:
-        f.write(data)
-        f.flush()
-        return _load(Path(f.name), policy, param)
-
-
-def _load(path: Path, policy: MediaPolicy, param: str) -> Any:
-    try:
-        return load_image(path, max_pixels=policy.max_pixels)
-    except DataProblem as e:
-        code = "image_too_large" if e.reason == "image_too_large" else "invalid_image"
-        raise bad_request(f"the image cannot be used: {e.reason}: {e.detail}", param=param, code=code) from None
-
-
 def _is_remote(url: str) -> bool:
     return urllib.parse.urlparse(url).scheme.lower() in ("http", "https")
 
@@ -181,26 +218,92 @@ def _local_path(url: str, policy: MediaPolicy, param: str, kind: str) -> Path:
 
 
 def _fetch(url: str, policy: MediaPolicy, max_bytes: int, param: str, kind: str) -> bytes:
-    """The body at a remote URL, at most `max_bytes`, within the policy's timeout."""
+    """The body at a remote URL, at most `max_bytes`, within the policy's timeout, from a public address only (each
+    connection, redirects included, checked by `_PublicOnly`). Every failure is one generic message: the server is no
+    probe of what it can reach (which ports answer, which names resolve)."""
     if not policy.allow_remote:
         raise bad_request(f"remote {kind} URLs are off on this server; send the {kind} as a data: URL (or start the "
                           "server with --allow-remote-images)", param=param, code="remote_media_disabled")
     try:
-        with urllib.request.urlopen(url, timeout=policy.remote_timeout) as response:  # http(s) only: _is_remote
+        with _opener(policy).open(url, timeout=policy.remote_timeout) as response:  # http(s) only: _is_remote
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise bad_request(f"the {kind} at {url} is {length} bytes, over the limit of {max_bytes}",
-                                  param=param, code=f"{kind}_too_large")
+                raise bad_request(f"the {kind} at {url} is {length} bytes, over the limit of {max_bytes} "
+                                  f"(--max-{kind}-bytes)", param=param, code=f"{kind}_too_large")
             data = response.read(max_bytes + 1)
     except APIError:
         raise
-    except (OSError, ValueError) as e:
-        raise bad_request(f"could not fetch the {kind} at {url}: {e}", param=param,
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        log.info("fetching %s failed: %s: %s", url, type(e).__name__, e)  # the server's log, not the client's answer
+        raise bad_request(f"could not fetch the {kind} at that URL: this server fetches only public http(s) "
+                          f"addresses, within {policy.remote_timeout:g} s", param=param,
                           code=f"invalid_{kind}_url") from None
     if len(data) > max_bytes:
-        raise bad_request(f"the {kind} at {url} is over the limit of {max_bytes} bytes", param=param,
-                          code=f"{kind}_too_large")
+        raise bad_request(f"the {kind} at {url} is over the limit of {max_bytes} bytes (--max-{kind}-bytes)",
+                          param=param, code=f"{kind}_too_large")
     return data
+
+
+class RefusedAddress(OSError):
+    """A remote URL whose host resolves to a loopback, private, link-local or otherwise non-public address."""
+
+
+def allowed_address(address: str, policy: MediaPolicy) -> bool:
+    """Whether the server may connect to `address`: a global (public) unicast address, or one inside the policy's
+    `remote_networks` (an internal image store the operator named)."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if any(ip in ipaddress.ip_network(net, strict=False) for net in policy.remote_networks):
+        return True
+    return ip.is_global and not ip.is_multicast
+
+
+def _public_connection(policy: MediaPolicy) -> Any:
+    """`socket.create_connection` that resolves the host once, refuses it unless every address it resolves to is
+    allowed, and connects to that checked address (no second lookup a rebinding name could answer differently)."""
+    def create(address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,
+               source_address: Any = None, **_: Any) -> socket.socket:
+        host, port = address
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if not found or not all(allowed_address(info[4][0], policy) for info in found):
+            raise RefusedAddress(f"{host} resolves to a non-public address")
+        family, kind, proto, _, where = found[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:
+                sock.settimeout(timeout)
+            sock.connect(where)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return create
+
+
+def _opener(policy: MediaPolicy) -> urllib.request.OpenerDirector:
+    """urllib with no proxies and every connection (the first and each redirect's) through `_public_connection`."""
+    connect = _public_connection(policy)
+
+    class HTTP(http.client.HTTPConnection):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._create_connection = connect
+
+    class HTTPS(http.client.HTTPSConnection):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._create_connection = connect
+
+    class Handler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+        def http_open(self, req: Any) -> Any:
+            return self.do_open(HTTP, req)
+
+        def https_open(self, req: Any) -> Any:
+            return self.do_open(HTTPS, req, context=self._context)
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), Handler())
 
 
 def _scratch_file(scratch: Path, data: bytes, suffix: str) -> str:

@@ -17,14 +17,17 @@ Three tabs over the server's one model (`Service`):
   with progress, and Cancel stops it at the next batch.
 - Model card: `mmadapt.serve.card.ModelCard`.
 
-Uploads are untrusted: each file is checked as an API request's image is (`load_image_file`: size before reading,
-signature, pixel count before decoding; gradio's own `max_file_size` before it is stored) and a bad one is a message
-in the page, the file dropped from the box and the conversation unchanged. Example images are decoded and re-encoded
+Uploads are untrusted: a turn is budgeted with its conversation as an API request is (`mmadapt.serve.budget`: the
+counts and the text, then each file's size, signature and header; gradio's own `max_file_size` before it is stored)
+and a bad one is a message in the page, the file dropped from the box and the conversation unchanged. A conversation
+holds its images encoded, never decoded (they decode on the model's worker when a prompt is built), and a page's
+uploads are removed when it closes (or its conversation is forgotten). Example images are decoded and re-encoded
 into a directory the page owns; nothing is read from a path a client names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -40,16 +43,18 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # the page never pho
 import gradio as gr
 from fastapi import FastAPI
 
+from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.evidence import Integrated, Occlusion, Rise, explain
 from mmadapt.evidence.effect import Effect, image_effect
 from mmadapt.evidence.maps import MIN_EFFECT
 from mmadapt.inference import Answer, Chat
 from mmadapt.sampling import Sampling, sampling_settings
+from mmadapt.serve.budget import Tally
 from mmadapt.serve.card import ModelCard
 from mmadapt.serve.errors import APIError
 from mmadapt.serve.examples import Example, default_examples, examples_from
-from mmadapt.serve.media import VIDEO_TYPES, load_image_file
+from mmadapt.serve.media import VIDEO_TYPES, image_header, stage_image_file
 from mmadapt.serve.worker import Cancelled, QueueFull
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,16 @@ class Session:
         self.chat = chat
         self.stop = threading.Event()  # the answer being streamed
         self.cancel = threading.Event()  # the evidence being computed
+        self.files: set[str] = set()  # its uploads (checked to lie in the upload folders), removed when it ends
+
+    def end(self) -> None:
+        """Stop what it runs and remove its uploaded files."""
+        self.stop.set()
+        self.cancel.set()
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self.files.clear()
 
 
 class Page:
@@ -96,41 +111,80 @@ class Page:
             if key not in self.sessions:
                 self.sessions[key] = Session(Chat(self.service.model, self.service.processor))
                 while len(self.sessions) > MAX_SESSIONS:
-                    self.sessions.popitem(last=False)
+                    self.sessions.popitem(last=False)[1].end()
             self.sessions.move_to_end(key)
             return self.sessions[key]
 
+    def end(self, request: gr.Request) -> None:
+        """A page closed (gradio's unload): its conversation is forgotten and its uploads removed."""
+        key = getattr(request, "session_hash", None) or "-"
+        with self.sessions_lock:
+            session = self.sessions.pop(key, None)
+        if session is not None:
+            session.end()
+
     # ---- uploads ---------------------------------------------------------------------------------------------------
-    def uploads(self, files: list[Any]) -> tuple[list[Any], list[str], list[str], list[str]]:
-        """(images decoded, video files, the files kept, a message per file refused)."""
+    def uploads(self, files: list[Any], text: str, chat: Chat) -> tuple[list[Any], list[str], list[str], list[str]]:
+        """(images staged, video files, the files kept, a message per file refused) for a turn of `chat` with
+        `files` and `text`. The turn is budgeted with the conversation it joins (the model reads it whole), as an
+        API request is (`mmadapt.serve.budget`): the counts and the text first, then each file's size, signature
+        and header; nothing is decoded here. Images are kept encoded (`EmbeddedImage`): a conversation holds its
+        uploads' bytes, never their decoded pixels."""
+        paths = [str(f.get("path") if isinstance(f, dict) else f) for f in files]
+        is_video = [Path(p).suffix.lower() in VIDEO_TYPES.values() for p in paths]
+        held_images = [i for t in chat.turns for i in t.images]
+        held_videos = [v for t in chat.turns for v in t.videos]
+        budget = self.service.budget
+        try:
+            budget.check_counts(images=len(held_images) + is_video.count(False),
+                                videos=len(held_videos) + is_video.count(True),
+                                text_chars=len(text) + sum(len(t.content) for t in chat.turns), param=None)
+        except APIError as e:
+            return [], [], paths, [f"this turn: {e.message}"]
+        tally = Tally(budget)
+        try:  # the conversation's own media come first: they are in every prompt
+            for image in held_images:
+                tally.image(*image_header(image, self.service.media, image.name))
+            for video in held_videos:
+                plan = self.service.processor.encoder.video_header(video, Path(video).name)
+                tally.video(plan.frames, plan.bytes)
+        except (APIError, DataProblem) as e:
+            return [], [], paths, [f"this conversation: {getattr(e, 'message', e)} (Clear starts a new one)"]
         images, videos, kept, problems = [], [], [], []
-        for file in files:
-            path = str(file.get("path") if isinstance(file, dict) else file)
+        for path, video in zip(paths, is_video, strict=True):
             name = Path(path).name
-            suffix = Path(path).suffix.lower()
             try:
                 resolved = Path(os.path.realpath(path))
                 if not self.upload_folders & set(resolved.parents):  # gradio checks too: no file is read from
                     raise PageMessage("not a file uploaded to this page")  # a path a client names
-                if suffix in VIDEO_TYPES.values():
-                    if not self.videos:
-                        raise PageMessage("this model takes no videos (its encoder has no video processor): attach "
-                                          "images")
-                    size = os.stat(path).st_size
-                    if size > self.service.media.max_video_bytes:
-                        raise PageMessage(f"the video is {size} bytes, over the limit of "
-                                          f"{self.service.media.max_video_bytes}")
-                    videos.append(path)
+                if video:
+                    videos.append(self.video(path, name, tally))
                 else:
-                    images.append(load_image_file(path, self.service.media, name))
+                    images.append(self.image(path, name, tally))
                 kept.append(path)
             except APIError as e:
                 problems.append(f"{name}: {e.message}")
-            except PageMessage as e:
+            except (PageMessage, DataProblem) as e:
                 problems.append(f"{name}: {e}")
             except OSError as e:
-                problems.append(f"{name}: the file cannot be read ({e.strerror or e})")
+                problems.append(f"{name}: the file cannot be read ({e.strerror or type(e).__name__})")
         return images, videos, kept, problems
+
+    def image(self, path: str, name: str, tally: Tally) -> EmbeddedImage:
+        media = self.service.media
+        staged = stage_image_file(path, media, name)
+        tally.image(*image_header(staged, media, name), param=name)
+        return EmbeddedImage(staged.read_bytes(), name)
+
+    def video(self, path: str, name: str, tally: Tally) -> str:
+        if not self.videos:
+            raise PageMessage("this model takes no videos (its encoder has no video processor): attach images")
+        size = os.stat(path).st_size
+        if size > self.service.media.max_video_bytes:
+            raise PageMessage(f"the video is {size} bytes, over the limit of {self.service.media.max_video_bytes}")
+        plan = self.service.processor.encoder.video_header(path, name)  # its header: frames kept, decoded bytes
+        tally.video(plan.frames, plan.bytes, param=name)
+        return path
 
     @staticmethod
     def say(text: str) -> None:
@@ -188,7 +242,9 @@ class Page:
         """The user's turn: checked, shown, answered in a stream (`controls`: the sampling controls' values)."""
         message = message or {}
         text, files = str(message.get("text") or "").strip(), list(message.get("files") or [])
-        images, videos, kept, problems = self.uploads(files)
+        session = self.session(request)
+        images, videos, kept, problems = self.uploads(files, text, session.chat)
+        session.files.update(kept)  # removed when the session ends
         if problems:
             self.say("Not sent: " + "; ".join(problems))
             yield history, gr.update(value={"text": text, "files": kept}), gr.skip()
@@ -203,7 +259,6 @@ class Page:
             self.say(str(e))
             yield history, gr.skip(), gr.skip()
             return
-        session = self.session(request)
         self.sampling(session, controls)
         shown = [*history, {"role": "user", "content": [*({"path": f} for f in kept), text]}]
         chat = session.chat  # this conversation, even if Clear replaces the page's conversation meanwhile
@@ -286,7 +341,9 @@ class Page:
         if videos or len(images) != 1:
             raise gr.Error(f"The evidence view maps an answer about one image; this conversation has {len(images)} "
                            f"image(s) and {len(videos)} video(s). Clear it and ask about one image.")
-        picked = self.other_image(other, images[0])
+        with self.service.decoding:  # the conversation keeps it encoded; decoding has the API's bound
+            image = self.service.processor.image(images[0])
+        picked = self.other_image(other, image)
         session.cancel.clear()
         answer = chat.last
         state: dict[str, Any] = {"stage": "waiting for the model", "done": 0, "total": 1}
@@ -298,7 +355,7 @@ class Page:
 
         def job(emit: Callable[[Any], None]) -> tuple[Any, ...]:
             with tempfile.TemporaryDirectory(prefix="mmadapt-page-") as scratch:
-                result = explain(self.service.model, self.service.processor, images[0], messages,
+                result = explain(self.service.model, self.service.processor, image, messages,
                                  answer_ids=answer.token_ids, method=METHODS[method](),
                                  curve_steps=int(curve_steps), out=Path(scratch) / "map.png", progress=report)
                 from PIL import Image
@@ -306,7 +363,7 @@ class Page:
                 with Image.open(result.png) as drawn:
                     picture = drawn.convert("RGB")
             report("image effect", 0, 2)
-            effect = image_effect(self.service.model, self.service.processor, messages, images[0],
+            effect = image_effect(self.service.model, self.service.processor, messages, image,
                                   None if picked is None else picked.image, answer, chat.sampling.max_new_tokens)
             return picture, result, effect
 
@@ -403,6 +460,7 @@ class Page:
             cancel.click(self.stop, None, None, queue=False).then(
                 lambda: gr.update(visible=False), None, [cancel], queue=False)
             gr.Timer(2.0).tick(self.status, None, [status], queue=False, show_progress="hidden")
+            page.unload(self.end)
         return page
 
 

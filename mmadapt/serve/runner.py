@@ -43,10 +43,14 @@ def load_app(src: str | Path, adapters: str | Path | None = None, *, settings: S
 
 
 def run(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` until interrupted (uvicorn; Ctrl-C stops it after the running answer is cancelled)."""
+    """Serve `app` until interrupted (uvicorn; Ctrl-C stops it after the running answer is cancelled); at most the
+    settings' `max_connections` connections at once (uvicorn answers more with 503)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    service = app.state.service
+    service.hosts.bind(host)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+                limit_concurrency=service.settings.max_connections)
 
 
 class BackgroundServer:
@@ -60,8 +64,11 @@ class BackgroundServer:
                  start_timeout: float = 30.0) -> None:
         import uvicorn
 
+        service = app.state.service
+        service.hosts.bind(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=5,
+                                                    limit_concurrency=service.settings.max_connections))
         self.host, self.start_timeout = host, start_timeout
         self.thread = threading.Thread(target=self.server.run, name="mmadapt-serve", daemon=True)
         self.port: int | None = None

@@ -2,7 +2,9 @@
 
 `ModelWorker.submit(job)` runs `job()` on the worker's single thread, in arrival order, and returns its `Future`. At
 most one job runs and `max_queue` wait; one more is refused at once with `QueueFull` (the server's 429) carrying a
-`retry_after` estimate (the jobs ahead times the recent mean job time). A job that is cancelled (its client went
+`retry_after` estimate (the jobs ahead times the recent mean job time). A request that has work to do before its job
+exists (fetching and decoding its images) first takes its place with `reserve()`, so a full queue refuses it before
+that work, and then `Place.submit(job)`s or `Place.release()`s it. A job that is cancelled (its client went
 away) ends at its next token through the cancel flag the server hands `respond`, so the next one starts. The counts
 (`running`, `waiting`, `answered`, `cancelled`, `failed`) are what `GET /health` reports.
 """
@@ -49,11 +51,19 @@ class ModelWorker:
 
     def submit(self, job: Callable[[], Any]) -> Future:
         """Queue `job` (or raise `QueueFull`); its future holds what it returns or raises."""
+        return self.reserve().submit(job)
+
+    def reserve(self) -> Place:
+        """A place in the queue (or `QueueFull`), held until it is submitted or released; it counts as waiting."""
         with self.lock:
             if self.pending >= self.max_queue + 1:
                 raise QueueFull(self.pending - int(self.running), max(1, math.ceil(self.pending * self.mean_seconds)))
             self.pending += 1
-        return self.executor.submit(self._run, job)
+        return Place(self)
+
+    def _release(self) -> None:
+        with self.lock:
+            self.pending -= 1
 
     def _run(self, job: Callable[[], Any]) -> Any:
         with self.lock:
@@ -80,3 +90,22 @@ class ModelWorker:
     def shutdown(self) -> None:
         """Wait for the running job; drop those still waiting."""
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class Place:
+    """A place in the worker's queue (`ModelWorker.reserve`): `submit` one job into it, or `release` it."""
+
+    def __init__(self, worker: ModelWorker) -> None:
+        self.worker, self.used = worker, False
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        if self.used:
+            raise RuntimeError("this queue place was already used")
+        self.used = True
+        return self.worker.executor.submit(self.worker._run, job)
+
+    def release(self) -> None:
+        """Give the place back unused (a request refused after it queued); a used place is left alone."""
+        if not self.used:
+            self.used = True
+            self.worker._release()
