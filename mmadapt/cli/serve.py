@@ -11,24 +11,36 @@ from mmadapt.cli.common import add_model_arguments
 
 log = logging.getLogger(__name__)
 PAGE_PATH = "/ui"
+BUDGET_FLAGS = {"max_images": "max_images", "max_pixels": "max_request_pixels", "max_videos": "max_videos",
+                "max_frames": "max_frames", "max_video_bytes": "max_video_decoded_bytes",
+                "max_text_chars": "max_text_chars", "decode_slots": "decode_slots"}
+"""`RequestBudget` settings -> their flags' argparse names (a flag not given: the budget's default)."""
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load MODEL and serve it until interrupted."""
     try:
-        from mmadapt.serve import MediaPolicy, ServeSettings, default_name, load_app, run
+        from mmadapt.serve import MediaPolicy, RequestBudget, ServeSettings, default_name, load_app, run
     except ImportError as e:
         raise ValueError(f"mmadapt serve needs FastAPI and uvicorn ({e}); install them: pip install 'mmadapt[serve]'"
                          ) from None
     key = args.api_key if args.api_key is not None else os.environ.get("MMADAPT_API_KEY") or None
+    if args.api_key is not None:
+        logging.basicConfig(level=logging.INFO)
+        log.warning("--api-key puts the key on the command line, where other users of this machine see it (ps); "
+                    "pass it as MMADAPT_API_KEY instead")
     if args.image_root is not None and not Path(args.image_root).is_dir():
         raise FileNotFoundError(f"--image-root {args.image_root} is not a directory")
     settings = ServeSettings(
         name=args.served_model_name or default_name(args.model), api_key=key,
         media=MediaPolicy(image_root=Path(args.image_root) if args.image_root else None,
-                          allow_remote=args.allow_remote_images, max_image_bytes=args.max_image_bytes),
+                          allow_remote=args.allow_remote_images, max_image_bytes=args.max_image_bytes,
+                          max_video_bytes=args.max_video_file_bytes, remote_networks=tuple(args.remote_network)),
         max_queue=args.max_queue, default_max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
-        max_request_bytes=args.max_request_bytes)
+        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+        max_connections=args.max_connections, allowed_hosts=tuple(args.allowed_hosts),
+        budget=RequestBudget(**{name: getattr(args, dest) for name, dest in BUDGET_FLAGS.items()
+                                if getattr(args, dest) is not None}))
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.basicConfig(level=logging.INFO)
         log.warning("serving on %s without an API key: anyone who reaches the port can use the model (--api-key)",
@@ -61,7 +73,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: "
-                       "$MMADAPT_API_KEY; neither: no key)")
+                       "$MMADAPT_API_KEY, the way to pass it: a command line is visible to other users; neither: no "
+                       "key)")
     serve.add_argument("--served-model-name", default=None, help="the name requests give as `model` (default: the "
                        "model directory's name, the run's for OUT/model)")
     serve.add_argument("--image-root", default=None, help="allow image_url / video_url paths under this directory "
@@ -72,6 +85,31 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                        "(default 20 MiB); the pixel limit is the model's max_image_pixels")
     serve.add_argument("--max-request-bytes", type=int, default=64 * 1024 * 1024, help="largest request body "
                        "(default 64 MiB)")
+    serve.add_argument("--max-video-file-bytes", type=int, default=256 * 1024 * 1024, help="largest encoded video "
+                       "(default 256 MiB)")
+    budget = serve.add_argument_group("what one request (or a page's conversation) may hold, checked before "
+                                      "decoding (default: the model's data settings, the limits training had)")
+    budget.add_argument("--max-images", type=int, default=None, help="images (default: data setting max_images)")
+    budget.add_argument("--max-request-pixels", type=int, default=None, help="pixels of all its images, from their "
+                        "headers (default: data setting max_sample_pixels)")
+    budget.add_argument("--max-videos", type=int, help="videos (default 4)")
+    budget.add_argument("--max-frames", type=int, default=None, help="video frames as sampled, from their headers "
+                        "(default: data setting max_sample_frames)")
+    budget.add_argument("--max-video-decoded-bytes", type=int, default=None, help="bytes of its decoded video "
+                        "frames, from their headers (default: data setting max_video_bytes)")
+    budget.add_argument("--max-text-chars", type=int, help="characters of text, before tokenising (default 262144)")
+    budget.add_argument("--decode-slots", type=int, help="requests that decode their images at once, after taking "
+                        "their queue place (default 2)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive "
+                       "(default 30; 408 after)")
+    serve.add_argument("--max-connections", type=int, default=64, help="open connections at once (default 64; "
+                       "503 beyond)")
+    serve.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME", help="Host names the server "
+                       "answers to besides localhost and the address it binds (a proxy's or this machine's name); "
+                       "'*' turns the check off")
+    serve.add_argument("--remote-network", action="append", default=[], metavar="CIDR", help="with "
+                       "--allow-remote-images: a private network remote images may come from (e.g. 10.1.0.0/16; "
+                       "default: public addresses only)")
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one; "
                        "one more gets 429 with Retry-After (default 16)")
     serve.add_argument("--max-tokens", type=int, default=512, help="max_tokens of a request that sets none "

@@ -139,8 +139,8 @@ class Page:
             budget.check_counts(images=len(held_images) + is_video.count(False),
                                 videos=len(held_videos) + is_video.count(True),
                                 text_chars=len(text) + sum(len(t.content) for t in chat.turns), param=None)
-        except APIError as e:
-            return [], [], paths, [f"this turn: {e.message}"]
+        except APIError as e:  # the box is emptied: gradio would copy every file back into it
+            return [], [], [], [f"this turn: {e.message}"]
         tally = Tally(budget)
         try:  # the conversation's own media come first: they are in every prompt
             for image in held_images:
@@ -149,7 +149,7 @@ class Page:
                 plan = self.service.processor.encoder.video_header(video, Path(video).name)
                 tally.video(plan.frames, plan.bytes)
         except (APIError, DataProblem) as e:
-            return [], [], paths, [f"this conversation: {getattr(e, 'message', e)} (Clear starts a new one)"]
+            return [], [], [], [f"this conversation: {getattr(e, 'message', e)} (Clear starts a new one)"]
         images, videos, kept, problems = [], [], [], []
         for path, video in zip(paths, is_video, strict=True):
             name = Path(path).name

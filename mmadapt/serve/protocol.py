@@ -11,7 +11,7 @@ never ignored; so is a value it cannot honour (`n` > 1, a non-zero `frequency_pe
 | `messages` | system, developer (= system), user, assistant; content a string or text / image_url / video_url parts |
 | `max_completion_tokens`, `max_tokens` | the most tokens to generate (the first one given; default: the server's) |
 | `temperature` (default 1, as OpenAI's), `top_p`, `seed` | sampling; 0 is greedy; no seed: a fresh random one |
-| `stop` | up to 4 strings; the answer ends before the first one, `finish_reason` "stop" |
+| `stop` | up to 4 strings of at most 256 characters each; the answer ends before the first, `finish_reason` "stop" |
 | `logprobs`, `top_logprobs` (0-20) | the model's log-probs of each generated token and its alternatives |
 | `stream`, `stream_options.include_usage` | server-sent events, then `data: [DONE]` |
 | `frequency_penalty`, `presence_penalty` | accepted as 0 only (not implemented: use `repetition_penalty`) |
@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmadapt.answering import Answer, Sampling, TokenLogprob, Usage
+from mmadapt.sampling import MAX_STOP_CHARS
 from mmadapt.serve.errors import APIError, bad_request
 
 UNSUPPORTED = {
@@ -47,7 +48,7 @@ UNSUPPORTED = {
     **dict.fromkeys(("top_k", "min_p", "min_tokens", "ignore_eos"), "not implemented (vLLM's sampling extensions)"),
 }
 """OpenAI chat-completions fields the server refuses, with the reason it gives."""
-MAX_STOP = 4
+MAX_STOP = 4  # stop strings, each at most MAX_STOP_CHARS characters
 MAX_TOP_LOGPROBS = 20
 
 
@@ -166,6 +167,10 @@ def request_sampling(request: ChatCompletionRequest, *, default_max_tokens: int,
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > MAX_STOP or not all(stop):
         raise bad_request(f"stop takes up to {MAX_STOP} non-empty strings, got {len(stop)}", param="stop")
+    for k, text in enumerate(stop):
+        if len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"stop strings may have at most {MAX_STOP_CHARS} characters; stop[{k}] has {len(text)}",
+                              param="stop")
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     if max_tokens > max_tokens_limit:
         raise bad_request(f"max_tokens {max_tokens} is over this server's limit of {max_tokens_limit} "
