@@ -293,3 +293,26 @@ def test_a_closed_page_forgets_its_conversation_and_removes_its_uploads(served):
     page.end(who)
     assert not upload.exists() and "closing" not in page.sessions
     assert Path(served.root).exists()
+
+
+def test_a_client_that_leaves_mid_body_is_one_log_line_and_errors_name_no_server_path(served, caplog):
+    import logging
+
+    host, port = served.url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO, logger="mmadapt.serve"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: "
+                         "application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while not any("went away" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    records = [r for r in caplog.records if r.name.startswith("mmadapt.serve")]
+    assert [r.levelname for r in records] == ["INFO"] and records[0].exc_info is None
+    assert "went away" in records[0].getMessage()
+
+    not_a_video = data_url(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64, "video/mp4")
+    broken, _ = peak_growth(lambda: chat(served, [{"type": "video_url", "video_url": {"url": not_a_video}}]))
+    status, error = status_and_error(broken)
+    assert status == 400 and "/tmp" not in error["message"] and "mmadapt-serve-" not in error["message"], error
+    assert ordinary(served) is not None

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mmadapt.answering import Answer, PromptInputs, Sampling, TokenLogprob, respond
 from mmadapt.serve import protocol
@@ -103,6 +104,12 @@ def create_app(model: Any, processor: Any, settings: ServeSettings = ServeSettin
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                          code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        log.info("%s %s: the client went away before its request was read (nothing answered)", request.method,
+                 request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:

@@ -2,12 +2,23 @@
 
 Every refusal of the server is an `APIError`: the handlers turn it into that body, so a client (the `openai` package
 raises `BadRequestError`, `AuthenticationError`, `RateLimitError`, ... from the status) sees why in `message` and
-which request field in `param`. The codes the server uses are listed in docs/serving.md.
+which request field in `param`. The codes the server uses are listed in docs/serving.md. A message never holds an
+absolute path of the server's (`without_paths`): a file is named by its last part.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s'\"/<>]+/)+([^\s'\"/<>]*)")
+"""An absolute POSIX path inside a message (not a URL's path: that follows a host name); group 1 is its last part."""
+
+
+def without_paths(message: str) -> str:
+    """`message` with each absolute path replaced by its last part: a client learns nothing of the server's files
+    (its temporary directories, the image root, the installation) from an error."""
+    return ABSOLUTE_PATH.sub(lambda m: m.group(1) or "<path>", message)
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
@@ -21,6 +32,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        message = without_paths(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
