@@ -316,3 +316,18 @@ def test_a_client_that_leaves_mid_body_is_one_log_line_and_errors_name_no_server
     status, error = status_and_error(broken)
     assert status == 400 and "/tmp" not in error["message"] and "mmadapt-serve-" not in error["message"], error
     assert ordinary(served) is not None
+
+
+def test_docs_serving_lists_every_limit_and_flag_of_mmadapt_serve():
+    import argparse
+
+    from mmadapt.cli import build_parser
+    from mmadapt.serve.budget import FLAGS
+
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = {option for action in serve._actions for option in action.option_strings if option.startswith("--")}
+    text = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    missing = sorted(f for f in flags - {"--help"} if f"`{f}" not in text)
+    assert not missing, f"docs/serving.md does not list {missing}"
+    assert all(f"`{flag}`" in text for flag, _ in FLAGS.values())
