@@ -87,9 +87,11 @@ def served(tmp_path_factory):
     app = create_app(model, processor, settings)
     mount_page(app, src=None)
     with BackgroundServer(app) as server:
-        yield SimpleNamespace(url=server.url, service=app.state.service, root=root,
-                              png=noise_image(root / "noise.png", seed=0, size=48).read_bytes(),
-                              clip=grey_clip(root / "clip.mp4").read_bytes())
+        served = SimpleNamespace(url=server.url, service=app.state.service, root=root,
+                                 png=noise_image(root / "noise.png", seed=0, size=48).read_bytes(),
+                                 clip=grey_clip(root / "clip.mp4").read_bytes())
+        ordinary(served)  # warm: the clients' and the model's first calls are not what the tests time
+        yield served
     app.state.service.close()
 
 
