@@ -241,6 +241,11 @@ def test_remote_images_load_only_when_allowed(served):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # http.server calls it by this name
+            if self.path == "/moved":  # a redirect to the cloud metadata address: checked again, refused
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/latest/meta-data")
+                self.end_headers()
+                return
             self.send_response(200)
             self.send_header("Content-Length", str(len(png)))
             self.end_headers()
@@ -260,6 +265,8 @@ def test_remote_images_load_only_when_allowed(served):
             load_image_url(url, dataclasses.replace(internal, max_image_bytes=100), "p")
         with pytest.raises(APIError, match="remote image URLs are off"):
             load_image_url(url, MediaPolicy(), "p")
+        with pytest.raises(APIError, match="only public"):
+            load_image_url(url.replace("noise.png", "moved"), internal, "p")
         for refused in (url, f"http://localhost:{server.server_address[1]}/x.png", "http://127.0.0.1:9/closed.png",
                         "http://[::1]:9/x.png", "http://10.0.0.1:9/x.png", "http://169.254.169.254/latest/meta-data"):
             start = time.monotonic()
