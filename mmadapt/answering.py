@@ -11,9 +11,9 @@ evidence maps (`mmadapt.evidence.explain`). So the same image, question and samp
 
 The steps, each written once: the prompt (`PromptInputs.build`: OpenAI-style messages through the `Processor`, the
 model's chat template with its `template_kwargs`, as in training), `model.generate` (greedy or sampled, on the
-model's device, in eval mode), decoding (`Decoding`: ids -> text as `TextStream` streams it, stop strings, the end
-tokens `Processor.eos_token_ids`, log-probs) and the end cut (`Answer.content_ids`: the answer's ids before its end
-token).
+model's device, in eval mode), decoding (`Decoding`: ids -> text as `mmadapt.text_stream.TextStream` streams it at a
+constant cost per token, stop strings, the end tokens `Processor.eos_token_ids`, log-probs) and the end cut
+(`Answer.content_ids`: the answer's ids before its end token).
 
 An image and a question are one prompt everywhere: the content parts `[{"type": "image"}, {"type": "text", "text":
 Q}]` (what an OpenAI request sends, and what transformers' processors take), rendered by the model's own template as
@@ -40,6 +40,7 @@ from mmadapt.model import VisionLanguageModel
 from mmadapt.modes import eval_mode
 from mmadapt.processor import Processor
 from mmadapt.sampling import DEFAULT_SAMPLING, Sampling
+from mmadapt.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -342,56 +343,3 @@ def _byte_level_table() -> dict[str, int]:
         if b not in chars:
             chars[b], extra = 256 + extra, extra + 1
     return {chr(c): b for b, c in chars.items()}
-
-
-
-
-class TextStream:
-    """Token ids in, answer text out: `on_text` gets what the answer gained, once it is sure.
-
-    `decode(ids)` is the tokenizer's decoding (special tokens skipped, nothing stripped); the answer is that text
-    without its leading and trailing whitespace (`Processor.decode`), cut before the first `stop` string, which is
-    searched in the text itself (so a stop string of whitespace, "\n\n", is found as it appears). Held back until
-    the next token settles them: trailing whitespace (the answer may end there), an incomplete character (decoded as
-    U+FFFD) and an end that may be the start of a stop string. `update(ids)` returns True when a stop string has
-    appeared; `finish(ids)` sends the rest and returns the whole answer.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], on_text: Callable[[str], None] | None, *,
-                 stop: Sequence[str] = ()) -> None:
-        self.decode, self.on_text, self.stop = decode, on_text, tuple(stop)
-        self.sent = ""
-        self.final: str | None = None  # the answer, once a stop string ended it
-
-    def update(self, ids: Sequence[int]) -> bool:
-        """The tokens so far: send what is sure; True if a stop string appeared."""
-        text = self.decode(list(ids)).lstrip()
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if found:  # never less than what was sent (decoding is prefix-stable once the held-back end is settled)
-            self.final = text[:max(min(found), len(self.sent))].rstrip()
-            self.send(self.final)
-            return True
-        self.send(text[:len(text) - self.unsure(text)])
-        return False
-
-    def finish(self, ids: Sequence[int]) -> str:
-        """All the tokens: the rest is sent; the whole answer, cut before a stop string."""
-        if self.final is None:
-            self.final = self.decode(list(ids)).strip()
-            self.send(self.final)
-        return self.final
-
-    def unsure(self, text: str) -> int:
-        """How many characters at the end of `text` to hold back: the start of a stop string, and before it any
-        whitespace or incomplete character."""
-        starts = [k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])]
-        settled = len(text) - max(starts, default=0)
-        while settled and (text[settled - 1].isspace() or text[settled - 1] == "\ufffd"):
-            settled -= 1
-        return len(text) - settled
-
-    def send(self, so_far: str) -> None:
-        if len(so_far) > len(self.sent):
-            if self.on_text is not None:
-                self.on_text(so_far[len(self.sent):])
-            self.sent = so_far

@@ -24,6 +24,11 @@ training checkpoint, LoRA adapters):
 - A writer killed on the way leaves its temporary directory, unlocked. The next write beside it
   (`clean_leftovers`) removes it; an `.old-` directory whose target is missing (a kill between the two renames) is
   renamed back. A directory still locked by its (live) writer is never touched.
+
+A single file that is written in place (a run's lock, log, config, plan, ...: `mmadapt.run_directory`) is opened with
+`open_unlinked`, which never writes through a link: a symbolic link (or a hard link) planted at its name would make
+the write truncate or append to the file it points to, so it is refused with `LinkedFileError` naming the file,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -60,6 +65,43 @@ class CheckpointWriteError(OSError):
 
 class TargetExistsError(FileExistsError):
     """The target holds something a write would replace, and replacing it was not asked for (or is never done)."""
+
+
+class LinkedFileError(ValueError):
+    """A file mmadapt writes in place is a link: writing it would write the file the link points to."""
+
+
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}
+
+
+def open_unlinked(path: str | os.PathLike, mode: str = "w", *, encoding: str | None = "utf-8") -> IO:
+    """`open(path, mode)` ("w", "a", "a+", or with "b" for bytes: "wb") that never writes through a link: a symbolic
+    link at `path` (`O_NOFOLLOW`), or a name that is not a plain file of its own (a hard link, a FIFO), raises
+    `LinkedFileError` naming `path` before anything is truncated or written."""
+    text = mode.replace("b", "")
+    if text not in _OPEN_FLAGS:
+        raise ValueError(f"open_unlinked: mode {mode!r} is not one of {sorted(_OPEN_FLAGS)} (or with 'b')")
+    fix = f"Fix: remove it (rm {path}) and run again; mmadapt then creates the file itself"
+    try:
+        fd = os.open(path, _OPEN_FLAGS[text] | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise LinkedFileError(f"{path} is a symbolic link (to {os.readlink(path)}): mmadapt never writes through a "
+                              f"link, which would overwrite the file it points to. {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            what = "a hard link (the same file has another name)" if stat.S_ISREG(info.st_mode) else "not a file"
+            raise LinkedFileError(f"{path} is {what}: mmadapt writes only a plain file of its own there. {fix}")
+        os.set_blocking(fd, True)
+        if text == "w":
+            os.ftruncate(fd, 0)
+        return open(fd, mode, encoding=None if "b" in mode else encoding)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_write_error(error: BaseException) -> bool:

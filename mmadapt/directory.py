@@ -12,6 +12,9 @@ mmadapt's format (`VisionLanguageModel.save_pretrained`, every training checkpoi
   (`save_tokenizer`; read back by `mmadapt.data.saved_tokenizer`).
 `save` writes the directory whole into a sibling and swaps it in (`mmadapt.atomic`): a reader sees the old model or
 the new one, never a mix; another model there is replaced only when asked (`overwrite=True`), other files never.
+No JSON file of a directory written here (either format, a training checkpoint's model files) holds an `auto_map`,
+and one read from a directory is dropped with a warning (`mmadapt.remote_code`): nothing mmadapt writes makes a
+`trust_remote_code=True` loader run code.
 A directory whose `config.json` has no "mmadapt" key is a transformers LLaVA / Qwen VLM directory, read as its
 three parts (`mmadapt.convert`). Reading is strict: built on the meta device, every weight from the files
 (`mmadapt.weights.load_pretrained`), a missing weight always an error.
@@ -46,6 +49,7 @@ from typing import Any
 from mmadapt.atomic import StagedDirectory, recover
 from mmadapt.carried import CARRIED_KEY, Carried, carried_of
 from mmadapt.config import ModelConfig
+from mmadapt.remote_code import drop_from_directory, warn_dropped, without_auto_map
 from mmadapt.run_directory import COMPLETE
 from mmadapt.weights import (
     BIN,
@@ -181,11 +185,12 @@ def export_record(directory: str | os.PathLike) -> dict[str, Any]:
 def write_model_files(model: Any, directory: str | os.PathLike, tokenizer: Any = None) -> None:
     """Everything of a model directory in mmadapt's format but the model's own weights (which a training checkpoint
     writes its own way): the weights it carries from its starting checkpoint (`carried.safetensors`, when it carries
-    any), `config.json` and, given one, the tokenizer's files."""
+    any), `config.json` and, given one, the tokenizer's files; no JSON file of them holds an `auto_map`."""
     carried_of(model).write(directory)
     write_config(model, directory)
     if tokenizer is not None:
         save_tokenizer(tokenizer, directory)
+    drop_from_directory(directory)
 
 
 def write_config(model: Any, directory: str | os.PathLike) -> Path:
@@ -205,7 +210,9 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         log.warning("%s was restored from the previous version an interrupted write left beside it", directory)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a saved mmadapt or transformers model directory")
-    return json.loads(path.read_text())
+    saved = json.loads(path.read_text())
+    warn_dropped(path, saved)
+    return without_auto_map(saved)
 
 
 def is_mmadapt(saved: dict[str, Any]) -> bool:
@@ -264,6 +271,7 @@ def _save_transformers(model: Any, stage: StagedDirectory, architecture: str, pr
     carried = carried_of(model)
     carried.add_to_export(stage.path, max_shard_size=max_shard_size)
     log.info("export: %s", carried.note())
+    drop_from_directory(stage.path)  # no auto_map in any JSON file: a trust_remote_code loader runs nothing
     parts = {part: getattr(model.config, part).name for part in ("encoder", "projector", "backbone")}
     record = {**processor.record, "format": "transformers", "architecture": architecture, "components": parts,
               "loaded_from": source_record(model), CARRIED_KEY: carried.record(),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmadapt.remote_code import without_auto_map
+
 
 def resolve_preset(
     presets: dict[str, dict[str, Any]], preset: str | None, overrides: dict[str, Any] | None, *, kind: str
@@ -29,6 +31,7 @@ def deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_options(config: Any) -> dict[str, Any]:
-    """A transformers config as plain options that rebuild it (bookkeeping keys dropped)."""
+    """A transformers config as plain options that rebuild it (bookkeeping keys dropped, and `auto_map`s, which no
+    directory mmadapt writes holds: `mmadapt.remote_code`)."""
     drop = {"transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "model_type"}
-    return {k: v for k, v in config.to_dict().items() if k not in drop}
+    return without_auto_map({k: v for k, v in config.to_dict().items() if k not in drop})

@@ -13,6 +13,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_STOP_CHARS = 256
+"""The longest stop string, in characters: the stream looks back this far for each new token (`mmadapt.text_stream`),
+so a long stop string costs every token of every answer. OpenAI documents only a count (up to 4), vLLM no limit (it
+too searches only the new text and the longest stop string's length before it); stop strings in use are end markers
+and turn prefixes ("\\n\\n", "</s>", "Question:", "```"), far shorter, and 256 leaves room for a line of text."""
+
 
 def shown(help: str, low: float, high: float, step: float) -> dict[str, Any]:
     """A sampling field's metadata: its help, and the range a control offers (a flag of `mmadapt chat` and a control
@@ -27,9 +33,10 @@ class Sampling:
 
     `repetition_penalty`: transformers' (1.0 = off; > 1 discourages the tokens already in the prompt or the answer,
     `mmadapt.generation.penalize_repetition`). `stop`: strings that end the answer, text-level: the answer is cut before
-    the first one that appears (it is not part of the answer) and generation stops there. `logprobs`: None for none,
-    K >= 0 for each answer token's log-prob and its K most likely alternatives (`TokenLogprob`; the model's own
-    distribution, before the penalty, temperature and nucleus: `mmadapt.generation.token_logprobs`).
+    the first one that appears (it is not part of the answer) and generation stops there; each at most
+    `MAX_STOP_CHARS` characters. `logprobs`: None for none, K >= 0 for each answer token's log-prob and its K most
+    likely alternatives (`TokenLogprob`; the model's own distribution, before the penalty, temperature and nucleus:
+    `mmadapt.generation.token_logprobs`).
 
     The declaration is the one place these settings and their defaults are written: the fields with a range
     (`shown`) are `mmadapt chat`'s flags and the page's controls (`sampling_settings`).
@@ -58,6 +65,8 @@ class Sampling:
             f"top_p must be in (0, 1], got {self.top_p}" if not 0 < self.top_p <= 1 else "",
             f"repetition_penalty must be > 0, got {self.repetition_penalty}" if not self.repetition_penalty > 0 else "",
             "stop strings must be non-empty strings" if not all(isinstance(t, str) and t for t in self.stop) else "",
+            *(f"stop strings may have at most {MAX_STOP_CHARS} characters (MAX_STOP_CHARS), stop[{k}] has {len(t)}: "
+              "shorten it" for k, t in enumerate(self.stop) if isinstance(t, str) and len(t) > MAX_STOP_CHARS),
             f"logprobs must be None or >= 0, got {self.logprobs}" if (self.logprobs or 0) < 0 else "",
         ]
         if any(problems):

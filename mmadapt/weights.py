@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.remote_code import warn_dropped, without_auto_map
+
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
@@ -489,13 +491,14 @@ RUNTIME_KEYS = frozenset({"attention_dropout", "dropout", "hidden_dropout", "hid
 
 
 def hf_config(checkpoint: Checkpoint, what: str) -> Any:
-    """The checkpoint's transformers config (legacy fields and defaults handled by transformers)."""
+    """The checkpoint's transformers config (legacy fields and defaults handled by transformers). An `auto_map` in
+    it is warned about here and never reaches a part's options (`mmadapt.options.hf_options` drops it)."""
     from transformers import AutoConfig
 
     if not checkpoint.config:
         raise ValueError(f"{what}: {checkpoint.path} has no config.json; a pretrained part needs its architecture")
     try:
-        return AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=False)
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
@@ -504,6 +507,8 @@ def hf_config(checkpoint: Checkpoint, what: str) -> Any:
             f"model_type {checkpoint.describe_type()}, 'auto_map' {checkpoint.config.get('auto_map')!r}). mmadapt "
             "never runs code from a model directory (trust_remote_code=False): use a checkpoint of an architecture "
             "transformers implements, or register a backbone for it (README, 'A new backbone in a few lines').") from e
+    warn_dropped(checkpoint.directory / "config.json", checkpoint.config)
+    return config
 
 
 def wrong_family(what: str, checkpoint: Checkpoint, expected: str) -> ValueError:
@@ -529,4 +534,5 @@ def mmadapt_part(checkpoint: Checkpoint, part: str, name: str, what: str) -> tup
     if saved["name"] != name:
         raise ValueError(f"{what}: the {part} saved in {checkpoint.path} is {saved['name']!r}, not {name!r}. "
                          f"Fix: name the component {saved['name']!r}, or point at another checkpoint.")
-    return dict(saved.get("options") or {}), ((f"{part}.", ""),)
+    warn_dropped(checkpoint.directory / "config.json", saved)  # written before mmadapt dropped them
+    return without_auto_map(dict(saved.get("options") or {})), ((f"{part}.", ""),)

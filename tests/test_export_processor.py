@@ -436,4 +436,7 @@ def test_a_run_gives_its_model_the_data_settings_it_trains_with_and_its_outputs_
     saved = json.loads((checkpoint / "config.json").read_text())
     del saved["data"]  # a checkpoint written before config.json held them: its run's data section stands in
     (checkpoint / "config.json").write_text(json.dumps(saved))
+    marker = json.loads((checkpoint / "COMPLETE").read_text())  # as that writer recorded it: the checkpoint verifies
+    marker["files"]["config.json"] = hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
     assert model_directory.data_settings(load_trained(checkpoint)[0]) == settings

@@ -61,7 +61,7 @@ def test_processor_errors_are_clear(model_dir, images):
     processor = Processor.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"1 <image> placeholder\(s\) for 0 image\(s\)"):
         processor("<image>\nWhat?")
-    with pytest.raises(TypeError, match="PIL images or paths"):
+    with pytest.raises(TypeError, match="PIL images, paths or EmbeddedImage"):
         processor("<image>\nWhat?", images=[np.zeros((4, 4, 3))])
 
 

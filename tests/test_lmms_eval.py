@@ -361,3 +361,45 @@ def test_train_eval_tasks_logs_the_scores_of_the_weights_of_each_step_and_change
     assert final["scores"][f"lmms/{TASK}/exact_match"] == logged[-1][f"lmms/{TASK}/exact_match"] == expected
     assert final["record"]["model"]["sha256"] == state_sha256(model)
     assert final["record"]["model"]["source"].endswith("step 2 (in memory)")
+
+
+def test_a_task_file_is_indexed_alone_and_its_folders_other_task_files_never_run(tmp_path):
+    """A task file is code (`!function` imports Python from its folder). A folder holds the named task file (its
+    function in utils.py beside it, its data file named relative to it) and two other task files whose `!function`
+    module writes a marker when imported: one claims the named task's name, one is a task of its own. Indexing the
+    named file and loading its task as lmms-eval does reads it whole (its function, its data file resolved from its
+    own folder) and never the others: no marker. Indexing the whole folder (lmms-eval's `--include_path`) would have
+    reached them."""
+    from lmms_eval import utils
+    from lmms_eval.tasks import TaskManager
+
+    from mmadapt.lmms_eval.tasks import check_eval_tasks, task_manager, task_names
+
+    folder, marker = tmp_path / "tasks", tmp_path / "MARKER"
+    folder.mkdir()
+    (folder / "utils.py").write_text("def doc_to_text(doc):\n    return 'Q: ' + doc['question']\n")
+    (folder / "data.json").write_text(json.dumps([{"question": "why?", "answer": "because"}]))
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n\n\n"
+                                    "def doc_to_text(doc):\n    return ''\n")
+    body = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data.json\ntest_split: test\n"
+            "output_type: generate_until\ndoc_to_target: answer\n")
+    (folder / "named.yaml").write_text(f"task: mmadapt_named\ndoc_to_text: !function utils.doc_to_text\n{body}")
+    (folder / "shadow.yaml").write_text(f"task: mmadapt_named\ndoc_to_text: !function evil.doc_to_text\n{body}")
+    (folder / "other.yaml").write_text(f"task: mmadapt_other\ndoc_to_text: !function evil.doc_to_text\n{body}")
+
+    tasks = [str(folder / "named.yaml")]
+    names, include = task_names(tasks)
+    assert names == ["mmadapt_named"] and task_names(tasks)[1] == include  # one private folder per process
+    assert folder not in [Path(p) for p in include] and not (set(os.listdir(include[0])) & set(os.listdir(folder)))
+    manager = task_manager(include, defaults=False)
+    assert manager.all_tasks == ["mmadapt_named"]
+    check_eval_tasks(tasks, world=1, tokenizer=object())
+    config = utils.load_yaml_config(manager.task_index["mmadapt_named"]["yaml_path"], mode="full")  # as a run loads
+    assert config["doc_to_text"]({"question": "why?"}) == "Q: why?"
+    assert str(folder / "data.json") in json.dumps(config["dataset_kwargs"])
+    assert not marker.exists()
+
+    whole = TaskManager("WARNING", include_path=str(folder), include_defaults=False)
+    assert "mmadapt_other" in whole.all_tasks
+    utils.load_yaml_config(whole.task_index["mmadapt_other"]["yaml_path"], mode="full")
+    assert marker.exists()  # what indexing the whole folder would have let run

@@ -198,3 +198,90 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
     assert [r["loss"] for r in resumed["history"]] == whole
     logged = [json.loads(line)["step"] for line in (start / "cut" / "log.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3] and not (elsewhere / "cut").exists()
+
+
+# ---- no file of a run is written through a link --------------------------------------------------------------------
+PRECIOUS = "a file outside the run that a link points to\n"
+
+
+def train_tiny(out: Path, *overrides: str) -> dict:
+    """A tiny random LLaVA (char tokenizer, synthetic samples) trained into `out`: 2 steps, a checkpoint after each."""
+    import torch
+
+    from mmadapt import Processor
+    from mmadapt.data import char_tokenizer
+    from mmadapt.synthetic import synthetic_samples
+    from mmadapt.train import Trainer
+
+    torch.manual_seed(0)
+    model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    tokenizer = char_tokenizer()
+    processor = Processor.for_model(model, tokenizer)
+    config = RunConfig.load(None, [f"train.out={out}", "train.progress=false", "train.steps=2", "checkpoint.every=1",
+                                   "checkpoint.keep=5", "data.batch_size=2", *overrides])
+    samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[5, 6, 7, 8], seed=0)
+    return Trainer(model, config, samples, processor.collator, tokenizer=tokenizer).fit()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trained") / "run"
+    train_tiny(out)
+    return out
+
+
+@pytest.mark.parametrize("name", [".lock", "config.yaml", "log.jsonl"])
+def test_a_link_at_a_runs_file_is_refused_never_written_through(name, trained, tmp_path):
+    """A symbolic link planted at OUT/.lock, OUT/config.yaml or OUT/log.jsonl, pointing at a file outside OUT: resuming
+    the run stops with an error that names the link and says to remove it, and the file it points to is untouched;
+    so does a fresh run (whose old log is removed - the link itself - never written)."""
+    import shutil
+
+    from mmadapt.atomic import LinkedFileError
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text(PRECIOUS)
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    member = out / name
+    member.unlink()
+    member.symlink_to(outside)
+    refused = rf"{re_escape(member)} is a symbolic link \(to {re_escape(outside)}\): mmadapt never writes through a " \
+              rf"link.*Fix: remove it \(rm {re_escape(member)}\)"
+    with pytest.raises(LinkedFileError, match=refused):
+        train_tiny(out, "train.steps=3", "checkpoint.resume=true")
+    assert outside.read_text() == PRECIOUS and member.is_symlink()
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / name).symlink_to(outside)
+    if name == "log.jsonl":
+        train_tiny(fresh)
+        assert not (fresh / name).is_symlink() and len((fresh / name).read_text().splitlines()) == 2
+    else:
+        with pytest.raises(LinkedFileError, match=refused.replace(re_escape(out), re_escape(fresh))):
+            train_tiny(fresh)
+    assert outside.read_text() == PRECIOUS
+
+
+def test_a_hard_link_is_refused_and_a_plain_file_is_written(tmp_path):
+    from mmadapt.atomic import LinkedFileError, open_unlinked
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text(PRECIOUS)
+    (tmp_path / "hard").hardlink_to(outside)
+    with pytest.raises(LinkedFileError, match=r"hard is a hard link \(the same file has another name\).*Fix: remove"):
+        open_unlinked(tmp_path / "hard", "a")
+    assert outside.read_text() == PRECIOUS
+    (tmp_path / "plain").write_text("old, longer text")
+    with open_unlinked(tmp_path / "plain", "w") as f:
+        f.write("new")
+    with open_unlinked(tmp_path / "plain", "a") as f:
+        f.write("er")
+    assert (tmp_path / "plain").read_text() == "newer"
+
+
+def re_escape(path: Path) -> str:
+    import re
+
+    return re.escape(str(path))

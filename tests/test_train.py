@@ -177,6 +177,60 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_naming_the_file(tmp_pa
     assert losses(resumed) == losses(full)  # redone from step 2, exactly
 
 
+def flip_a_byte(path: Path) -> None:
+    """Change one byte in the middle of `path` (a weight's value: the file still parses)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_given_directly_is_verified_before_it_is_loaded(tmp_path, caplog):
+    """One byte of step 2's weights changed: chat / serve (`load_for_inference`) and export refuse that checkpoint,
+    naming the file and what to do; the checkpoint before it still loads, and the run directory loads it with a
+    warning."""
+    from mmadapt.inference import load_for_inference
+    from mmadapt.train.checkpoint import UnverifiedCheckpointError
+    from mmadapt.train.export import export, load_trained
+
+    out = tmp_path / "run"
+    run(LLAVA, out, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=5", "stages.encoder=frozen")
+    newest = out / "checkpoints" / "step-0000002"
+    flip_a_byte(newest / "model.safetensors")
+    refused = (rf"checkpoint {newest} failed verification: model\.safetensors is corrupt .*"
+               rf"\({newest}/model\.safetensors\)\. mmadapt never loads a checkpoint whose files do not match .*"
+               rf"Fix: give the run directory {out} ")
+    with pytest.raises(UnverifiedCheckpointError, match=refused):
+        load_for_inference(newest)
+    with pytest.raises(UnverifiedCheckpointError, match=refused):
+        export(newest, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+    load_trained(out / "checkpoints" / "step-0000001")
+    with caplog.at_level("WARNING"):
+        assert export(out, tmp_path / "exported").is_dir()  # the run's newest checkpoint that verifies: step 1
+    assert f"skipping checkpoint {newest}: model.safetensors is corrupt" in caplog.text
+
+
+def test_resume_over_checkpoints_that_all_fail_verification_says_so_and_names_them(tmp_path):
+    """Every checkpoint corrupt: --resume names each with its failing file (not "already holds checkpoints"), and so
+    does exporting the run."""
+    from mmadapt.train.checkpoint import UnverifiedCheckpointError
+    from mmadapt.train.export import export
+
+    out = tmp_path / "run"
+    run(LLAVA, out, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=5", "stages.encoder=frozen")
+    for step in (1, 2):
+        flip_a_byte(out / "checkpoints" / f"step-000000{step}" / "model.safetensors")
+    every = (rf"every checkpoint in {out / 'checkpoints'} failed verification \(step-0000002: model\.safetensors is "
+             r"corrupt .*; step-0000001: model\.safetensors is corrupt .*\); the first failing file is "
+             rf"{out / 'checkpoints' / 'step-0000002' / 'model.safetensors'}")
+    with pytest.raises(UnverifiedCheckpointError, match=rf"^resume: {every}, so there is none to resume from\. Fix: "
+                                                        r"restore the failing files .*run without --resume") as error:
+        run(LLAVA, out, "train.steps=3", "checkpoint.every=1", "checkpoint.resume=true", "stages.encoder=frozen")
+    assert "already holds checkpoints" not in str(error.value)
+    with pytest.raises(UnverifiedCheckpointError, match=rf"^{every}\. Fix: "):
+        export(out, tmp_path / "exported")
+
+
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_says_so(tmp_path, monkeypatch):
     import errno
 

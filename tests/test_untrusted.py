@@ -199,6 +199,72 @@ def test_a_tokenizer_directorys_own_code_never_runs_and_nobody_is_asked(tmp_path
     assert not marker.exists() and not asked
 
 
+AUTO_MAPS = {"config.json": {"AutoConfig": "configuration_evil.EvilConfig"},
+             "tokenizer_config.json": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}
+
+
+def plant_auto_maps(directory):
+    """Add an `auto_map` to `directory`'s config.json (at the top and in its text_config) and tokenizer_config.json,
+    the classes themselves staying transformers' own: what a hub checkpoint may carry."""
+    for name, auto_map in AUTO_MAPS.items():
+        path = directory / name
+        config = json.loads(path.read_text())
+        config["auto_map"] = auto_map
+        if "text_config" in config:
+            config["text_config"]["auto_map"] = auto_map
+        path.write_text(json.dumps(config))
+
+
+def jsons_with_auto_map(root):
+    from mmadapt.remote_code import auto_map_keys
+
+    return {str(p.relative_to(root)): auto_map_keys(json.loads(p.read_text())) for p in sorted(root.rglob("*.json"))
+            if auto_map_keys(json.loads(p.read_text()))}
+
+
+def test_no_directory_mmadapt_writes_carries_an_auto_map_and_a_loaded_one_is_warned_about(tmp_path, caplog,
+                                                                                           monkeypatch):
+    """A source (a transformers export) whose config.json and tokenizer_config.json carry `auto_map` beside standard
+    classes: loading warns, naming each file; then its mmadapt directory, its transformers export, a run's checkpoint
+    and OUT/model, and the run's export hold no `auto_map` in any JSON file - even with a tokenizer that still carries
+    one (read by transformers directly, not through mmadapt)."""
+    from transformers import AutoTokenizer
+
+    from mmadapt import VisionLanguageModel
+    from mmadapt.data.tokenizer import saved_tokenizer
+    from mmadapt.synthetic import synthetic_samples
+    from mmadapt.train import RunConfig, Trainer
+    from mmadapt.train.export import export
+
+    model, processor = tiny(LLAVA)
+    source = tmp_path / "source"
+    model.save_pretrained(source, format="transformers", tokenizer=processor.tokenizer)
+    plant_auto_maps(source)
+    with caplog.at_level("WARNING", logger="mmadapt.remote_code"):
+        loaded, tokenizer = VisionLanguageModel.from_pretrained(source), saved_tokenizer(source)
+    for name in AUTO_MAPS:
+        assert any(str(source / name) in r.getMessage() and "dropped, because mmadapt never runs code from a model "
+                   "directory" in r.getMessage() for r in caplog.records), name
+    assert "text_config.auto_map" in caplog.text
+    raw = AutoTokenizer.from_pretrained(source)  # transformers keeps the auto_map: the write must drop it
+    assert raw.init_kwargs.get("auto_map") == AUTO_MAPS["tokenizer_config.json"]
+    out = tmp_path / "out"
+    loaded.save_pretrained(out / "mmadapt", tokenizer=tokenizer)
+    loaded.save_pretrained(out / "export", format="transformers", tokenizer=raw)
+    loaded.save_pretrained(out / "raw", tokenizer=raw)
+    monkeypatch.setattr("mmadapt.train.trainer.plot_history", lambda *_: None)
+    config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=1",
+                                   "data.batch_size=2"])
+    samples = synthetic_samples(loaded, [1, 1], text_lengths=[5, 6], seed=0)
+    Trainer(loaded, config, samples, processor.collator, tokenizer=raw).fit()
+    export(out / "run", out / "run-export", format="transformers")
+    written = {p.parent.relative_to(out).as_posix() for p in out.rglob("tokenizer_config.json")}
+    assert {"mmadapt", "export", "raw", "run/model", "run-export"} <= written and any(
+        w.startswith("run/checkpoints/step-") for w in written)
+    assert jsons_with_auto_map(out) == {}
+    assert set(jsons_with_auto_map(source)) == set(AUTO_MAPS)  # the source itself is left as it was
+
+
 @pytest.mark.parametrize("field", ["architecture", "options", "pretrained_cfg"])
 @pytest.mark.parametrize("name", ["hf-hub:timm/vit_tiny_patch16_224", "local-dir:/elsewhere/vit"])
 def test_a_timm_checkpoint_naming_another_source_is_refused_before_timm_runs(field, name, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mmadapt.data.templates import TEMPLATES
+from mmadapt.remote_code import AUTO_MAP, warn_dropped
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -33,7 +34,8 @@ def saved_tokenizer(directory: str | os.PathLike) -> Any:
     """The transformers tokenizer saved in `directory` (a model directory or checkpoint); None when it has none.
 
     The directory's own code never runs (`trust_remote_code=False`; no prompt): a tokenizer that exists only as
-    code in the directory (`auto_map`) raises `RemoteCodeError`.
+    code in the directory (`auto_map`) raises `RemoteCodeError`; an `auto_map` beside a class transformers ships is
+    dropped with a warning (`mmadapt.remote_code`), so no save of the tokenizer carries it.
     """
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -41,7 +43,7 @@ def saved_tokenizer(directory: str | os.PathLike) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     except ValueError as error:
         if "trust_remote_code" not in str(error):
             raise
@@ -50,6 +52,17 @@ def saved_tokenizer(directory: str | os.PathLike) -> Any:
             "config.json); mmadapt never runs a checkpoint's own code. Fix: save the tokenizer as a plain "
             "transformers tokenizer (tokenizer.json) with a class transformers ships, or point data.tokenizer at "
             "the tokenizer of a registered family (mmadapt list)") from None
+    return forget_auto_map(tokenizer, directory)
+
+
+def forget_auto_map(tokenizer: Any, directory: Path) -> Any:
+    """`tokenizer` (read from `directory`) without the `auto_map` its config carried, which its `save_pretrained`
+    would write back (warned about: `mmadapt.remote_code`). Returns `tokenizer`."""
+    found = tokenizer.init_kwargs.pop(AUTO_MAP, None) or getattr(tokenizer, "_auto_map", None)
+    if found:
+        warn_dropped(directory / "tokenizer_config.json", {AUTO_MAP: found})
+        tokenizer._auto_map = None
+    return tokenizer
 
 
 def tokenizer_for(source: str | os.PathLike | None) -> Any:

@@ -3,14 +3,23 @@
 The trainer imports this module only when `train.eval_tasks` is set (which needs lmms-eval, the optional extra
 `mmadapt[lmms]`); it answers the in-memory model with `mmadapt.lmms_eval.model.LmmsChatModel`, as `mmadapt chat`
 would answer its export.
+
+A task file is code: its `!function` tags run Python from its folder, and lmms-eval indexes every YAML under an
+include path (any of which may claim a task's name). So a task named by its file is indexed alone: lmms-eval is
+given a private folder holding one stub per named file, which includes that file by its absolute path
+(`indexed_alone`); only the named files, and what they name themselves (`include:`d files, `!function` modules,
+data files, resolved from their own folders as before), are ever read (docs/lmms_eval.md, "Task files are code").
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmadapt.atomic import open_unlinked
 from mmadapt.lmms_eval.model import LmmsChatModel
 from mmadapt.run_directory import RunDirectory
 
@@ -34,7 +44,7 @@ def check_eval_tasks(tasks: Sequence[str], *, world: int, tokenizer: Any) -> Non
     if tokenizer is None:
         raise ValueError("train.eval_tasks needs the run's tokenizer: Trainer(..., tokenizer=tokenizer)")
     names, include = task_names(tasks)
-    known = task_manager(include, defaults=len(include) < len(tasks)).all_tasks
+    known = task_manager(include, defaults=needs_defaults(tasks)).all_tasks
     for task, name in zip(tasks, names, strict=True):
         if name not in known:
             raise ValueError(f"train.eval_tasks: lmms-eval knows no task {name!r}"
@@ -57,29 +67,31 @@ def evaluate_tasks(model: Any, tokenizer: Any, config: Any, *, step: int, out: s
                                   batch_size=config.data.batch_size)
     lm.accelerator = None  # lmms-eval would create an accelerate `Accelerator` in the training process otherwise
     names, include = task_names(config.train.eval_tasks)
-    manager = task_manager(include, defaults=len(include) < len(names))
+    manager = task_manager(include, defaults=needs_defaults(config.train.eval_tasks))
     with kept_random_states():
         results = simple_evaluate(model=lm, tasks=names, task_manager=manager, verbosity="WARNING",
                                   cli_args=cli_defaults())
     scores = {f"lmms/{task}/{name}": value for task, metrics in results["results"].items()
               for name, value in metric_values(metrics).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"step": step, "scores": scores, "record": lm.record,
-                                "results": results["results"], "configs": results.get("configs"),
-                                "samples": answers(results.get("samples", {}))}, indent=1, default=str))
+    with open_unlinked(path, "w") as f:  # a file of OUT: never written through a link
+        f.write(json.dumps({"step": step, "scores": scores, "record": lm.record, "results": results["results"],
+                            "configs": results.get("configs"), "samples": answers(results.get("samples", {}))},
+                           indent=1, default=str))
     log.info("step %d lmms-eval: %s (%s)", step, ", ".join(f"{k} {v:.4g}" for k, v in scores.items()), path)
     return scores
 
 
 def task_names(tasks: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
-    """`train.eval_tasks` as lmms-eval task names, and the directories of the task files among them, to be indexed as
-    `lmms-eval --include_path DIR` indexes them: lmms-eval 0.7 builds chat tasks only from indexed names (a task
-    given as a config becomes a plain task, which a chat model cannot answer)."""
+    """`train.eval_tasks` as lmms-eval task names, and the folder that indexes the task files among them (() when
+    none), as `lmms-eval --include_path DIR` indexes one: lmms-eval 0.7 builds chat tasks only from indexed names (a
+    task given as a config becomes a plain task, which a chat model cannot answer). The folder indexes the named
+    files alone (`indexed_alone`), never the rest of their folders."""
     from lmms_eval import utils
 
-    names, include = [], []
+    names, files = [], []
     for task in tasks:
-        if not task.endswith((".yaml", ".yml")):
+        if not is_task_file(task):
             names.append(task)
             continue
         if not Path(task).is_file():
@@ -89,8 +101,34 @@ def task_names(tasks: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
         if not isinstance(name, str):
             raise ValueError(f"train.eval_tasks: {task} names no task (its `task:` or `group:` key)")
         names.append(name)
-        include.append(str(Path(task).resolve().parent))
-    return names, tuple(dict.fromkeys(include))
+        files.append(str(Path(task).resolve()))
+    return names, (indexed_alone(tuple(dict.fromkeys(files))),) if files else ()
+
+
+def is_task_file(task: str) -> bool:
+    return task.endswith((".yaml", ".yml"))
+
+
+def needs_defaults(tasks: Sequence[str]) -> bool:
+    """Whether lmms-eval's own tasks must be indexed: some task is given by name, not by its file."""
+    return not all(is_task_file(task) for task in tasks)
+
+
+_INDEXED: dict[tuple[str, ...], str] = {}
+
+
+def indexed_alone(files: tuple[str, ...]) -> str:
+    """A private folder (made once per process for these task `files`, absolute paths; removed at exit) holding one
+    stub per file, `{"include": FILE}`: lmms-eval indexes the stubs alone, and reads each named file - loading it
+    whole, `!function` modules included, only when its task runs - from where it is, so the paths in it keep their
+    meaning. Nothing else of the file's folder is ever read."""
+    if files not in _INDEXED:
+        folder = tempfile.mkdtemp(prefix="mmadapt-lmms-tasks-")  # mode 0700: no one else adds a task to it
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        for k, file in enumerate(files):
+            Path(folder, f"task-{k}.yaml").write_text(json.dumps({"include": file}) + "\n")
+        _INDEXED[files] = folder
+    return _INDEXED[files]
 
 
 def cli_defaults() -> Any:

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
+from mmadapt.atomic import open_unlinked
 from mmadapt.config import DEFAULT_PARTS
 from mmadapt.data.config import DataConfig, about
 from mmadapt.precision import FP32, Precision
@@ -315,10 +316,11 @@ class RunConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as a run records it (OUT/config.yaml, each checkpoint's copy): `resolved()`, its paths
-        absolute, so that it names the same files read from any working directory."""
+        absolute, so that it names the same files read from any working directory. A link at `path` is refused, never
+        written through (`mmadapt.atomic.open_unlinked`)."""
         import yaml
 
-        with open(path, "w") as f:
+        with open_unlinked(path, "w") as f:
             yaml.safe_dump(self.resolved().to_dict(), f, sort_keys=False)
 
     def resolved(self) -> RunConfig:

@@ -1,8 +1,8 @@
 """What training leaves behind, read back as a model: `resolve_source(src)`, `load_trained(src)`, `export(src, dst)`.
 
 A source is a complete checkpoint directory (`OUT/checkpoints/step-N`: its `config.json` names the
-components, `config.yaml` the stages and LoRA settings, the tokenizer's files sit beside them), a
-run directory (its newest checkpoint whose files match their checksums), or a model directory
+components, `config.yaml` the stages and LoRA settings, the tokenizer's files sit beside them; its files must match
+their checksums), a run directory (its newest checkpoint whose files match their checksums), or a model directory
 (mmadapt or transformers, `mmadapt.directory`). The model is built on the meta device, LoRA layers are
 injected exactly as in training, the weights are loaded strictly and LoRA is merged, so the model
 directory `export` writes (`mmadapt export`, and the trainer's `OUT/model`) holds plain weights that
@@ -22,7 +22,7 @@ from mmadapt.data.config import DataConfig
 from mmadapt.data.tokenizer import saved_tokenizer
 from mmadapt.model import VisionLanguageModel
 from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete
-from mmadapt.train.checkpoint import latest_checkpoint
+from mmadapt.train.checkpoint import UnverifiedCheckpointError, check_checkpoint, newest_verified, none_verified
 from mmadapt.train.config import RunConfig
 from mmadapt.train.stages import apply_stages, lora_modules, merge_lora
 from mmadapt.weights import Checkpoint, load_pretrained
@@ -30,25 +30,30 @@ from mmadapt.weights import Checkpoint, load_pretrained
 log = logging.getLogger(__name__)
 
 
-def resolve_source(src: str | Path) -> Path:
-    """A checkpoint or model directory itself, or a run directory's newest valid checkpoint."""
+def resolve_source(src: str | Path, *, verify: bool = True) -> Path:
+    """A checkpoint or model directory itself, or a run directory's newest valid checkpoint. A checkpoint given
+    directly must match the checksums of its `COMPLETE` marker (`check_checkpoint`; `verify=False`: a checkpoint this
+    process has just written and hashed)."""
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist: give a run directory, a checkpoint or a model directory")
     if RunDirectory(src).exists():
-        newest = latest_checkpoint(src, verify=True)
+        newest, failed = newest_verified(src)
+        if newest is None and failed:
+            raise UnverifiedCheckpointError(f"{none_verified(src, failed)}. Fix: restore the failing files from a "
+                                            "copy of the checkpoints, or give a model directory (OUT/model)")
         if newest is None:
-            raise ValueError(f"{src} has no complete checkpoint (none with a {COMPLETE} marker whose files match)")
+            raise ValueError(f"{src} has no complete checkpoint (none with a {COMPLETE} marker)")
         return newest
     if not (src / model_directory.CONFIG_FILE).is_file():
         raise ValueError(f"{src} is not a run, checkpoint or model directory (no config.json, no checkpoints/). "
                          "Checkpoints written before mmadapt 0.4 hold no config.json and cannot be exported.")
-    return src
+    return check_checkpoint(src) if verify and is_complete(src) else src
 
 
-def load_trained(src: str | Path) -> tuple[Any, Any]:
-    """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory."""
-    path = resolve_source(src)
+def load_trained(src: str | Path, *, verify: bool = True) -> tuple[Any, Any]:
+    """(model with LoRA merged, tokenizer or None) from a run, checkpoint or model directory (`resolve_source`)."""
+    path = resolve_source(src, verify=verify)
     run = RunConfig.load(path / CONFIG) if is_complete(path) else None  # None: a model directory
     tokenizer = saved_tokenizer(path)
     model = VisionLanguageModel.from_pretrained(path) if run is None else load_checkpoint_model(path, run)
@@ -82,7 +87,8 @@ def load_checkpoint_model(path: Path, run: RunConfig) -> VisionLanguageModel:
     return model.eval()
 
 
-def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwrite: bool = False) -> Path:
+def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwrite: bool = False,
+           verify: bool = True) -> Path:
     """Write the model directory of `src` (see module docstring) to `dst`; returns `dst`. `format="transformers"`
     writes what transformers, vLLM and SGLang load, with the processor settings and chat template the model was
     trained with and a record of mmadapt's version and of the checksums of `src` and of every file written
@@ -91,13 +97,14 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
     Atomic (`VisionLanguageModel.save_pretrained`): `dst` ends as it was or as the whole new model, never a mix. A
     `dst` that already holds a model directory is replaced only with `overwrite=True` (`mmadapt export --overwrite`;
     the trainer's own `OUT/model`); one that holds anything else (a checkpoint, a run, other files) never. The target
-    is checked before the model is loaded."""
+    is checked before the model is loaded, and a checkpoint's files against their checksums (`resolve_source`;
+    `verify=False`: the trainer's own just-written one)."""
     dst = Path(dst)
     if is_complete(dst) or RunDirectory(dst).exists():
         raise TargetExistsError(f"{dst} is a training checkpoint or run directory, not a model directory: export "
                                 "writes a model directory and never replaces a checkpoint. Choose another dst.")
     check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)
-    model, tokenizer = load_trained(src)
+    model, tokenizer = load_trained(src, verify=verify)
     model.save_pretrained(dst, format=format, tokenizer=tokenizer, overwrite=overwrite)
     log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
     return dst

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.atomic import open_unlinked
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, to_device
 
@@ -47,7 +48,8 @@ def non_finite_error(model: torch.nn.Module, batch: dict[str, Any], device: torc
     message = f"{head}. {where}"
     if write_to is not None:
         write_to.parent.mkdir(parents=True, exist_ok=True)
-        write_to.write_text(message + "\n")
+        with open_unlinked(write_to, "w") as f:
+            f.write(message + "\n")
     return NonFiniteError(message, report)
 
 

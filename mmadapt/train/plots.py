@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmadapt.atomic import open_unlinked
+
 
 def plot_history(history: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path | None:
     """Train (and eval) loss over the steps above the gradient norm (log scale), as a PNG at `path`.
@@ -39,6 +41,7 @@ def plot_history(history: Sequence[dict[str, Any]], path: str | os.PathLike) -> 
     ax_grad.set_yscale("log")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    with open_unlinked(path, "wb") as f:  # never through a link planted at its name
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return path

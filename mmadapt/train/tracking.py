@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mmadapt.atomic import open_unlinked
 from mmadapt.run_directory import RunDirectory
 
 
@@ -39,7 +40,8 @@ class Tracker:
         self.writer = self.wandb = None
         extra = {"plan": plan} if plan is not None else {}
         if plan is not None:
-            self.run.plan_file.write_text(json.dumps(plan, indent=2) + "\n")
+            with open_unlinked(self.run.plan_file, "w") as f:
+                f.write(json.dumps(plan, indent=2) + "\n")
         for name in self.names[1:]:
             try:
                 __import__(name)
@@ -59,7 +61,7 @@ class Tracker:
                                     config={**config, **extra}, reinit="create_new")
 
     def log(self, record: dict[str, Any]) -> None:
-        with open(self.run.log_file, "a") as f:
+        with open_unlinked(self.run.log_file, "a") as f:
             f.write(json.dumps(record) + "\n")
         values = scalars({k: v for k, v in record.items() if k != "step"})
         step = int(record["step"])

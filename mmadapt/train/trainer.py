@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mmadapt.atomic import open_unlinked
 from mmadapt.data.mixture import Mixture
 from mmadapt.data.report import BadDataError as BadDataError  # moved; imported from here too (mmadapt.train)
 from mmadapt.data.report import BadSampleBudget
@@ -53,7 +54,17 @@ from mmadapt.directory import write_model_files
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import GlobalBatchSampler
-from mmadapt.train.checkpoint import MARKER, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from mmadapt.train.checkpoint import (
+    MARKER,
+    OutLock,
+    UnverifiedCheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    newest_verified,
+    none_verified,
+    save_checkpoint,
+    set_rng_state,
+)
 from mmadapt.train.config import RunConfig
 from mmadapt.train.cpu_memory import return_freed_memory
 from mmadapt.train.export import export
@@ -386,7 +397,8 @@ class Trainer:
     def export_model(self, checkpoint: Path) -> Path:
         """OUT/model: the final checkpoint as a model directory (LoRA merged; adapters stay in OUT/adapters)."""
         target = self.run.model_dir
-        export(checkpoint, target, overwrite=True)  # this run's own export (a resumed run rewrites it), swapped whole
+        # this run's own export (a resumed run rewrites it), swapped whole; the checkpoint was hashed as it was written
+        export(checkpoint, target, overwrite=True, verify=False)
         log.info("model directory: %s (load it with VisionLanguageModel.from_pretrained)", target)
         return target
 
@@ -414,15 +426,23 @@ class Trainer:
         if len(set(steps)) > 1:
             raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
-            self.run.log_file.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            with open_unlinked(self.run.log_file, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d", path, self.step)
 
     def agreed_checkpoint(self) -> Path | None:
         """The checkpoint every rank resumes from: rank 0's newest verified one, found with the same marker on every
-        rank; else a `ValueError` on every rank (raised together, so none waits for the others)."""
-        chosen = latest_checkpoint(self.out, verify=True) if self.is_main else None
+        rank; None when OUT holds no complete checkpoint; else a `ValueError` on every rank (raised together, so none
+        waits for the others), among them `UnverifiedCheckpointError` when every checkpoint fails verification."""
+        chosen, failed = newest_verified(self.out) if self.is_main else (None, [])
         marker = marker_text(chosen) if chosen is not None else None
-        name, marker = dist_utils.broadcast_object((None if chosen is None else chosen.name, marker))
+        refusal = None if chosen is not None or not failed else (
+            f"resume: {none_verified(self.out, failed)}, so there is none to resume from. Fix: restore the failing "
+            "files from a copy of the checkpoints (another node, a backup) and resume again, or start afresh: move "
+            f"{self.run.checkpoints_dir} aside (or choose another train.out) and run without --resume")
+        name, marker, refusal = dist_utils.broadcast_object((None if chosen is None else chosen.name, marker, refusal))
+        if refusal is not None:
+            raise UnverifiedCheckpointError(refusal)
         if name is None:
             return None
         path = self.run.checkpoints_dir / name
