@@ -50,11 +50,13 @@ def launch(root, out, *overrides, procs=1, timeout=300):
 
 
 def same(a, b, what):
+    """The logged values equal within 1e-5, but step 1's reward accuracy: the policy is the reference there, every
+    reward is 0 up to rounding, and "chosen > rejected" counts which way rounding fell (it differs across CPUs)."""
     assert len(a) == len(b) == 3, what
-    for x, y in zip(a, b, strict=True):
+    for step, (x, y) in enumerate(zip(a, b, strict=True), start=1):
         for key in KEYS:
             assert (key in x) == (key in y), (what, key)
-            if key in x:
+            if key in x and not (step == 1 and key == "rewards/accuracy"):
                 assert abs(x[key] - y[key]) <= 1e-5, (what, key, [r.get(key) for r in a], [r.get(key) for r in b])
 
 
