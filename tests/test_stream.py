@@ -175,8 +175,8 @@ import os, signal, sys
 from mmadapt.train.trainer import Trainer
 real = Trainer.train_step
 def dying(self, micro, clock=None):
-    if self.step == {kill_at}:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, after the step-{every} checkpoint
+    if self.step == {kill_at} and os.environ.get("RANK") == "0":  # rank 0, which writes the log: step {kill_at} is in
+        os.kill(os.getpid(), signal.SIGKILL)  # it; mid-epoch, after the step-{every} checkpoint
     return real(self, micro, clock)
 Trainer.train_step = dying
 from mmadapt.cli import main
