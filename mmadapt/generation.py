@@ -51,7 +51,8 @@ class GenerateMixin:
                  video_grid_thw: torch.Tensor | None = None,
                  videos_per_sample: torch.Tensor | None = None, repetition_penalty: float = 1.0,
                  logprobs: int | None = None,
-                 on_step: Callable[[GenerationStep], Any] | None = None) -> torch.Tensor:
+                 on_step: Callable[[GenerationStep], Any] | None = None,
+                 image_index: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
@@ -66,6 +67,8 @@ class GenerateMixin:
         `on_step(step)` gets each step as a `GenerationStep` (the tokens and, with `logprobs=K`, their log-probs and
         the K most likely alternatives: see `token_logprobs`); it may end rows early by returning True (all rows) or
         a (B,) bool tensor (the rows to end; a stop string, a cancelled request): those rows are done, as after EOS.
+        `image_index` (rows sharing encoded images, `VisionBatch`): each picture of `pixel_values` is encoded once
+        for every row that shows it (an RL group's G answers to one prompt).
         """
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)

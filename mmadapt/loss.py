@@ -355,15 +355,34 @@ def sequence_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor,
     return logps, kl
 
 
-def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, temperature: float = 1.0,
+                chunk: int | None = None) -> torch.Tensor:
+    """(N,) fp32 log p(target) of each position under softmax(head(states) / temperature), without the (B, L, V)
+    logits: one chunk of logits at a time, recomputed in the backward (activation checkpointing per chunk). What an
+    online RL objective scores its completions with, token by token (trl's `_get_per_token_logps`, the temperature
+    of sampling included)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    weight = getattr(head, "weight", None)
+    chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
+    parts = [checkpoint_logps(head, states[start:start + chunk], targets[start:start + chunk], temperature)
+             for start in range(0, states.shape[0], chunk)]
+    return torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+                 ) -> torch.Tensor:
     logits = head(states).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def checkpoint_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def checkpoint_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(_chunk_logps, head, states, targets, use_reentrant=False)
+    return checkpoint(_chunk_logps, head, states, targets, temperature, use_reentrant=False)
 
 
 @torch.no_grad()

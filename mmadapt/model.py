@@ -331,8 +331,10 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         reference: tuple[torch.Tensor, Any] | None = None,
         keep_states: bool = False,
         token_losses: torch.Tensor | None = None,
+        token_logps: bool = False,
+        temperature: float = 1.0,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast | SequenceLogProbs:
+    ) -> CausalLMOutputWithPast | SequenceLogProbs | torch.Tensor:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
 
         In training mode with `labels` the loss is computed without the full logits (`mmadapt.loss`: only the
@@ -346,8 +348,17 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         reference model's, for the KL), `reference` = (those states, their head) adds the per-row KL to it.
 
         `token_losses` (B, L) fp32, optional, with `labels`: filled with each position's token loss, detached
-        (position t's for predicting labels[t + 1], 0 where nothing is predicted): a mixture's loss per source."""
+        (position t's for predicting labels[t + 1], 0 where nothing is predicted): a mixture's loss per source.
+
+        `token_logps=True` (online RL, `mmadapt.train.objectives`) returns a (B, L) fp32 tensor instead: at each
+        labelled position t, log p(labels[t] | the tokens before it) under softmax(logits / `temperature`), 0
+        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`)."""
         inputs = self.prepare(VisionBatch.of(locals()))  # the arguments that are inputs, by VisionBatch's fields
+        if token_logps:
+            if labels is None:
+                raise ValueError("token_logps needs labels (the tokens to score)")
+            with inputs.verified(self.backbone):
+                return self.token_scores(inputs, labels, temperature, **kwargs)
         if sequence_logps:
             if labels is None:
                 raise ValueError("sequence_logps needs labels (the answer tokens to score)")
@@ -384,6 +395,21 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
                                    embeds=inputs.inputs_embeds)
         tokens = torch.bincount(rows, minlength=labels.shape[0])
         return SequenceLogProbs(logps=logps, tokens=tokens, kl=kl, states=states.detach() if keep_states else None)
+
+    def token_scores(self, inputs: ModelInputs, labels: torch.Tensor, temperature: float, **kwargs: Any
+                     ) -> torch.Tensor:
+        """(B, L) per-token log-probs of the labelled tokens (`forward(token_logps=True)`)."""
+        from mmadapt.loss import IGNORE_INDEX, supervised_rows, token_logps
+
+        kwargs.pop("num_items_in_batch", None)
+        kwargs.setdefault("use_cache", False)
+        out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
+        labels = labels.to(out.last_hidden_state.device)
+        states, targets, _ = supervised_rows(out.last_hidden_state, labels)
+        logps = token_logps(states, self.backbone.get_output_embeddings(), targets, temperature=temperature)
+        predicts = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX
+        rows, positions = predicts.nonzero(as_tuple=True)  # the order of supervised_rows' states
+        return logps.new_zeros(labels.shape).index_put((rows, positions + 1), logps)
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
         """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""

@@ -1,0 +1,174 @@
+"""Rollouts for online RL: each prompt of a batch answered G times by the policy, and the rows the policy then scores.
+
+`rollout(model, prompts, G, ...)` answers a `Collator` batch of B generation prompts (`mmadapt.data.prompts`) with
+mmadapt's own `generate`: the B x G rows are the prompts repeated (a group's rows side by side: row r answers prompt
+r // G), sampled at the given temperature and nucleus, the vision placeholders and span tokens never generated
+(`generate` bans them), and each picture encoded once for the G rows that show it (`image_index`). `Rollouts` holds
+the completions (R = B x G rows, T tokens, `pad` after the end), which tokens belong to each answer (its end token
+included) and which answers were cut at `max_new_tokens` without an end.
+
+`scored_rows(prompts, rollouts)` lays out what the policy, the old policy and the reference score: per row its
+prompt's tokens then its completion, right-padded, the completion tokens as labels (nothing else supervised), the
+prompt's pictures once for its G rows (`image_index`), Qwen's `mm_token_type_ids` extended with text. The same
+layout serves every forward of a step, so their visual spans are the same by construction; `check_groups` verifies
+it from the ids (each group's rows hold identical prompt spans).
+
+Shapes: B prompts, G answers per prompt, R = B x G rows, L prompt tokens, T completion tokens, I pictures.
+Videos are laid out per row (encoded for each of the G rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmadapt.loss import IGNORE_INDEX
+
+
+@dataclass
+class Rollouts:
+    """R = B x G answers: `completions` (R, T) ids, `pad` after each answer's end; `mask` (R, T) bool, the answer's
+    tokens (its end token included); `truncated` (R,) bool, cut at `max_new_tokens` with no end token;
+    `num_generations` G (row r answers prompt r // G)."""
+
+    completions: torch.Tensor
+    mask: torch.Tensor
+    truncated: torch.Tensor
+    num_generations: int
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(dim=1)
+
+
+def group_rows(prompts: dict[str, Any], num_generations: int) -> dict[str, Any]:
+    """The prompt batch's inputs for its B x G rows: the per-row tensors repeated (a group side by side), the
+    pictures kept once, with `image_index` saying which of them each row's images are."""
+    g = num_generations
+    if g < 1:
+        raise ValueError(f"num_generations must be >= 1, got {g}")
+    rows = {k: prompts[k].repeat_interleave(g, dim=0) for k in ("input_ids", "attention_mask", "mm_token_type_ids")
+            if prompts.get(k) is not None}
+    if prompts.get("pixel_values") is not None:
+        per_prompt = images_per_prompt(prompts)
+        starts = torch.cumsum(per_prompt, 0) - per_prompt
+        rows["image_index"] = torch.cat([torch.arange(int(s), int(s + n)) for s, n in zip(starts, per_prompt,
+                                                                                           strict=True)
+                                         for _ in range(g)]).to(prompts["input_ids"].device)
+        rows["images_per_sample"] = per_prompt.repeat_interleave(g)
+        rows["pixel_values"] = prompts["pixel_values"]
+        if prompts.get("image_grid_thw") is not None:
+            rows["image_grid_thw"] = prompts["image_grid_thw"]
+    if prompts.get("pixel_values_videos") is not None:
+        videos = prompts["videos_per_sample"]
+        if prompts.get("video_grid_thw") is None:
+            raise ValueError("videos in a rollout need video_grid_thw (Qwen's video processor)")
+        grid = prompts["video_grid_thw"]
+        patches = grid.prod(dim=1)
+        starts = torch.cumsum(videos, 0) - videos
+        pixels, grids = [], []
+        for p in range(len(videos)):
+            chosen = range(int(starts[p]), int(starts[p] + videos[p]))
+            offsets = [int(patches[:v].sum()) for v in chosen]
+            part = [prompts["pixel_values_videos"][o:o + int(patches[v])] for o, v in zip(offsets, chosen,
+                                                                                         strict=True)]
+            for _ in range(g):
+                pixels += part
+                grids += [grid[v] for v in chosen]
+        rows["pixel_values_videos"] = torch.cat(pixels)
+        rows["video_grid_thw"] = torch.stack(grids)
+        rows["videos_per_sample"] = videos.repeat_interleave(g)
+    return rows
+
+
+def images_per_prompt(prompts: dict[str, Any]) -> torch.Tensor:
+    """(B,) the pictures of each prompt row (the collator's `images_per_sample`, else one per image span)."""
+    if prompts.get("images_per_sample") is not None:
+        return prompts["images_per_sample"].cpu()
+    raise ValueError("a rollout batch with images needs images_per_sample (mmadapt's Collator gives it)")
+
+
+@torch.no_grad()
+def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_new_tokens: int, eos_token_id: Any,
+            pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+            generator: torch.Generator | None = None) -> Rollouts:
+    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`."""
+    rows = group_rows(prompts, num_generations)
+    inputs = {k: v for k, v in prompts.items() if k in ("image_grid_thw", "pixel_values", "pixel_values_videos",
+                                                         "video_grid_thw")}
+    completions = model.generate(**{**inputs, **rows}, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                 pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
+                                 generator=generator)
+    ends = torch.tensor([] if eos_token_id is None else eos_token_id, device=completions.device).flatten()
+    is_end = torch.isin(completions, ends)
+    ended = is_end.any(dim=1)
+    first_end = torch.where(ended, is_end.int().argmax(dim=1), completions.shape[1] - 1)
+    positions = torch.arange(completions.shape[1], device=completions.device)
+    mask = positions[None, :] <= first_end[:, None]
+    return Rollouts(completions.masked_fill(~mask, pad_token_id), mask, ~ended, num_generations)
+
+
+def scored_rows(prompts: dict[str, Any], rollouts: Rollouts, pad_token_id: int) -> dict[str, Any]:
+    """The B x G rows the policy scores: each row's prompt tokens, then its completion, right-padded; `labels` the
+    completion tokens (IGNORE elsewhere); the prompt's pictures once per group (`image_index`)."""
+    rows = group_rows(prompts, rollouts.num_generations)
+    valid = rows["attention_mask"].bool()
+    lengths = valid.sum(dim=1) + rollouts.lengths
+    width = int(lengths.max())
+    count = rows["input_ids"].shape[0]
+    device = rows["input_ids"].device
+    input_ids = torch.full((count, width), pad_token_id, dtype=rows["input_ids"].dtype, device=device)
+    labels = torch.full((count, width), IGNORE_INDEX, dtype=torch.long, device=device)
+    attention = torch.zeros((count, width), dtype=torch.long, device=device)
+    types = None if rows.get("mm_token_type_ids") is None else torch.zeros((count, width), dtype=torch.long,
+                                                                            device=device)
+    for r in range(count):
+        prompt = rows["input_ids"][r][valid[r]]
+        answer = rollouts.completions[r][rollouts.mask[r]]
+        n, m = len(prompt), len(answer)
+        input_ids[r, :n], input_ids[r, n:n + m] = prompt, answer
+        labels[r, n:n + m] = answer
+        attention[r, :n + m] = 1
+        if types is not None:
+            types[r, :n] = rows["mm_token_type_ids"][r][valid[r]]
+    out = {**{k: v for k, v in rows.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")},
+           "input_ids": input_ids, "attention_mask": attention, "labels": labels}
+    if types is not None:
+        out["mm_token_type_ids"] = types
+    return out
+
+
+def completion_logps(row_logps: torch.Tensor, labels: torch.Tensor, rollouts: Rollouts) -> torch.Tensor:
+    """(R, L) per-token log-probs of `scored_rows` (`forward(token_logps=True)`) -> (R, T), aligned with
+    `rollouts.completions` (0 past each answer's end)."""
+    out = row_logps.new_zeros(rollouts.completions.shape)
+    for r in range(labels.shape[0]):
+        picked = row_logps[r][labels[r] != IGNORE_INDEX]
+        out[r, :len(picked)] = picked
+    return out
+
+
+def check_groups(rows: dict[str, Any], num_generations: int, image_token_id: int | None) -> None:
+    """Each group's rows hold identical prompt spans (the same image-token positions) and the same pictures:
+    `ImageTokenContractError` naming the group otherwise."""
+    from mmadapt.contract import ImageTokenContractError
+
+    if image_token_id is None:
+        return
+    ids, g = rows["input_ids"], num_generations
+    prompt_part = rows["labels"] == IGNORE_INDEX
+    spans = (ids == image_token_id) & prompt_part
+    index = rows.get("image_index")
+    per_row = rows.get("images_per_sample")
+    for start in range(0, ids.shape[0], g):
+        group = range(start, start + g)
+        if any(not torch.equal(spans[start], spans[r]) for r in group):
+            raise ImageTokenContractError(f"group {start // g}: its rows' image spans differ; every answer of a group "
+                                          "must see the same prompt")
+        if index is not None and per_row is not None:
+            offsets = torch.cumsum(per_row, 0) - per_row
+            first = index[int(offsets[start]):int(offsets[start] + per_row[start])]
+            if any(not torch.equal(first, index[int(offsets[r]):int(offsets[r] + per_row[r])]) for r in group):
+                raise ImageTokenContractError(f"group {start // g}: its rows show different pictures")

@@ -1,0 +1,145 @@
+"""Rollouts for online RL (`mmadapt.train.objectives.rollout`): G answers per prompt with each picture encoded once,
+never a vision placeholder generated, and the rows the policy scores give the log-probs (and gradients) of rows that
+each encode their own picture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import mmadapt
+from mmadapt.contract import ImageTokenContractError
+from mmadapt.data import Collator, SampleEncoder, char_tokenizer
+from mmadapt.data.prompts import PromptEncoder
+from mmadapt.generation import placeholder_ids
+from mmadapt.loss import IGNORE_INDEX
+from mmadapt.train.objectives.rollout import check_groups, completion_logps, rollout, scored_rows
+
+QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
+PROMPTS = [
+    {"id": "two", "problem": "<image><image>How many shapes?", "answer": "2", "images": ["0.png", "1.png"]},
+    {"id": "text", "problem": "Say a number.", "answer": "1"},
+    {"id": "one", "problem": "<image>What colour?", "answer": "red", "images": ["1.png"]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    for k, side in enumerate((32, 64)):
+        Image.new("RGB", (side, 32), (90 * k, 40, 200)).save(root / f"{k}.png")
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).eval()
+    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root), max_length=256)
+    prompts = PromptEncoder(encoder, completion_tokens=12)
+    batch = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(r, k).sample
+                                                              for k, r in enumerate(PROMPTS)])
+    return model, encoder, {k: v for k, v in batch.items() if k not in ("labels", "meta")}
+
+
+def encoded_pictures(model):
+    """A hook on the vision tower: (calls, pictures encoded)."""
+    seen = {"calls": 0, "pictures": 0}
+
+    def count(module, args, output):
+        seen["calls"] += 1
+        seen["pictures"] += int(args[1].shape[0]) if len(args) > 1 and args[1] is not None else 0
+
+    return seen, model.encoder.register_forward_hook(count)
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_each_picture_is_encoded_once_for_the_g_answers_of_its_prompt(setup, g):
+    model, encoder, batch = setup
+    seen, hook = encoded_pictures(model)
+    try:
+        done = rollout(model, batch, g, max_new_tokens=6, eos_token_id=encoder.tokenizer.eos_token_id,
+                       pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    assert seen == {"calls": 1, "pictures": 3}  # three pictures in the batch, whatever G
+    assert done.completions.shape[0] == 3 * g and done.mask[:, 0].all()
+    rows = scored_rows(batch, done, encoder.pad_token_id)
+    check_groups(rows, g, model.tokens.image_token_id)
+    assert rows["image_index"].tolist() == [0, 1] * g + [2] * g  # prompt 0's two pictures, prompt 2's one
+
+
+def test_no_answer_holds_a_vision_placeholder_even_from_a_head_that_wants_one(setup):
+    model, encoder, batch = setup
+    banned = placeholder_ids(model.tokens)
+    head = model.backbone.get_output_embeddings()
+
+    def favour(module, args, output):
+        output = output.clone()
+        output[..., banned] += 1e4  # the placeholders are by far the likeliest tokens
+        return output
+
+    hook = head.register_forward_hook(favour)
+    try:
+        done = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=encoder.tokenizer.eos_token_id,
+                       pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(1))
+    finally:
+        hook.remove()
+    assert not torch.isin(done.completions[done.mask], torch.tensor(banned)).any()
+
+
+def test_scored_rows_equal_rows_that_each_encode_their_own_pictures(setup):
+    """The shared layout's per-token log-probs and their gradients equal those of G separate encodings."""
+    model, encoder, batch = setup
+    done = rollout(model, batch, 2, max_new_tokens=5, eos_token_id=encoder.tokenizer.eos_token_id,
+                   pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    shared = scored_rows(batch, done, encoder.pad_token_id)
+    separate = dict(shared)
+    index = separate.pop("image_index")
+    patches = batch["image_grid_thw"].prod(dim=1)
+    starts = torch.cumsum(patches, 0) - patches
+    separate["pixel_values"] = torch.cat([batch["pixel_values"][int(starts[i]):int(starts[i] + patches[i])]
+                                          for i in index.tolist()])
+    separate["image_grid_thw"] = batch["image_grid_thw"][index]
+
+    def scores(rows):
+        model.zero_grad()
+        logps = model(**rows, token_logps=True, temperature=0.7)
+        per_token = completion_logps(logps, rows["labels"], done)
+        (per_token * done.mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return per_token.detach(), grads
+
+    seen, hook = encoded_pictures(model)
+    try:
+        ours, our_grads = scores(shared)
+    finally:
+        hook.remove()
+    theirs, their_grads = scores(separate)
+    assert seen["pictures"] == 3  # once each, for six rows
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+    assert our_grads.keys() == their_grads.keys() and any("encoder" in n for n in our_grads)
+    for name, grad in our_grads.items():
+        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):
+    model, encoder, batch = setup
+    done = rollout(model, batch, 2, max_new_tokens=4, eos_token_id=encoder.tokenizer.eos_token_id,
+                   pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(3))
+    rows = scored_rows(batch, done, encoder.pad_token_id)
+    with torch.no_grad():
+        ours = model(**rows, token_logps=True, temperature=0.7)
+        logits = model(**{k: v for k, v in rows.items() if k != "labels"}, return_logits=True).logits
+    full = torch.log_softmax(logits.float() / 0.7, dim=-1)[:, :-1].gather(-1, rows["labels"][:, 1:].clamp(min=0)[
+        ..., None])[..., 0]
+    labelled = rows["labels"][:, 1:] != IGNORE_INDEX
+    assert torch.allclose(ours[:, 1:][labelled], full[labelled], atol=1e-5, rtol=0)
+    assert (ours[:, 1:][~labelled] == 0).all() and (ours[:, 0] == 0).all()
+
+
+def test_a_group_whose_rows_see_different_prompts_is_refused(setup):
+    model, encoder, batch = setup
+    done = rollout(model, batch, 2, max_new_tokens=3, eos_token_id=encoder.tokenizer.eos_token_id,
+                   pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(4))
+    rows = scored_rows(batch, done, encoder.pad_token_id)
+    swapped = {**rows, "image_index": rows["image_index"].clone()}
+    swapped["image_index"][2] = 2  # group 0's second row shows prompt 2's picture
+    with pytest.raises(ImageTokenContractError, match="group 0"):
+        check_groups(swapped, 2, model.tokens.image_token_id)
