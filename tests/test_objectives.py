@@ -120,10 +120,10 @@ def test_objectives_are_found_by_exact_name_and_say_which_exist():
     assert isinstance(objective_for(RunConfig.load(None, [])), SupervisedObjective)
     assert isinstance(objective_for(RunConfig.load(None, ["train.objective=dpo"])), PreferenceObjective)
     assert PreferenceObjective.rows_per_sample == 2 and PreferenceObjective.section == "dpo"
-    known = ", ".join(OBJECTIVES.names())  # dpo, sft, and any a test or a docs example registered in this process
-    assert {"dpo", "sft"} <= set(OBJECTIVES.names())
-    with pytest.raises(UnknownComponentError, match=rf"unknown objective 'grpo'; known: {known}"):
-        objective_for(RunConfig.load(None, ["train.objective=grpo"]))
+    known = ", ".join(OBJECTIVES.names())  # dpo, grpo, sft, and any a test or docs example registered in this process
+    assert {"dpo", "grpo", "sft"} <= set(OBJECTIVES.names())
+    with pytest.raises(UnknownComponentError, match=rf"unknown objective 'ppo'; known: {known}"):
+        objective_for(RunConfig.load(None, ["train.objective=ppo"]))
     with pytest.raises(UnknownComponentError, match=f"known: {known}"):
         objective_for(RunConfig.load(None, ["train.objective=DPO"]))  # exact names only
     with pytest.raises(ValueError, match="'sft' is already registered"):

@@ -206,3 +206,20 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def ids(self) -> list[str]:
         return [record_id(r, i) for i, r in enumerate(self.records)]
+
+
+class PromptCollator:
+    """A `Collator` batch of the prompts (right-padded generation prompts, their images once each) with `columns`:
+    per kept prompt, in row order, the columns its rewards read (problems counted in `meta`, as the collator's)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.collator.pad_token_id
+
+    def __call__(self, items: Sequence[EncodedPrompt | DataProblem]) -> dict[str, Any]:
+        batch = self.collator([i.sample if isinstance(i, EncodedPrompt) else i for i in items])
+        batch["columns"] = [i.columns for i in items if isinstance(i, EncodedPrompt)]
+        return batch

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-NOT_INPUTS = ("pairs", "meta")  # batch keys the model does not take
+NOT_INPUTS = ("pairs", "meta", "columns", "rollout", "logged")  # batch keys the model does not take
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

@@ -112,8 +112,12 @@ class DataSection(DataConfig):
 class TrainSection:
     steps: int = 100
     # a registered objective (`mmadapt.train.objectives.OBJECTIVES`, checked when the run is built): sft, next-token
-    # loss on the answers; dpo, preference pairs (chosen / rejected answers, settings in section `dpo`)
+    # loss on the answers; dpo, preference pairs (chosen / rejected answers, settings in section `dpo`); grpo, online
+    # RL from the rewards below (settings in section `grpo`)
     objective: str = "sft"
+    # grpo's verifiable rewards (`mmadapt.train.rewards`): names (accuracy, format), {name, weight, ...options}, or a
+    # user's `package.module:function`
+    rewards: list[Any] = field(default_factory=list)
     # the run's length in epochs instead of steps (each epoch: the samples' full global batches); when set, it
     # decides the steps
     epochs: float | None = None
@@ -251,6 +255,39 @@ class DpoSection:
 
 
 @dataclass(kw_only=True)
+class GrpoSection:
+    """The settings of online RL from verifiable rewards (`train.objective: grpo`,
+    `mmadapt.train.objectives.grpo`, whose `section` this is), with trl's `GRPOConfig` names and defaults; the rewards
+    are `train.rewards`."""
+
+    num_generations: int = 8  # G: answers sampled per prompt (a group)
+    max_completion_length: int = 256  # tokens per answer; a prompt leaving less of data.max_length is dropped
+    temperature: float = 1.0  # sampling, and the log-probs the loss scores (trl's)
+    top_p: float = 1.0
+    beta: float = 0.0  # the KL weight to the reference (the model with its LoRA adapters off); 0: no reference
+    epsilon: float = 0.2  # the clip below 1 (and above, unless epsilon_high)
+    epsilon_high: float | None = None  # DAPO's clip-higher: 0.28
+    # grpo (per-answer mean), dapo (token mean over the step), dr_grpo (sum / max_completion_length), bnpo
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # the std advantages are divided by (none: Dr. GRPO)
+    num_iterations: int = 1  # policy updates per rollout (trl's mu); only 1 for now
+    mask_truncated_completions: bool = False  # answers cut at max_completion_length add nothing to the loss
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations must be >= 2 (advantages compare a group's answers), got "
+                             f"{self.num_generations}")
+        if self.max_completion_length < 1:
+            raise ValueError(f"grpo.max_completion_length must be >= 1, got {self.max_completion_length}")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"grpo.temperature must be > 0 and top_p in (0, 1], got {self.temperature} and "
+                             f"{self.top_p}")
+        if self.num_iterations != 1:
+            raise ValueError(f"grpo.num_iterations {self.num_iterations}: only 1 (one policy update per rollout, "
+                             "trl's default) is implemented")
+
+
+@dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end
     keep: int = 2
@@ -278,6 +315,7 @@ class RunConfig:
     stages: StagesSection = field(default_factory=StagesSection)
     lora: LoraSection = field(default_factory=LoraSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
 

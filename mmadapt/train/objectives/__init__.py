@@ -4,15 +4,18 @@
     parts = objective.data(model, encoder)      # its datasets and collator (mmadapt.train.run)
     Trainer(model, config, parts.train, parts.collate, eval_data=parts.eval).fit()
 
-`sft` (`SupervisedObjective`): next-token loss on the answers; `dpo` (`PreferenceObjective`): DPO, IPO, SimPO and ORPO
-on preference pairs (`dpo.loss_type`), with their reference. `Objective` (`base.py`) is the interface the trainer
-runs; a new objective is one module that subclasses it and registers itself (docs/extending.md).
+`sft` (`SupervisedObjective`): next-token loss on the answers; `dpo` (`PreferenceObjective`): DPO, IPO, SimPO and
+ORPO on preference pairs (`dpo.loss_type`), with their reference; `grpo` (`GrpoObjective`): online RL from
+verifiable rewards (GRPO, DAPO, Dr. GRPO) on prompts, the policy's own answers scored by `train.rewards`.
+`Objective` (`base.py`) is the interface the trainer runs; a new objective is one module that subclasses it and
+registers itself (docs/extending.md).
 """
 
 from __future__ import annotations
 
 from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.objectives.grpo import GrpoObjective
 from mmadapt.train.objectives.preference import (
     STATS,
     PairScorer,
@@ -33,6 +36,7 @@ from mmadapt.train.objectives.sft import SupervisedObjective
 
 OBJECTIVES.register("sft", SupervisedObjective)
 OBJECTIVES.register("dpo", PreferenceObjective)
+OBJECTIVES.register("grpo", GrpoObjective)
 
 
 def objective_for(config: RunConfig) -> Objective:
@@ -41,7 +45,8 @@ def objective_for(config: RunConfig) -> Objective:
 
 
 __all__ = [
-    "OBJECTIVES", "STATS", "Objective", "ObjectiveData", "PairScorer", "PreferenceObjective", "PreferenceTerms",
+    "OBJECTIVES", "STATS", "GrpoObjective", "Objective", "ObjectiveData", "PairScorer", "PreferenceObjective",
+    "PreferenceTerms",
     "ReferenceTable", "Run", "StepResult", "SupervisedObjective", "adapters_disabled", "check_pairs", "compute_table",
     "data_checksum", "model_checksum", "objective_for", "preference_losses", "reference_kind",
 ]

@@ -150,6 +150,12 @@ class PolicyStats:
     clipped_region: torch.Tensor
     kl: torch.Tensor | None = None
 
+    @classmethod
+    def zero(cls, device: torch.device | str | None = None, *, kl: bool = False) -> PolicyStats:
+        """Nothing counted yet (`kl`: the KL term is in the loss, beta != 0)."""
+        z = torch.zeros((), device=device)
+        return cls(z, z, z, z, z if kl else None)
+
     def __add__(self, other: PolicyStats) -> PolicyStats:
         kl = None if self.kl is None or other.kl is None else self.kl + other.kl
         return PolicyStats(self.tokens + other.tokens, self.clipped_low + other.clipped_low,

@@ -1,0 +1,269 @@
+"""`train.objective: grpo`: online RL from verifiable rewards (GRPO and its variants DAPO, Dr. GRPO, BNPO), with the
+settings of the run config's `grpo` section (`GrpoSection`, trl's `GRPOConfig` names and defaults) and the rewards of
+`train.rewards` (`mmadapt.train.rewards`).
+
+A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 / ms-swift records, encoded once):
+
+1. rollout (`training_rows`): the policy answers each prompt G = `num_generations` times with mmadapt's `generate`
+   (`mmadapt.train.objectives.rollout`: sampled at `temperature` / `top_p`, the vision placeholders and span tokens
+   never generated, each picture encoded once for its G rows);
+2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
+   total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
+   never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
+3. backward: the policy's per-token log-probs of each answer at the sampling temperature (`forward(token_logps=True)`
+   over `scored_rows`: the prompt's pictures encoded once for its G rows), the reference's when `beta` > 0 (the same
+   model with its LoRA adapters off), and the clipped loss (`policy_gradient.policy_loss`), normalised so that
+   micro-batches and ranks equal one big batch (M = grad_accum x world micro-batch losses per step; dapo's token
+   count is the step's, all ranks).
+
+Logged per step: `reward` and each reward's mean (`rewards/<name>/mean`, unscored and failed rows), `reward_std`
+(the groups' mean std), `zero_std_groups` (the share of groups whose answers all scored the same: nothing learned
+from them), completion lengths (mean, max, truncated share), `kl`, the clip fractions, and the time the rollout took
+(`rollout_s`). `evaluate` answers each eval prompt once, greedily, and logs its mean reward (`eval_reward`).
+
+Not yet: `num_iterations` > 1 (old log-probs), FSDP2 (rollouts call `generate` on the unsharded module), the
+rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), one encoding
+per picture across the rollout and the policy forward (each forward encodes a prompt's pictures once, not once for
+both), evals with blanked images, `mmadapt plan` for a GRPO run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from mmadapt.train import distributed as dist_utils
+from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
+from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
+from mmadapt.train.objectives.rollout import Rollouts, check_groups, completion_logps, rollout, scored_rows
+from mmadapt.train.rewards import reward_specs, score
+
+log = logging.getLogger(__name__)
+ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
+
+
+class GrpoObjective(Objective):
+    """`train.objective: grpo` (the module docstring)."""
+
+    section = "grpo"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        s = self.settings
+        self.rows_per_sample = s.num_generations  # the plan's rows per prompt
+        self.loss = PolicyLoss(loss_type=s.loss_type, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
+                               max_completion_length=s.max_completion_length)
+        if not config.train.rewards:
+            raise ValueError("train.objective grpo needs train.rewards: e.g. 'train.rewards=[accuracy]' (built-ins: "
+                             "accuracy, format; or package.module:function)")
+        self.specs = reward_specs(config.train.rewards)
+        self.tokenizer: Any = None
+        self.pad_token_id, self.eos_token_ids = 0, []
+        self.generator: torch.Generator | None = None
+        self.image_token_id: int | None = None
+
+    def data(self, model: Any, encoder: Any) -> ObjectiveData:
+        from mmadapt.data import Collator
+        from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
+
+        d = self.config.data
+        if not all(isinstance(v, str | None) for v in (d.train, d.eval)):
+            raise ValueError("train.objective grpo reads one data.train file of prompts; a mixture (a list of "
+                             "sources) trains with sft")
+        if d.packing:
+            raise ValueError("train.objective grpo lays out each prompt's answers side by side; set "
+                             "data.packing: false")
+        self.bind(encoder, model)
+        prompts = PromptEncoder(encoder, self.settings.max_completion_length)
+        collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
+        return ObjectiveData(PromptDataset(d.train, prompts), PromptDataset(d.eval, prompts) if d.eval else None,
+                             collate)
+
+    def bind(self, encoder: Any, model: Any) -> None:
+        """What decoding and scoring answers need: the tokenizer, its pad and end ids (the tokenizer's EOS and the
+        template's end of turn, as `Processor.eos_token_ids`), the image token."""
+        self.tokenizer, self.pad_token_id = encoder.tokenizer, encoder.pad_token_id
+        end = encoder.template.end_of_turn(encoder.tokenizer)
+        ids = {encoder.tokenizer.eos_token_id, encoder.tokenizer.convert_tokens_to_ids(end) if end else None}
+        self.eos_token_ids = sorted(i for i in ids if i is not None)
+        self.image_token_id = model.tokens.image_token_id
+
+    def setup(self, model: Any) -> None:
+        s = self.settings
+        if s.beta > 0 and not lora_layers(model):
+            raise ValueError(f"grpo.beta {s.beta} needs a reference: the model with its LoRA adapters off, so train "
+                             "with LoRA (stages.backbone: lora), or set grpo.beta: 0 (trl's default)")
+        log.info("objective: grpo (loss %s, G %d, beta %g, rewards %s)", s.loss_type, s.num_generations, s.beta,
+                 ", ".join(f"{spec.name} x {spec.weight:g}" for spec in self.specs))
+
+    def prepare(self, run: Run) -> None:
+        prompts = getattr(run.train_data, "encoder", None)
+        if self.tokenizer is None and prompts is not None:  # the trainer's own instance: from the run's dataset
+            self.bind(prompts.encoder, run.model)
+        if self.tokenizer is None:
+            raise ValueError("train.objective grpo trains on mmadapt.data.prompts.PromptDataset (its objective's "
+                             "data(): mmadapt.train.run.build_run gives it)")
+        if run.dist.world > 1 and run.cfg.distributed.strategy != "ddp":
+            raise ValueError("train.objective grpo runs on several processes with distributed.strategy: ddp only "
+                             "(its rollouts call generate on the whole module); FSDP2 is not supported yet")
+        self.generator = torch.Generator(device=run.device).manual_seed(
+            run.cfg.train.seed * 1_000_003 + run.dist.rank * 7919 + run.step)
+
+    # ---- 1-2: rollouts and rewards -------------------------------------------------------------------------------
+    def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each micro-batch of prompts -> its B x G answers, their rewards and advantages, and the rows to score."""
+        s, model = self.settings, run.model
+        started = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            with run.precision_context():
+                done = [rollout(model, to_device(batch, run.device), s.num_generations,
+                                max_new_tokens=s.max_completion_length, eos_token_id=self.eos_token_ids,
+                                pad_token_id=self.pad_token_id, temperature=s.temperature, top_p=s.top_p,
+                                generator=self.generator) if batch["input_ids"].shape[0] else None for batch in micro]
+        finally:
+            model.train(was_training)
+        rollout_s = time.perf_counter() - started
+        scores = [self.rewards(batch, r) for batch, r in zip(micro, done, strict=True)]
+        totals = [torch.tensor(sc.total, dtype=torch.float32) if sc is not None else torch.zeros(0) for sc in scores]
+        std_over = None
+        if s.scale_rewards == "batch":  # the std of every reward of the step, all ranks
+            gathered = torch.cat([torch.cat(part) for part in dist_utils.gather_objects(totals)])
+            std_over = gathered
+        rows = []
+        for batch, r, sc, total in zip(micro, done, scores, totals, strict=True):
+            if r is None:  # every prompt of it was a problem (counted from its meta)
+                rows.append({**batch, "logged": {}})
+                continue
+            advantages = self.advantages(total, std_over)
+            mask = r.mask & ~r.truncated[:, None] if s.mask_truncated_completions else r.mask
+            scored = scored_rows(to_device(batch, run.device), r, self.pad_token_id)
+            check_groups(scored, s.num_generations, self.image_token_id)
+            rows.append({**scored, "meta": batch["meta"], ROLLOUT: {
+                "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask},
+                "logged": {**sc.logged(), "reward_std": float(advantages.std.nanmean()),
+                           "zero_std_groups": float(advantages.zero_std.float().mean())}})
+        if rows:
+            rows[0]["logged"]["rollout_s"] = rollout_s
+        return rows
+
+    def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
+        if done is None:
+            return None
+        g = self.settings.num_generations
+        texts = [self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True).strip()
+                 for ids, mask in zip(done.completions, done.mask, strict=True)]
+        names = sorted({k for row in batch["columns"] for k in row})
+        columns = {k: [row.get(k) for row in batch["columns"] for _ in range(g)] for k in names}
+        return score(texts, columns, self.specs)
+
+    def advantages(self, total: torch.Tensor, batch_rewards: torch.Tensor | None) -> Any:
+        s = self.settings
+        if batch_rewards is None:
+            return group_advantages(total, s.num_generations, s.scale_rewards)
+        local = group_advantages(total, s.num_generations, "none")  # r - the group's mean
+        from mmadapt.train.objectives.policy_gradient import STD_EPSILON, nanstd
+
+        std = nanstd(batch_rewards).expand_as(total)
+        scaled = torch.nan_to_num(local.advantages / (std + STD_EPSILON), nan=0.0)
+        return local._replace(advantages=scaled, std=std, zero_std=torch.isclose(std, torch.zeros_like(std)))
+
+    # ---- 3: the loss ---------------------------------------------------------------------------------------------
+    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
+        s = self.settings
+        tokens = dist_utils.all_reduce_sum(torch.tensor(
+            sum(int(b[ROLLOUT]["mask"].sum()) for b in micro if ROLLOUT in b), device=run.device))
+        total_tokens = max(int(tokens.item()), 1)
+        steps = len(micro) * run.dist.world
+        stats, loss_sum = PolicyStats.zero(run.device, kl=s.beta > 0), torch.zeros((), device=run.device)
+        run.wrapped.train()
+        for k, batch in enumerate(micro):
+            sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
+            with sync, run.precision_context():
+                if ROLLOUT not in batch:  # every prompt of it was a problem: a zero-loss forward keeps ranks in step
+                    loss = self.placeholder_loss(run)
+                else:
+                    terms = self.terms(run, batch, steps, total_tokens)
+                    loss, stats = terms.loss, stats + terms.stats
+                    loss_sum += terms.policy_loss.detach() / steps
+            (loss * run.dist.world).backward()
+            if clock is not None:
+                clock.backward_done()
+        stats = PolicyStats.from_tensor(dist_utils.all_reduce_sum(stats.as_tensor()))
+        logged = self.logged(micro, run)
+        return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens, {**logged, **stats.means()})
+
+    def terms(self, run: Run, batch: dict[str, Any], steps: int, total_tokens: int) -> Any:
+        rolled = batch[ROLLOUT]
+        rows, done = inputs_of(batch), rolled["rollouts"]
+        logps = run.wrapped(**rows, token_logps=True, temperature=self.settings.temperature)
+        per_token = completion_logps(logps, rows["labels"], done)
+        reference = None
+        if self.settings.beta > 0:
+            with torch.no_grad(), adapters_disabled(run.model):
+                reference = completion_logps(run.wrapped(**rows, token_logps=True,
+                                                         temperature=self.settings.temperature), rows["labels"], done)
+        return policy_loss(per_token, None, reference, rolled["advantages"], rolled["mask"], self.loss,
+                           accumulation_steps=steps, num_items=total_tokens)
+
+    def placeholder_loss(self, run: Run) -> torch.Tensor:
+        ids = torch.tensor([[self.pad_token_id, self.pad_token_id]], device=run.device)
+        labels = torch.tensor([[-100, self.pad_token_id]], device=run.device)
+        logps = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, token_logps=True)
+        return logps.sum() * 0
+
+    def logged(self, micro: list[dict[str, Any]], run: Run) -> dict[str, Any]:
+        """The step's rewards and answers, every rank's (means over the micro-batches that had prompts)."""
+        parts = [b["logged"] for b in micro if b.get("logged")]
+        lengths = [b[ROLLOUT]["rollouts"].lengths.float() for b in micro if ROLLOUT in b]
+        truncated = [b[ROLLOUT]["rollouts"].truncated.float() for b in micro if ROLLOUT in b]
+        local = {"parts": parts, "lengths": torch.cat(lengths).tolist() if lengths else [],
+                 "truncated": torch.cat(truncated).tolist() if truncated else []}
+        everyone = dist_utils.gather_objects(local)
+        merged: dict[str, list[float]] = {}
+        for rank in everyone:
+            for part in rank["parts"]:
+                for key, value in part.items():
+                    if not (isinstance(value, float) and math.isnan(value)):
+                        merged.setdefault(key, []).append(value)
+        out = {key: sum(values) / len(values) for key, values in merged.items() if key != "rollout_s"}
+        out["rollout_s"] = max(merged.get("rollout_s", [0.0]))
+        all_lengths = [x for rank in everyone for x in rank["lengths"]]
+        all_truncated = [x for rank in everyone for x in rank["truncated"]]
+        if all_lengths:
+            out.update({"completion_length/mean": sum(all_lengths) / len(all_lengths),
+                        "completion_length/max": max(all_lengths),
+                        "completion_length/truncated": sum(all_truncated) / len(all_truncated)})
+        return out
+
+    # ---- evaluation ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, run: Run) -> dict[str, float]:
+        """`eval_reward`: the mean reward of one greedy answer per eval prompt (every rank its every world-th batch)."""
+        data, size = run.eval_data, run.cfg.data.batch_size
+        totals: list[float] = []
+        run.model.eval()
+        starts = list(range(0, len(data), size))
+        for start in starts[run.dist.rank::run.dist.world]:
+            batch = run.collate_fn([data[i] for i in range(start, min(start + size, len(data)))])
+            if not batch["input_ids"].shape[0]:
+                continue
+            with run.precision_context():
+                answers = rollout(run.model, to_device(batch, run.device), 1, max_new_tokens=self.settings
+                                  .max_completion_length, eos_token_id=self.eos_token_ids,
+                                  pad_token_id=self.pad_token_id, temperature=0.0)
+            texts = [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
+                     for ids, m in zip(answers.completions, answers.mask, strict=True)]
+            names = sorted({k for row in batch["columns"] for k in row})
+            scores = score(texts, {k: [row.get(k) for row in batch["columns"]] for k in names}, self.specs)
+            totals += [t for t in scores.total if not math.isnan(t)]
+        everyone = [t for part in dist_utils.gather_objects(totals) for t in part]
+        return {"eval_reward": sum(everyone) / len(everyone) if everyone else math.nan}
