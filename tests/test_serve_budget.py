@@ -145,6 +145,9 @@ CASES = {  # case: (the request, as a function of `served`) -> (status, code, th
     "long stop strings": (lambda s: chat(s, PROMPT, stop=["x" * 100_000] * 4), 400, None, "stop"),
     "a text/plain body": (lambda s: raw_post(s, json.dumps(ORDINARY_JSON).encode(), {"Content-Type": "text/plain"}),
                           415, "unsupported_media_type", "application/json"),
+    "a text/plain body to the page": (lambda s: httpx.post(f"{s.url}/ui/gradio_api/queue/join", content=json.dumps(
+        {"data": [None], "fn_index": 0, "session_hash": "x"}).encode(), headers={"Content-Type": "text/plain"},
+        timeout=10), 415, "unsupported_media_type", "application/json"),
     "a foreign Host": (lambda s: raw_post(s, json.dumps(ORDINARY_JSON).encode(), {
         "Content-Type": "application/json", "Host": "rebound.example"}), 403, "host_not_allowed", "--allowed-hosts"),
     "a foreign Origin": (lambda s: raw_post(s, json.dumps(ORDINARY_JSON).encode(), {

@@ -9,8 +9,8 @@ So every request must carry
   (any IP literal when bound to all interfaces: rebinding always uses a name), and `--allowed-hosts` names; a name
   must be listed (`*` lists every name: the check is off);
 - no `Origin`, or one whose host is allowed the same way (a browser sends it with every cross-site request);
-- for the API (`/v1/...`), a body sent as `application/json` (the page's own form posts - uploads, sign-in - are
-  gradio's, under its path, and covered by the two checks above).
+- a body sent as `application/json`, for the API and the page alike, but for the page's two form posts (`FORMS`:
+  gradio's file upload, multipart, and its sign-in form), which the Origin check covers.
 
 A refusal is OpenAI's error shape: 403 `host_not_allowed` / `origin_not_allowed`, 415 `unsupported_media_type`.
 """
@@ -33,6 +33,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+FORMS = (("multipart/form-data", "/gradio_api/upload"), ("application/x-www-form-urlencoded", "/login"))
+"""(content type, path ending) of the page's form posts: gradio's upload and its sign-in form."""
 
 
 @dataclass
@@ -100,9 +102,10 @@ class Guard:
             return APIError(403, "requests from an opaque origin (a sandboxed page or a file) are refused",
                             code="origin_not_allowed")
         path = scope.get("path", "")
-        if scope.get("method") in BODY_METHODS and path.startswith("/v1/"):
+        if scope.get("method") in BODY_METHODS:
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if kind != "application/json":
+            form = any(kind == wanted and path.endswith(ending) for wanted, ending in FORMS)
+            if kind != "application/json" and not form:
                 return APIError(415, f"the body must be sent as application/json, not {kind or 'no type'!r} "
                                 "(Content-Type: application/json)", code="unsupported_media_type")
         return None
