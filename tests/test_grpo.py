@@ -59,7 +59,9 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
         assert record["zero_std_groups"] < 1 and math.isfinite(record["loss"])
     moved = [n for n, p in parts.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved, "no parameter moved in two steps"
-    assert math.isfinite(trainer.objective.evaluate(trainer)["eval_reward"])
+    rewards = trainer.objective.evaluate(trainer)
+    assert set(rewards) == {"eval_reward", "eval_reward_blanked", "eval_reward_shuffled"}
+    assert all(math.isfinite(v) for v in rewards.values())
 
 
 @pytest.mark.parametrize("overrides, words", [

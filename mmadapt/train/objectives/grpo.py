@@ -19,12 +19,14 @@ A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 
 Logged per step: `reward` and each reward's mean (`rewards/<name>/mean`, unscored and failed rows), `reward_std`
 (the groups' mean std), `zero_std_groups` (the share of groups whose answers all scored the same: nothing learned
 from them), completion lengths (mean, max, truncated share), `kl`, the clip fractions, and the time the rollout took
-(`rollout_s`). `evaluate` answers each eval prompt once, greedily, and logs its mean reward (`eval_reward`).
+(`rollout_s`). `evaluate` answers each eval prompt once, greedily, with its real images, blanked and shuffled among
+the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a
+reward that rests on the image falls without it.
 
 Not yet: `num_iterations` > 1 (old log-probs), FSDP2 (rollouts call `generate` on the unsharded module), the
 rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), one encoding
 per picture across the rollout and the policy forward (each forward encodes a prompt's pictures once, not once for
-both), evals with blanked images, `mmadapt plan` for a GRPO run.
+both), `mmadapt sees` on a GRPO run, `mmadapt plan` for a GRPO run.
 """
 
 from __future__ import annotations
@@ -247,23 +249,39 @@ class GrpoObjective(Objective):
     # ---- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, run: Run) -> dict[str, float]:
-        """`eval_reward`: the mean reward of one greedy answer per eval prompt (every rank its every world-th batch)."""
+        """Does the reward rest on the image? The mean reward of one greedy answer per eval prompt with its real
+        images (`eval_reward`), blanked (`eval_reward_blanked`: the processor's mean colour) and shuffled among the
+        batch's prompts (`eval_reward_shuffled`: another prompt's image of the same size): every rank its every
+        world-th batch (`mmadapt.controls`)."""
+        from mmadapt.controls import IMAGE_CONTROLS
+        from mmadapt.data.prompts import EncodedPrompt
+
         data, size = run.eval_data, run.cfg.data.batch_size
-        totals: list[float] = []
+        totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
         run.model.eval()
-        starts = list(range(0, len(data), size))
-        for start in starts[run.dist.rank::run.dist.world]:
-            batch = run.collate_fn([data[i] for i in range(start, min(start + size, len(data)))])
-            if not batch["input_ids"].shape[0]:
-                continue
-            with run.precision_context():
-                answers = rollout(run.model, to_device(batch, run.device), 1, max_new_tokens=self.settings
-                                  .max_completion_length, eos_token_id=self.eos_token_ids,
-                                  pad_token_id=self.pad_token_id, temperature=0.0)
-            texts = [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
-                     for ids, m in zip(answers.completions, answers.mask, strict=True)]
-            names = sorted({k for row in batch["columns"] for k in row})
-            scores = score(texts, {k: [row.get(k) for row in batch["columns"]] for k in names}, self.specs)
-            totals += [t for t in scores.total if not math.isnan(t)]
-        everyone = [t for part in dist_utils.gather_objects(totals) for t in part]
-        return {"eval_reward": sum(everyone) / len(everyone) if everyone else math.nan}
+        for start in list(range(0, len(data), size))[run.dist.rank::run.dist.world]:
+            items = [data[i] for i in range(start, min(start + size, len(data)))]
+            prompts = [i for i in items if isinstance(i, EncodedPrompt)]
+            for control in IMAGE_CONTROLS:
+                shown = [EncodedPrompt(sample, p.columns) for sample, p in zip(
+                    control.samples([p.sample for p in prompts]), prompts, strict=True)]
+                if shown:
+                    totals[control.name] += self.greedy_rewards(run, run.collate_fn(shown))
+        out = {}
+        for control in IMAGE_CONTROLS:
+            everyone = [t for part in dist_utils.gather_objects(totals[control.name]) for t in part]
+            key = "eval_reward" if control.name == "real" else f"eval_reward_{control.name}"
+            out[key] = sum(everyone) / len(everyone) if everyone else math.nan
+        return out
+
+    def greedy_rewards(self, run: Run, batch: dict[str, Any]) -> list[float]:
+        """The total reward of one greedy answer to each prompt of `batch` (NaN totals, unscored rows, left out)."""
+        with run.precision_context():
+            answers = rollout(run.model, to_device(batch, run.device), 1, max_new_tokens=self.settings
+                              .max_completion_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                              temperature=0.0)
+        texts = [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
+                 for ids, m in zip(answers.completions, answers.mask, strict=True)]
+        names = sorted({k for row in batch["columns"] for k in row})
+        scores = score(texts, {k: [row.get(k) for row in batch["columns"]] for k in names}, self.specs)
+        return [t for t in scores.total if not math.isnan(t)]
