@@ -52,7 +52,7 @@ class GenerateMixin:
                  videos_per_sample: torch.Tensor | None = None, repetition_penalty: float = 1.0,
                  logprobs: int | None = None,
                  on_step: Callable[[GenerationStep], Any] | None = None,
-                 image_index: torch.Tensor | None = None) -> torch.Tensor:
+                 image_index: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
         """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
@@ -68,7 +68,9 @@ class GenerateMixin:
         the K most likely alternatives: see `token_logprobs`); it may end rows early by returning True (all rows) or
         a (B,) bool tensor (the rows to end; a stop string, a cancelled request): those rows are done, as after EOS.
         `image_index` (rows sharing encoded images, `VisionBatch`): each picture of `pixel_values` is encoded once
-        for every row that shows it (an RL group's G answers to one prompt).
+        for every row that shows it (an RL group's G answers to one prompt). `row_seeds` (B,) int64: each row samples
+        from its own seed (`row_sample`), so a row's answer does not depend on the rows beside it - on which rank,
+        in which batch, or after a resume it is generated (`generator` is then not used).
         """
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)
@@ -89,7 +91,9 @@ class GenerateMixin:
             if repetition_penalty != 1.0 and seen is None:
                 seen = seen_tokens(input_ids, valid, logits.shape[-1])  # the prompt's tokens
             token = next_token(logits, temperature, top_p, generator, suppress=suppress,
-                               repetition_penalty=repetition_penalty, seen=seen).masked_fill(done, pad_token_id)
+                               repetition_penalty=repetition_penalty, seen=seen,
+                               row_seeds=None if row_seeds is None else row_seeds * 1_000_003 + step
+                               ).masked_fill(done, pad_token_id)
             new_tokens.append(token)
             if on_token is not None:
                 on_token(token)
@@ -120,7 +124,8 @@ def placeholder_ids(tokens: SpanTokens) -> list[int]:
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
                generator: torch.Generator | None = None, *, suppress: torch.Tensor | None = None,
-               repetition_penalty: float = 1.0, seen: torch.Tensor | None = None) -> torch.Tensor:
+               repetition_penalty: float = 1.0, seen: torch.Tensor | None = None,
+               row_seeds: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) tokens: argmax for temperature 0, else a sample from the top-p nucleus; the ids in
     `suppress` (K,) are never chosen (their logits are -inf first); with a `repetition_penalty` other than 1, the
     logits of the tokens marked in `seen` (B, V) bool are penalised first (`penalize_repetition`)."""
@@ -136,7 +141,44 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float,
         sorted_probs, index = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps at least the most likely token
         probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs.masked_fill(outside, 0.0))
+    if row_seeds is not None:
+        return row_sample(probs, row_seeds)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def row_sample(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) tokens, row b drawn from its own `seeds[b]` (int64) alone: the Gumbel-max trick,
+    argmax(log p + g) with g = -log(-log u) ~ Gumbel(0, 1), the uniforms u a hash of (seed, token id) (SplitMix64's
+    finaliser: every (seed, id) pair its own well-mixed 53 bits). A draw from `probs` like `torch.multinomial`'s, but
+    the same for a row whatever rows are beside it and on any device."""
+    ids = torch.arange(probs.shape[-1], device=probs.device, dtype=torch.int64)
+    u = uniform_hash(seeds.to(probs.device, torch.int64)[:, None] * GOLDEN + ids[None, :])
+    gumbel = -torch.log(-torch.log(u))
+    return (torch.log(probs.double()) + gumbel).argmax(dim=-1)
+
+
+def uniform_hash(x: torch.Tensor) -> torch.Tensor:
+    """int64 -> float64 uniforms in (0, 1): SplitMix64's finaliser (int64 arithmetic wraps as uint64's does), the
+    top 53 bits, offset by half a step so neither 0 nor 1 occurs."""
+    x = x + GOLDEN
+    x = (x ^ _shift(x, 30)) * MIX_1
+    x = (x ^ _shift(x, 27)) * MIX_2
+    x = x ^ _shift(x, 31)
+    top = _shift(x, 11)  # 53 bits, non-negative
+    return (top.double() + 0.5) / float(1 << 53)
+
+
+def _signed(constant: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+GOLDEN, MIX_1, MIX_2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 (uint64's >>): torch's >> on int64 is arithmetic (it keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def suppressed(logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:

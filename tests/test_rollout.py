@@ -143,3 +143,31 @@ def test_a_group_whose_rows_see_different_prompts_is_refused(setup):
     swapped["image_index"][2] = 2  # group 0's second row shows prompt 2's picture
     with pytest.raises(ImageTokenContractError, match="group 0"):
         check_groups(swapped, 2, model.tokens.image_token_id)
+
+
+def test_an_answer_sampled_from_its_own_seed_is_the_same_whatever_rows_are_beside_it(setup):
+    """What lets ranks and resumed runs sample as one process does: row seeds from the prompt's id, not the batch."""
+    from mmadapt.data import Collator
+    from mmadapt.train.objectives.rollout import row_seeds
+
+    model, encoder, batch = setup
+    prompts = PromptEncoder(encoder, completion_tokens=12)
+    alone = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(PROMPTS[2], 2).sample])
+    alone = {k: v for k, v in alone.items() if k not in ("labels", "meta")}
+    ids = [r["id"] for r in PROMPTS]
+    settings = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=encoder.pad_token_id, temperature=1.0)
+    together = rollout(model, batch, 3, seeds=row_seeds(0, 5, ids, 3), **settings)
+    by_itself = rollout(model, alone, 3, seeds=row_seeds(0, 5, ids[2:], 3), **settings)
+    assert torch.equal(together.completions[6:], by_itself.completions)
+    again = rollout(model, batch, 3, seeds=row_seeds(0, 6, ids, 3), **settings)  # the next step draws anew
+    assert not torch.equal(together.completions, again.completions)
+    assert len({tuple(row.tolist()) for row in together.completions[:3]}) > 1  # a group's answers differ
+
+
+def test_row_sampling_draws_from_the_distribution():
+    from mmadapt.generation import row_sample
+
+    probs = torch.tensor([[0.1, 0.2, 0.7, 0.0]]).expand(20_000, 4)
+    tokens = row_sample(probs, torch.arange(20_000, dtype=torch.int64) * 7919 + 11)
+    shares = torch.bincount(tokens, minlength=4) / 20_000
+    assert torch.allclose(shares, torch.tensor([0.1, 0.2, 0.7, 0.0]), atol=0.015)  # 4.7 sigma at 20k draws

@@ -6,7 +6,8 @@ A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 
 
 1. rollout (`training_rows`): the policy answers each prompt G = `num_generations` times with mmadapt's `generate`
    (`mmadapt.train.objectives.rollout`: sampled at `temperature` / `top_p`, the vision placeholders and span tokens
-   never generated, each picture encoded once for its G rows);
+   never generated, each picture encoded once for its G rows); each answer samples from its own seed (the run's
+   seed, the step, the prompt's id, its place in the group), so it is the same on any rank and after a resume;
 2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
    total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
    never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
@@ -44,7 +45,14 @@ from mmadapt.train.batches import inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
-from mmadapt.train.objectives.rollout import Rollouts, check_groups, completion_logps, rollout, scored_rows
+from mmadapt.train.objectives.rollout import (
+    Rollouts,
+    check_groups,
+    completion_logps,
+    rollout,
+    row_seeds,
+    scored_rows,
+)
 from mmadapt.train.rewards import reward_specs, score
 
 log = logging.getLogger(__name__)
@@ -68,7 +76,6 @@ class GrpoObjective(Objective):
         self.specs = reward_specs(config.train.rewards)
         self.tokenizer: Any = None
         self.pad_token_id, self.eos_token_ids = 0, []
-        self.generator: torch.Generator | None = None
         self.image_token_id: int | None = None
 
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
@@ -115,8 +122,6 @@ class GrpoObjective(Objective):
         if run.dist.world > 1 and run.cfg.distributed.strategy != "ddp":
             raise ValueError("train.objective grpo runs on several processes with distributed.strategy: ddp only "
                              "(its rollouts call generate on the whole module); FSDP2 is not supported yet")
-        self.generator = torch.Generator(device=run.device).manual_seed(
-            run.cfg.train.seed * 1_000_003 + run.dist.rank * 7919 + run.step)
 
     # ---- 1-2: rollouts and rewards -------------------------------------------------------------------------------
     def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -130,7 +135,9 @@ class GrpoObjective(Objective):
                 done = [rollout(model, to_device(batch, run.device), s.num_generations,
                                 max_new_tokens=s.max_completion_length, eos_token_id=self.eos_token_ids,
                                 pad_token_id=self.pad_token_id, temperature=s.temperature, top_p=s.top_p,
-                                generator=self.generator) if batch["input_ids"].shape[0] else None for batch in micro]
+                                seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
+                                    "sample_ids"]], s.num_generations)) if batch["input_ids"].shape[0] else None
+                        for batch in micro]
         finally:
             model.train(was_training)
         rollout_s = time.perf_counter() - started

@@ -90,17 +90,30 @@ def images_per_prompt(prompts: dict[str, Any]) -> torch.Tensor:
     raise ValueError("a rollout batch with images needs images_per_sample (mmadapt's Collator gives it)")
 
 
+def row_seeds(seed: int, step: int, sample_ids: list[str], num_generations: int) -> torch.Tensor:
+    """(B x G,) int64: the sampling seed of each answer, from the run's seed, the step, its prompt's id and its place
+    in the group alone, so an answer is the same on any rank, in any batch, and after a resume."""
+    import hashlib
+
+    def one(sample_id: str, k: int) -> int:
+        digest = hashlib.blake2b(f"{seed}:{step}:{sample_id}:{k}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    return torch.tensor([one(i, k) for i in sample_ids for k in range(num_generations)], dtype=torch.int64)
+
+
 @torch.no_grad()
 def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_new_tokens: int, eos_token_id: Any,
             pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
-            generator: torch.Generator | None = None) -> Rollouts:
-    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`."""
+            generator: torch.Generator | None = None, seeds: torch.Tensor | None = None) -> Rollouts:
+    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`; with
+    `seeds` (B x G,) each answer from its own seed (`row_seeds`), else from `generator`."""
     rows = group_rows(prompts, num_generations)
     inputs = {k: v for k, v in prompts.items() if k in ("image_grid_thw", "pixel_values", "pixel_values_videos",
                                                          "video_grid_thw")}
     completions = model.generate(**{**inputs, **rows}, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                  pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                                 generator=generator)
+                                 generator=generator, row_seeds=seeds)
     ends = torch.tensor([] if eos_token_id is None else eos_token_id, device=completions.device).flatten()
     is_end = torch.isin(completions, ends)
     ended = is_end.any(dim=1)
