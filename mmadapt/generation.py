@@ -52,7 +52,8 @@ class GenerateMixin:
                  videos_per_sample: torch.Tensor | None = None, repetition_penalty: float = 1.0,
                  logprobs: int | None = None,
                  on_step: Callable[[GenerationStep], Any] | None = None,
-                 image_index: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+                 image_index: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None,
+                 visual: Any = None) -> torch.Tensor:
         """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
@@ -70,14 +71,16 @@ class GenerateMixin:
         `image_index` (rows sharing encoded images, `VisionBatch`): each picture of `pixel_values` is encoded once
         for every row that shows it (an RL group's G answers to one prompt). `row_seeds` (B,) int64: each row samples
         from its own seed (`row_sample`), so a row's answer does not depend on the rows beside it - on which rank,
-        in which batch, or after a resume it is generated (`generator` is then not used).
+        in which batch, or after a resume it is generated (`generator` is then not used). `visual`: the rows' images
+        already encoded (`VisualTokens`, as `forward` takes them): the vision side does not run.
         """
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)
         order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
         types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
-        inputs = self.prepare(batch.replace(input_ids=input_ids, attention_mask=valid, mm_token_type_ids=types))
+        inputs = self.prepare(batch.replace(input_ids=input_ids, attention_mask=valid, mm_token_type_ids=types),
+                              visual=visual)
         next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -333,6 +333,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         token_losses: torch.Tensor | None = None,
         token_logps: bool = False,
         temperature: float = 1.0,
+        visual: VisualTokens | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | SequenceLogProbs | torch.Tensor:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
@@ -352,8 +353,12 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
         `token_logps=True` (online RL, `mmadapt.train.objectives`) returns a (B, L) fp32 tensor instead: at each
         labelled position t, log p(labels[t] | the tokens before it) under softmax(logits / `temperature`), 0
-        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`)."""
-        inputs = self.prepare(VisionBatch.of(locals()))  # the arguments that are inputs, by VisionBatch's fields
+        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`).
+
+        `visual`: the rows' images already encoded (`VisualTokens` at LLM width, one entry per image of the rows, in
+        row order; `VisualTokens.take` gives them from pictures encoded once): the vision side does not run for them
+        (an RL step's one encoding, shared by its rollout and its forwards)."""
+        inputs = self.prepare(VisionBatch.of(locals()), visual=visual)  # the inputs, by VisionBatch's fields
         if token_logps:
             if labels is None:
                 raise ValueError("token_logps needs labels (the tokens to score)")

@@ -161,3 +161,45 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
     assert start["eval_reward"] <= 0.6, start
     assert end["eval_reward"] >= 0.9 and end["eval_reward"] - start["eval_reward"] >= 0.3, (start, end)
     assert abs(end["eval_reward_blanked"] - 0.5) <= 0.2 and end["eval_reward_shuffled"] <= 0.5, end
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and_the_policy(tmp_path, g):
+    """A hook on the vision tower over a whole step (grad_accum 2; rollout, reference with beta > 0 and the policy's
+    forward and backward), prompts with one or two pictures and text-only ones mixed: one encoding per picture."""
+    records = []
+    for k in range(8):
+        pictures = [f"{k}.png", f"{k}b.png"][: k % 3]  # 0, 1 or 2 pictures
+        for name in pictures:
+            Image.new("RGB", (32, 32 + 32 * (k % 2)), COLOURS["red" if k % 2 else "blue"]).save(tmp_path / name)
+        records.append({"id": f"q{k}", "problem": "<image>" * len(pictures) + "Which colour?", "answer": "red",
+                        "images": pictures})
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
+                                "train.rewards=['test_grpo:length']", f"data.train={path}",
+                                f"data.image_root={tmp_path}", "data.batch_size=3", "train.grad_accum=2",
+                                "data.max_length=128", f"grpo.num_generations={g}", "grpo.max_completion_length=4",
+                                "grpo.beta=0.04", "stages.backbone=lora", "train.steps=1"])
+    parts = build_run(cfg)
+    trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate)
+    seen, shown = {"calls": 0, "pictures": 0}, []
+
+    def count(module, args, output):
+        seen["calls"] += 1
+        seen["pictures"] += int(args[1].shape[0])
+
+    rows = trainer.objective.training_rows
+
+    def recording(run, micro):
+        shown.extend(int(b["images_per_sample"].sum()) for b in micro if b.get("pixel_values") is not None)
+        return rows(run, micro)
+
+    trainer.objective.training_rows = recording
+    hook = parts.model.encoder.register_forward_hook(count)
+    try:
+        history = trainer.fit()["history"]
+    finally:
+        hook.remove()
+    assert shown and seen == {"calls": len(shown), "pictures": sum(shown)}, (seen, shown)
+    assert "kl" in history[0] and math.isfinite(history[0]["loss"])

@@ -112,11 +112,16 @@ def test_scored_rows_equal_rows_that_each_encode_their_own_pictures(setup):
     finally:
         hook.remove()
     theirs, their_grads = scores(separate)
+    given = {**shared, "visual": model.encode_images(batch["pixel_values"], batch["image_grid_thw"]).take(
+        shared["image_index"])}  # encoded beforehand (an RL step's one encoding), its graph kept
+    handed, handed_grads = scores(given)
     assert seen["pictures"] == 3  # once each, for six rows
     assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
-    assert our_grads.keys() == their_grads.keys() and any("encoder" in n for n in our_grads)
+    assert torch.equal(ours, handed)
+    assert our_grads.keys() == their_grads.keys() == handed_grads.keys() and any("encoder" in n for n in our_grads)
     for name, grad in our_grads.items():
         assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
 
 
 def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):

@@ -4,16 +4,21 @@ settings of the run config's `grpo` section (`GrpoSection`, trl's `GRPOConfig` n
 
 A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 / ms-swift records, encoded once):
 
+0. each picture of the micro-batch is encoded once (`encode`: in training mode, with gradients when the vision side
+   trains), and that one encoding serves the rollout (detached), the policy's forward (with its graph) and the
+   reference's (detached; encoded again only when LoRA trains the vision side, whose reference differs). Videos are
+   encoded in each forward, once per row;
+
 1. rollout (`training_rows`): the policy answers each prompt G = `num_generations` times with mmadapt's `generate`
    (`mmadapt.train.objectives.rollout`: sampled at `temperature` / `top_p`, the vision placeholders and span tokens
-   never generated, each picture encoded once for its G rows); each answer samples from its own seed (the run's
+   never generated); each answer samples from its own seed (the run's
    seed, the step, the prompt's id, its place in the group), so it is the same on any rank and after a resume;
 2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
    total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
    never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
 3. backward: the policy's per-token log-probs of each answer at the sampling temperature (`forward(token_logps=True)`
-   over `scored_rows`: the prompt's pictures encoded once for its G rows), the reference's when `beta` > 0 (the same
-   model with its LoRA adapters off), and the clipped loss (`policy_gradient.policy_loss`), normalised so that
+   over `scored_rows`), the reference's when `beta` > 0 (the same model with its LoRA adapters off), and the clipped
+   loss (`policy_gradient.policy_loss`), normalised so that
    micro-batches and ranks equal one big batch (M = grad_accum x world micro-batch losses per step; dapo's token
    count is the step's, all ranks).
 
@@ -25,13 +30,13 @@ the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blank
 reward that rests on the image falls without it.
 
 Not yet: `num_iterations` > 1 (old log-probs), FSDP2 (rollouts call `generate` on the unsharded module), the
-rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), one encoding
-per picture across the rollout and the policy forward (each forward encodes a prompt's pictures once, not once for
-both), `mmadapt sees` on a GRPO run, `mmadapt plan` for a GRPO run.
+rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), videos
+encoded once per step, `mmadapt sees` and `mmadapt plan` for a GRPO run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -57,6 +62,14 @@ from mmadapt.train.rewards import reward_specs, score
 
 log = logging.getLogger(__name__)
 ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
+
+
+def detached(visual: Any) -> Any:
+    """`VisualTokens` without their graph (the rollout's and the reference's view of the step's one encoding)."""
+    if visual is None:
+        return None
+    return dataclasses.replace(visual, features=visual.features.detach(),
+                               levels=tuple(level.detach() for level in visual.levels))
 
 
 class GrpoObjective(Objective):
@@ -127,17 +140,19 @@ class GrpoObjective(Objective):
     def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each micro-batch of prompts -> its B x G answers, their rewards and advantages, and the rows to score."""
         s, model = self.settings, run.model
+        micro = [to_device(batch, run.device) for batch in micro]
         started = time.perf_counter()
+        encoded = [self.encode(run, batch) for batch in micro]  # the step's one encoding of each picture
         was_training = model.training
         model.eval()
         try:
             with run.precision_context():
-                done = [rollout(model, to_device(batch, run.device), s.num_generations,
-                                max_new_tokens=s.max_completion_length, eos_token_id=self.eos_token_ids,
-                                pad_token_id=self.pad_token_id, temperature=s.temperature, top_p=s.top_p,
+                done = [rollout(model, batch, s.num_generations, max_new_tokens=s.max_completion_length,
+                                eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                temperature=s.temperature, top_p=s.top_p, encoded=detached(pictures),
                                 seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
                                     "sample_ids"]], s.num_generations)) if batch["input_ids"].shape[0] else None
-                        for batch in micro]
+                        for batch, pictures in zip(micro, encoded, strict=True)]
         finally:
             model.train(was_training)
         rollout_s = time.perf_counter() - started
@@ -145,17 +160,18 @@ class GrpoObjective(Objective):
         totals = [torch.tensor(sc.total, dtype=torch.float32) if sc is not None else torch.zeros(0) for sc in scores]
         std_over = None
         if s.scale_rewards == "batch":  # the std of every reward of the step, all ranks
-            gathered = torch.cat([torch.cat(part) for part in dist_utils.gather_objects(totals)])
-            std_over = gathered
+            std_over = torch.cat([torch.cat(part) for part in dist_utils.gather_objects(totals)])
         rows = []
-        for batch, r, sc, total in zip(micro, done, scores, totals, strict=True):
+        for batch, r, sc, total, pictures in zip(micro, done, scores, totals, encoded, strict=True):
             if r is None:  # every prompt of it was a problem (counted from its meta)
                 rows.append({**batch, "logged": {}})
                 continue
             advantages = self.advantages(total, std_over)
             mask = r.mask & ~r.truncated[:, None] if s.mask_truncated_completions else r.mask
-            scored = scored_rows(to_device(batch, run.device), r, self.pad_token_id)
+            scored = scored_rows(batch, r, self.pad_token_id)
             check_groups(scored, s.num_generations, self.image_token_id)
+            if pictures is not None:  # the policy's forward takes the encoding, with its graph
+                scored["visual"] = pictures.take(scored["image_index"])
             rows.append({**scored, "meta": batch["meta"], ROLLOUT: {
                 "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask},
                 "logged": {**sc.logged(), "reward_std": float(advantages.std.nanmean()),
@@ -163,6 +179,21 @@ class GrpoObjective(Objective):
         if rows:
             rows[0]["logged"]["rollout_s"] = rollout_s
         return rows
+
+    def encode(self, run: Run, batch: dict[str, Any]) -> Any:
+        """The micro-batch's pictures encoded once, by the policy in training mode, with gradients when the vision
+        side trains (its graph is kept for the backward); None without pictures."""
+        model = run.model
+        if batch.get("pixel_values") is None or not batch["input_ids"].shape[0]:
+            return None
+        trains = any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
+        was_training = model.training
+        model.train()
+        try:
+            with torch.set_grad_enabled(trains), run.precision_context():
+                return model.encode_images(batch["pixel_values"], batch.get("image_grid_thw"))
+        finally:
+            model.train(was_training)
 
     def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
         if done is None:
@@ -217,8 +248,12 @@ class GrpoObjective(Objective):
         per_token = completion_logps(logps, rows["labels"], done)
         reference = None
         if self.settings.beta > 0:
-            with torch.no_grad(), adapters_disabled(run.model):
-                reference = completion_logps(run.wrapped(**rows, token_logps=True,
+            model = run.model  # the reference's vision side is the policy's unless LoRA trains it (then: encoded again)
+            shared = "visual" in rows and not (lora_layers(model.encoder) or lora_layers(model.projector))
+            ref_rows = {**rows, "visual": detached(rows["visual"])} if shared else {
+                k: v for k, v in rows.items() if k != "visual"}
+            with torch.no_grad(), adapters_disabled(model):
+                reference = completion_logps(run.wrapped(**ref_rows, token_logps=True,
                                                          temperature=self.settings.temperature), rows["labels"], done)
         return policy_loss(per_token, None, reference, rolled["advantages"], rolled["mask"], self.loss,
                            accumulation_steps=steps, num_items=total_tokens)

@@ -105,10 +105,14 @@ def row_seeds(seed: int, step: int, sample_ids: list[str], num_generations: int)
 @torch.no_grad()
 def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_new_tokens: int, eos_token_id: Any,
             pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
-            generator: torch.Generator | None = None, seeds: torch.Tensor | None = None) -> Rollouts:
+            generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+            encoded: Any = None) -> Rollouts:
     """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`; with
-    `seeds` (B x G,) each answer from its own seed (`row_seeds`), else from `generator`."""
+    `seeds` (B x G,) each answer from its own seed (`row_seeds`), else from `generator`; `encoded`: the prompts'
+    pictures already encoded (`VisualTokens`, one entry per picture of `prompts`), else encoded here, once each."""
     rows = group_rows(prompts, num_generations)
+    if encoded is not None and "image_index" in rows:
+        rows["visual"] = encoded.take(rows["image_index"])
     inputs = {k: v for k, v in prompts.items() if k in ("image_grid_thw", "pixel_values", "pixel_values_videos",
                                                          "video_grid_thw")}
     completions = model.generate(**{**inputs, **rows}, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
