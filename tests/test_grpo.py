@@ -80,7 +80,7 @@ def test_what_grpo_cannot_do_is_refused_naming_the_setting(tmp_path, overrides, 
 
 
 @pytest.mark.slow  # two launches, one of them torchrun with 2 processes
-def test_ddp_with_two_processes_equals_one_process(tmp_path):
+def test_ddp_and_fsdp2_with_two_processes_equal_one_process(tmp_path):
     """Each answer samples from its own seed, so 2 ranks draw what 1 process draws; groups stay on their rank; the
     rewards, the answers' lengths and the gradient norm (the loss itself is ~0 on policy: the advantages' mean; its
     gradient is not) agree within 1e-5, relative for the gradient norm, so step 2 starts from the same weights."""
@@ -107,7 +107,12 @@ def test_ddp_with_two_processes_equals_one_process(tmp_path):
         return [json.loads(line) for line in (tmp_path / out / "log.jsonl").read_text().splitlines()]
 
     one = launch("one", "data.batch_size=2")
-    two = launch("two", "data.batch_size=1", "distributed.strategy=ddp", procs=2)
+    for strategy in ("ddp", "fsdp"):
+        two = launch(strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
+        same(one, two)
+
+
+def same(one, two):
     assert len(one) == len(two) == 2
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "reward", "rewards/test_grpo:length/mean", "reward_std", "completion_length/mean",

@@ -29,17 +29,20 @@ from them), completion lengths (mean, max, truncated share), `kl`, the clip frac
 the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a
 reward that rests on the image falls without it.
 
-Not yet: `num_iterations` > 1 (old log-probs), FSDP2 (rollouts call `generate` on the unsharded module), the
+Under FSDP2 the rollout gathers the root's own parameters (`gathered`), and a trained vision side is encoded in each
+forward (its gradients are reduced by the sharded forward's hooks). Not yet: `num_iterations` > 1 (old log-probs), the
 rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), videos
 encoded once per step, `mmadapt sees` and `mmadapt plan` for a GRPO run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -62,6 +65,27 @@ from mmadapt.train.rewards import reward_specs, score
 
 log = logging.getLogger(__name__)
 ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
+
+
+def is_sharded(wrapped: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(wrapped, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(wrapped: Any) -> Iterator[None]:
+    """Under FSDP2, the root's own parameters (embeddings, head, projector: those of no sharded block) gathered while
+    the block runs: `generate` and `encode_images` are not the root's forward, whose hooks would gather them (each
+    block's forward still gathers its own)."""
+    if not is_sharded(wrapped):
+        yield
+        return
+    wrapped.unshard()
+    try:
+        yield
+    finally:
+        wrapped.reshard()
 
 
 def detached(visual: Any) -> Any:
@@ -132,9 +156,9 @@ class GrpoObjective(Objective):
         if self.tokenizer is None:
             raise ValueError("train.objective grpo trains on mmadapt.data.prompts.PromptDataset (its objective's "
                              "data(): mmadapt.train.run.build_run gives it)")
-        if run.dist.world > 1 and run.cfg.distributed.strategy != "ddp":
-            raise ValueError("train.objective grpo runs on several processes with distributed.strategy: ddp only "
-                             "(its rollouts call generate on the whole module); FSDP2 is not supported yet")
+        if is_sharded(run.wrapped):  # FSDP2 sets itself up in the root's first forward: before any block runs alone
+            with torch.no_grad():
+                self.placeholder_loss(run)
 
     # ---- 1-2: rollouts and rewards -------------------------------------------------------------------------------
     def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,7 +170,7 @@ class GrpoObjective(Objective):
         was_training = model.training
         model.eval()
         try:
-            with run.precision_context():
+            with run.precision_context(), gathered(run.wrapped):
                 done = [rollout(model, batch, s.num_generations, max_new_tokens=s.max_completion_length,
                                 eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
                                 temperature=s.temperature, top_p=s.top_p, encoded=detached(pictures),
@@ -182,15 +206,18 @@ class GrpoObjective(Objective):
 
     def encode(self, run: Run, batch: dict[str, Any]) -> Any:
         """The micro-batch's pictures encoded once, by the policy in training mode, with gradients when the vision
-        side trains (its graph is kept for the backward); None without pictures."""
+        side trains (its graph is kept for the backward); None without pictures, and under FSDP2 when the vision side
+        trains (its gradients are reduced by hooks of the sharded forward: each forward then encodes)."""
         model = run.model
         if batch.get("pixel_values") is None or not batch["input_ids"].shape[0]:
             return None
         trains = any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
+        if trains and is_sharded(run.wrapped):
+            return None
         was_training = model.training
         model.train()
         try:
-            with torch.set_grad_enabled(trains), run.precision_context():
+            with torch.set_grad_enabled(trains), run.precision_context(), gathered(run.wrapped):
                 return model.encode_images(batch["pixel_values"], batch.get("image_grid_thw"))
         finally:
             model.train(was_training)
@@ -318,7 +345,7 @@ class GrpoObjective(Objective):
 
     def greedy_rewards(self, run: Run, batch: dict[str, Any]) -> list[float]:
         """The total reward of one greedy answer to each prompt of `batch` (NaN totals, unscored rows, left out)."""
-        with run.precision_context():
+        with run.precision_context(), gathered(run.wrapped):
             answers = rollout(run.model, to_device(batch, run.device), 1, max_new_tokens=self.settings
                               .max_completion_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
                               temperature=0.0)
