@@ -64,6 +64,15 @@ def test_bench_dpo_quick_run_prints_its_table():
 
 
 @pytest.mark.slow
+def test_bench_grpo_quick_run_prints_its_table():
+    out = run("bench_grpo.py", "--quick", timeout=300)  # check=True: both layouts gave the same log-probs and gradients
+    assert "| variant | beta | vision encodings per step |" in out
+    assert "| shared (each picture once) | 0 | 2 (32 tokens) |" in out  # B = 2 pictures, once each
+    assert "| per row (trl, verl, EasyR1) | 0 | 4 (64 tokens) |" in out  # once per row: B x G = 4
+    assert "| per row (trl, verl, EasyR1) | 0.04 | 8 (128 tokens) |" in out  # and again for the reference
+
+
+@pytest.mark.slow
 def test_bench_checkpointing_quick_run_prints_its_table():
     out = run("bench_checkpointing.py", "--quick")
     assert "#### Activation checkpointing: fwd + bwd of 64 tokens" in out
