@@ -28,7 +28,10 @@ class VisionBatch:
     `images_per_sample` (B,); `cu_seqlens` (S + 1,) the packed samples' boundaries; `pixel_values_videos` (P, ...)
     with `video_grid_thw` (V, 3) and `videos_per_sample` (B,) (see `mmadapt.frames`); `image_index` (I_rows,): images
     shared by rows (a preference pair's prompt images, `mmadapt.data.preference`): per image of the rows, in row
-    order, the index of its pixels among the images `pixel_values` holds (encoded once, their visual tokens reused).
+    order, the index of its pixels among the images `pixel_values` holds (encoded once, their visual tokens reused);
+    `video_index` (V_rows,) the same for videos (an RL group's rows showing their prompt's videos): per video of the
+    rows, its index among the videos of `pixel_values_videos` / `video_grid_thw`; `videos_per_sample` counts the
+    rows' videos.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +46,7 @@ class VisionBatch:
     video_grid_thw: torch.Tensor | None = None
     videos_per_sample: torch.Tensor | None = None
     image_index: torch.Tensor | None = None
+    video_index: torch.Tensor | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -9,6 +9,8 @@ timestamp text and bracketed like an image. Everything video does on the shared 
 2. Encode, as transformers' Qwen models do: `encode` (videos alone) or `encode_together` (images and videos in ONE
    call of the vision side, split after, so every rank runs it once per forward whatever its mix: sharded FSDP2
    parts gather their parameters in step), then `per_frame`: one grid per temporal patch, (t, h, w) -> t x (1, h, w).
+   `shared`: rows that show the same videos take them from one encoding (`video_index`); `given`: videos encoded
+   beforehand (an RL step's one encoding) in their place.
 3. Check: `check` - frame spans per sample == the frames its videos yield, each span's length == its frame's
    tokens; `missing` - the error for frame spans when no video was given.
 4. Merge: `merge` - image spans and frame spans as one set in text order, with their visual tokens in that order.
@@ -63,7 +65,46 @@ def encode(model: Any, batch: VisionBatch, frames: ImageSpans) -> VisualTokens |
         visual = model.encode_images(batch.pixel_values_videos, batch.video_grid_thw)
     except ImageTokenContractError as e:
         raise ImageTokenContractError(f"sample {_first(frames)}: videos: {e}") from None
-    return per_frame(visual)
+    return per_frame(shared(visual, batch, frames))
+
+
+def shared(videos: VisualTokens, batch: VisionBatch, frames: ImageSpans) -> VisualTokens:
+    """The rows' videos from videos encoded once (`VisionBatch.video_index`: video k of the rows is encoded video
+    `video_index[k]`); `videos` itself without an index."""
+    index = batch.video_index
+    if index is None:
+        return videos
+    encoded = int(videos.grids.shape[0])
+    if index.ndim != 1 or (index.numel() and not 0 <= int(index.min()) <= int(index.max()) < encoded):
+        raise ImageTokenContractError(
+            f"sample {_first(frames)}: video_index must be a (V,) index into the {encoded} encoded videos, got "
+            f"{index.tolist()[:16]}. Fix: build the rows with mmadapt.train.objectives.rollout.group_rows")
+    return videos.take(index)
+
+
+def row_grids(batch: VisionBatch) -> torch.Tensor | None:
+    """(V_rows, 3) the (t, h, w) grid of each video of the rows (`video_grid_thw`, through `video_index`)."""
+    grids = batch.video_grid_thw
+    if grids is None or batch.video_index is None:
+        return grids
+    return grids[batch.video_index.to(grids.device)]
+
+
+def given(model: Any, batch: VisionBatch, frames: ImageSpans, videos: VisualTokens) -> VisualTokens:
+    """Videos encoded beforehand (`forward(visual_videos=)`: one entry per video of the rows, its (t, h, w) grid)
+    -> per frame; they must be the rows' videos: their grids equal the batch's `video_grid_thw`."""
+    if model.tokens.video_token_id is None:
+        check_inputs(model, batch, frames)
+    grids = row_grids(batch)
+    if grids is not None:
+        grids = model.projector.output_grids(grids)  # the LLM side's (t, h, w), as VisualTokens carry them
+    if grids is None or not torch.equal(videos.grids.to(grids.device), grids):
+        raise ImageTokenContractError(
+            f"sample {_first(frames)}: the videos handed in have (merged) grids "
+            f"{videos.grids.tolist()[:8]}, the rows' video_grid_thw gives "
+            f"{None if grids is None else grids.tolist()[:8]}. "
+            "Fix: hand in the rows' own videos, in row order (VisualTokens.take), with their video_grid_thw")
+    return per_frame(videos)
 
 
 def encode_together(model: Any, batch: VisionBatch, spans: ImageSpans,
@@ -78,13 +119,18 @@ def encode_together(model: Any, batch: VisionBatch, spans: ImageSpans,
         return model.encode_checked(pixel_values, image_grid_thw, spans), encode(model, batch, frames)
     both = model.encode_checked(torch.cat([pixel_values, batch.pixel_values_videos.to(pixel_values.dtype)]),
                                 torch.cat([image_grid_thw, video_grid_thw.to(image_grid_thw.device)]), spans)
-    images = len(image_grid_thw)
-    cut = int(both.grids[:images].prod(-1).sum())
+    images, videos = split(both, len(image_grid_thw))
+    return images, per_frame(shared(videos, batch, frames))
+
+
+def split(both: VisualTokens, images: int) -> tuple[VisualTokens, VisualTokens]:
+    """One encoding of `images` images then videos -> (the images' tokens, the videos' tokens)."""
+    cut = int(both.tokens_per_image[:images].sum())
 
     def part(rows: slice, grids: torch.Tensor) -> VisualTokens:
         return VisualTokens(both.features[rows], grids, both.window, tuple(level[rows] for level in both.levels))
 
-    return part(slice(0, cut), both.grids[:images]), per_frame(part(slice(cut, None), both.grids[images:]))
+    return part(slice(0, cut), both.grids[:images]), part(slice(cut, None), both.grids[images:])
 
 
 def per_frame(video: VisualTokens) -> VisualTokens:
@@ -98,7 +144,7 @@ def per_frame(video: VisualTokens) -> VisualTokens:
 def frames_per_sample(batch: VisionBatch) -> torch.Tensor | None:
     """(B,) the frames (temporal patches) each sample's videos yield; None without `video_grid_thw` and
     `videos_per_sample`."""
-    grids, videos = batch.video_grid_thw, batch.videos_per_sample
+    grids, videos = row_grids(batch), batch.videos_per_sample
     if videos is None or grids is None:
         return None
     owner = torch.repeat_interleave(torch.arange(batch.batch_size, device=grids.device), videos.to(grids.device))

@@ -52,8 +52,9 @@ class GenerateMixin:
                  videos_per_sample: torch.Tensor | None = None, repetition_penalty: float = 1.0,
                  logprobs: int | None = None,
                  on_step: Callable[[GenerationStep], Any] | None = None,
-                 image_index: torch.Tensor | None = None, row_seeds: torch.Tensor | None = None,
-                 visual: Any = None) -> torch.Tensor:
+                 image_index: torch.Tensor | None = None, video_index: torch.Tensor | None = None,
+                 row_seeds: torch.Tensor | None = None,
+                 visual: Any = None, visual_videos: Any = None, repeats: int = 1) -> torch.Tensor:
         """Decoding with images: greedy (`temperature` 0, the default) or sampled (temperature, nucleus `top_p`,
         `generator` for reproducibility). Returns only the new tokens (B, T), `pad_token_id` after EOS;
         `on_token(tokens (B,))` is called as each step's tokens are chosen (streaming).
@@ -69,10 +70,16 @@ class GenerateMixin:
         the K most likely alternatives: see `token_logprobs`); it may end rows early by returning True (all rows) or
         a (B,) bool tensor (the rows to end; a stop string, a cancelled request): those rows are done, as after EOS.
         `image_index` (rows sharing encoded images, `VisionBatch`): each picture of `pixel_values` is encoded once
-        for every row that shows it (an RL group's G answers to one prompt). `row_seeds` (B,) int64: each row samples
+        for every row that shows it (`video_index`: each video likewise). `row_seeds` (B,) int64: each row samples
         from its own seed (`row_sample`), so a row's answer does not depend on the rows beside it - on which rank,
-        in which batch, or after a resume it is generated (`generator` is then not used). `visual`: the rows' images
-        already encoded (`VisualTokens`, as `forward` takes them): the vision side does not run.
+        in which batch, or after a resume it is generated (`generator` is then not used). `visual` / `visual_videos`:
+        the rows' images / videos already encoded (`VisualTokens`, as `forward` takes them): the vision side does not
+        run for them.
+
+        `repeats` R (an RL group's G answers to one prompt): each of the B prompt rows is answered R times. Its prompt
+        is prefilled once and the cache copied R ways (`Cache.reorder_cache`: attention keys and values, Gated
+        DeltaNet conv and recurrent states alike); the result has B x R rows, a row's R answers side by side (row r
+        answers prompt r // R), and `row_seeds` then has B x R entries.
         """
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)
@@ -80,14 +87,19 @@ class GenerateMixin:
         input_ids, valid = input_ids.gather(1, order), valid.gather(1, order)
         types = None if mm_token_type_ids is None else mm_token_type_ids.gather(1, order)
         inputs = self.prepare(batch.replace(input_ids=input_ids, attention_mask=valid, mm_token_type_ids=types),
-                              visual=visual)
+                              visual=visual, visual_videos=visual_videos)
         next_position = inputs.position_ids.amax(dim=(0, 2) if self.uses_mrope else 1) + 1
+        with inputs.verified(self.backbone):  # the prefill: logits of the last position only (V x D per token)
+            out = self.backbone(**inputs.backbone_kwargs(), use_cache=True, logits_to_keep=1)
+        if repeats != 1:
+            out, input_ids, valid, next_position = repeated(out, repeats, input_ids, valid, next_position)
+        if row_seeds is not None and len(row_seeds) != input_ids.shape[0]:
+            raise ValueError(f"row_seeds has {len(row_seeds)} entries for {input_ids.shape[0]} answers "
+                             f"({input_ids.shape[0] // repeats} prompts x repeats {repeats})")
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         suppress = torch.tensor(placeholder_ids(self.tokens), dtype=torch.long, device=input_ids.device)
         seen = None  # (B, V) the tokens each row holds, for the repetition penalty
-        with inputs.verified(self.backbone):  # the prefill: logits of the last position only (V x D per token)
-            out = self.backbone(**inputs.backbone_kwargs(), use_cache=True, logits_to_keep=1)
         new_tokens = []
         for step in range(max_new_tokens):
             logits = out.logits[:, -1]
@@ -118,6 +130,19 @@ class GenerateMixin:
                                 attention_mask=valid, position_ids=step_positions, cache=out.cache, use_cache=True)
             next_position = next_position + 1
         return torch.stack(new_tokens, dim=1)
+
+
+def repeated(out: Any, repeats: int, *rows: torch.Tensor) -> tuple[Any, ...]:
+    """A prefill's output for B prompts -> for B x `repeats` answers: the last logits, the cache (keys and values,
+    linear-attention conv and recurrent states: transformers' `reorder_cache`, as its beam search copies beams) and
+    each per-row tensor of `rows` ((B, ...) or the (B, ...)-last M-RoPE positions) repeated, a prompt's copies side
+    by side."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    index = torch.arange(out.logits.shape[0], device=out.logits.device).repeat_interleave(repeats)
+    out.cache.reorder_cache(index)
+    out.logits = out.logits.index_select(0, index)
+    return (out, *(t.index_select(0, index.to(t.device)) for t in rows))
 
 
 def placeholder_ids(tokens: SpanTokens) -> list[int]:

@@ -127,10 +127,12 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         return self.backbone_spec.positions == "mrope"
 
     # ---- the one input path ----------------------------------------------------------------------
-    def prepare(self, batch: VisionBatch, *, visual: VisualTokens | None = None, check: bool | None = None,
+    def prepare(self, batch: VisionBatch, *, visual: VisualTokens | None = None,
+                visual_videos: VisualTokens | None = None, check: bool | None = None,
                 trace: dict[str, Any] | None = None) -> ModelInputs:
         """A batch's inputs (`VisionBatch`) -> the backbone's (`ModelInputs`): locate the image spans, encode the
-        images (or take ready `visual` tokens at LLM width), check the contract, scatter the visual tokens into the
+        images (or take ready `visual` tokens at LLM width; `visual_videos` likewise for the videos, one entry per
+        video with its (t, h, w) grid), check the contract, scatter the visual tokens into the
         embeddings, derive positions (unless given) and the attention mask (packed rows: `cu_seqlens`).
 
         Videos (`mmadapt.frames`; dynamic encoders and backbones with a video token): encoded as transformers' Qwen
@@ -148,12 +150,14 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         trace["valid"] = valid = as_bool_mask(batch.attention_mask, input_ids)
         segments = None if batch.cu_seqlens is None else Segments.from_cu_seqlens(batch.cu_seqlens, valid)
         given = visual is not None
-        if visual is None and batch.pixel_values is not None and batch.pixel_values_videos is not None:
+        if (visual is None and visual_videos is None and batch.pixel_values is not None
+                and batch.pixel_values_videos is not None):
             visual, video = frames.encode_together(self, batch, spans, frame_spans)
         else:
             if visual is None:
                 visual = self.encode_checked(batch.pixel_values, batch.image_grid_thw, spans)
-            video = frames.encode(self, batch, frame_spans)
+            video = frames.encode(self, batch, frame_spans) if visual_videos is None else frames.given(
+                self, batch, frame_spans, visual_videos)
         if batch.image_index is not None and visual is not None and not given:
             visual = self.shared_images(visual, batch.image_index, spans)
         trace["visual"] = visual
@@ -327,6 +331,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         meta: dict[str, Any] | None = None,
         return_logits: bool = False,
         image_index: torch.Tensor | None = None,
+        video_index: torch.Tensor | None = None,
         sequence_logps: bool = False,
         reference: tuple[torch.Tensor, Any] | None = None,
         keep_states: bool = False,
@@ -334,6 +339,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         token_logps: bool = False,
         temperature: float = 1.0,
         visual: VisualTokens | None = None,
+        visual_videos: VisualTokens | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | SequenceLogProbs | torch.Tensor:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
@@ -357,8 +363,11 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
         `visual`: the rows' images already encoded (`VisualTokens` at LLM width, one entry per image of the rows, in
         row order; `VisualTokens.take` gives them from pictures encoded once): the vision side does not run for them
-        (an RL step's one encoding, shared by its rollout and its forwards)."""
-        inputs = self.prepare(VisionBatch.of(locals()), visual=visual)  # the inputs, by VisionBatch's fields
+        (an RL step's one encoding, shared by its rollout and its forwards). `visual_videos`: the same for the rows'
+        videos (one entry per video of the rows, its (t, h, w) grid; the rows still carry `video_grid_thw` and
+        `videos_per_sample`, which the checks compare with it)."""
+        inputs = self.prepare(VisionBatch.of(locals()), visual=visual,  # the inputs, by VisionBatch's fields
+                              visual_videos=visual_videos)
         if token_logps:
             if labels is None:
                 raise ValueError("token_logps needs labels (the tokens to score)")

@@ -171,20 +171,26 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
 @pytest.mark.parametrize("g", [2, 4])
 def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and_the_policy(tmp_path, g):
     """A hook on the vision tower over a whole step (grad_accum 2; rollout, reference with beta > 0 and the policy's
-    forward and backward), prompts with one or two pictures and text-only ones mixed: one encoding per picture."""
+    forward and backward), prompts with no picture, one or two images, a video, an image and a video mixed: one
+    encoding per picture (image or video)."""
+    from mmadapt.synthetic import moving_square, write_video
+
+    write_video(tmp_path / "left.mp4", moving_square(8, 32, 48, direction=(0, -1), start=(8, 40)), fps=8)
     records = []
     for k in range(8):
         pictures = [f"{k}.png", f"{k}b.png"][: k % 3]  # 0, 1 or 2 pictures
         for name in pictures:
             Image.new("RGB", (32, 32 + 32 * (k % 2)), COLOURS["red" if k % 2 else "blue"]).save(tmp_path / name)
-        records.append({"id": f"q{k}", "problem": "<image>" * len(pictures) + "Which colour?", "answer": "red",
-                        "images": pictures})
+        videos = ["left.mp4"] if k in (2, 3, 5) else []  # a video alone, with one image, with two
+        records.append({"id": f"q{k}", "problem": "<image>" * len(pictures) + "<video>" * len(videos)
+                        + "Which colour?", "answer": "red", "images": pictures, "videos": videos})
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
                                 "train.rewards=['test_grpo:length']", f"data.train={path}",
                                 f"data.image_root={tmp_path}", "data.batch_size=3", "train.grad_accum=2",
-                                "data.max_length=128", f"grpo.num_generations={g}", "grpo.max_completion_length=4",
+                                "data.max_length=256", "data.video.fps=4", "data.video.max_pixels=32768",
+                                f"grpo.num_generations={g}", "grpo.max_completion_length=4",
                                 "grpo.beta=0.04", "stages.backbone=lora", "train.steps=1"])
     parts = build_run(cfg)
     trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate)
@@ -197,7 +203,8 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
     rows = trainer.objective.training_rows
 
     def recording(run, micro):
-        shown.extend(int(b["images_per_sample"].sum()) for b in micro if b.get("pixel_values") is not None)
+        shown.extend(sum(int(b[k].sum()) for k in ("images_per_sample", "videos_per_sample") if b.get(k) is not None)
+                     for b in micro if b["input_ids"].shape[0])
         return rows(run, micro)
 
     trainer.objective.training_rows = recording
@@ -206,5 +213,6 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
         history = trainer.fit()["history"]
     finally:
         hook.remove()
-    assert shown and seen == {"calls": len(shown), "pictures": sum(shown)}, (seen, shown)
+    with_pictures = [n for n in shown if n]
+    assert seen == {"calls": len(with_pictures), "pictures": sum(shown)}, (seen, shown)
     assert "kl" in history[0] and math.isfinite(history[0]["loss"])

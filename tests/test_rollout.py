@@ -176,3 +176,127 @@ def test_row_sampling_draws_from_the_distribution():
     tokens = row_sample(probs, torch.arange(20_000, dtype=torch.int64) * 7919 + 11)
     shares = torch.bincount(tokens, minlength=4) / 20_000
     assert torch.allclose(shares, torch.tensor([0.1, 0.2, 0.7, 0.0]), atol=0.015)  # 4.7 sigma at 20k draws
+
+
+@pytest.mark.parametrize("parts", [QWEN, ("clip", "mlp2x_gelu", "llama"), ("qwen3_vl_vit", "qwen_merger", "qwen3_vl")])
+def test_a_prompt_prefilled_once_with_its_cache_copied_answers_as_g_prefills_do(tmp_path, parts):
+    """`generate(repeats=G)`: each prompt prefilled once and its cache (attention keys and values; Qwen3.5's Gated
+    DeltaNet conv and recurrent states) copied G ways gives, token for token, the answers of the G rows prefilled
+    side by side, and their log-probs within 1e-5 (fp32; the prefill's batch differs, so its sums may round apart);
+    each copy then runs on its own (a group's sampled answers differ)."""
+    from mmadapt.generation import GenerationStep
+    from mmadapt.train.objectives.rollout import INPUTS, group_rows, row_seeds
+
+    records = [{**PROMPTS[0], "problem": "<image>\n<image>\nHow many shapes?"}, *PROMPTS[1:]]  # llava: spans apart
+    for k, side in enumerate((32, 64)):
+        Image.new("RGB", (side, 32), (90 * k, 40, 200)).save(tmp_path / f"{k}.png")
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*parts).eval()
+    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(tmp_path), max_length=256)
+    prompts = PromptEncoder(encoder, completion_tokens=12)
+    batch = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(r, k).sample
+                                                              for k, r in enumerate(records)])
+    g, seeds = 3, row_seeds(0, 1, [r["id"] for r in PROMPTS], 3)
+
+    def answers(inputs, **extra):
+        scores = []
+
+        def keep(step: GenerationStep):
+            scores.append(step.logprobs)
+
+        tokens = model.generate(**inputs, **extra, max_new_tokens=10, pad_token_id=encoder.pad_token_id,
+                                temperature=1.0, row_seeds=seeds, logprobs=0, on_step=keep)
+        return tokens, torch.stack(scores, dim=1)
+
+    once, once_logps = answers({k: v for k, v in batch.items() if k in INPUTS}, repeats=g)
+    rows = {**{k: v for k, v in batch.items() if k in ("pixel_values", "image_grid_thw")}, **group_rows(batch, g)}
+    side_by_side, their_logps = answers(rows)
+    assert once.shape == (len(PROMPTS) * g, 10)
+    assert torch.equal(once, side_by_side)
+    assert torch.allclose(once_logps, their_logps, atol=1e-5, rtol=0)
+    assert len({tuple(row.tolist()) for row in once[:g]}) > 1  # the copies sample apart
+    with pytest.raises(ValueError, match="row_seeds has 9 entries for 3 answers"):
+        model.generate(**{k: v for k, v in batch.items() if k in INPUTS}, max_new_tokens=2, temperature=1.0,
+                       row_seeds=seeds)
+
+
+@pytest.fixture(scope="module")
+def with_videos(tmp_path_factory):
+    """Prompts with a video, an image and a video, text only, and an image (Qwen3.5's frames as image-like spans)."""
+    from mmadapt.synthetic import moving_square, write_video
+
+    root = tmp_path_factory.mktemp("videos")
+    write_video(root / "left.mp4", moving_square(8, 32, 48, direction=(0, -1), start=(8, 40)), fps=8)
+    write_video(root / "down.mp4", moving_square(6, 48, 32, direction=(1, 0)), fps=6)
+    Image.new("RGB", (64, 32), (200, 40, 90)).save(root / "0.png")
+    records = [{"id": "video", "problem": "<video>Which way?", "answer": "left", "videos": ["left.mp4"]},
+               {"id": "both", "problem": "<image><video>Same colour?", "answer": "no", "images": ["0.png"],
+                "videos": ["down.mp4"]},
+               {"id": "text", "problem": "Say a number.", "answer": "1"},
+               {"id": "image", "problem": "<image>What colour?", "answer": "red", "images": ["0.png"]}]
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).eval()
+    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root), max_length=512,
+                                      video={"fps": 4, "min_pixels": 16 * 16, "max_pixels": 8 * 64 * 64})
+    prompts = PromptEncoder(encoder, completion_tokens=12)
+    batch = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(r, k).sample
+                                                              for k, r in enumerate(records)])
+    assert batch["videos_per_sample"].tolist() == [1, 1, 0, 0] and batch["images_per_sample"].tolist() == [0, 1, 0, 1]
+    return model, encoder, {k: v for k, v in batch.items() if k not in ("labels", "meta")}
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_videos_and_images_are_encoded_once_for_the_g_answers_and_score_as_separate_encodings(with_videos, g):
+    """Images, videos and a text-only prompt in one batch: the rollout and the scored rows each run the vision side
+    once over each picture (2 images, 2 videos), whatever G; the scored rows' log-probs and gradients equal rows that
+    each encode their own pictures (<= 1e-6), and equal exactly those of the pictures encoded beforehand
+    (`encode_prompts`, an RL step's one encoding)."""
+    from mmadapt.train.objectives.rollout import encode_prompts
+
+    model, encoder, batch = with_videos
+    seen, hook = encoded_pictures(model)
+    try:
+        done = rollout(model, batch, g, max_new_tokens=5, eos_token_id=encoder.tokenizer.eos_token_id,
+                       pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    finally:
+        hook.remove()
+    assert seen == {"calls": 1, "pictures": 4}
+    shared = scored_rows(batch, done, encoder.pad_token_id)
+    check_groups(shared, g, model.tokens.image_token_id)
+    assert shared["video_index"].tolist() == [0] * g + [1] * g and shared["image_index"].tolist() == [0] * g + [1] * g
+    separate = dict(shared)
+    for index, pixels, grids in (("image_index", "pixel_values", "image_grid_thw"),
+                                 ("video_index", "pixel_values_videos", "video_grid_thw")):
+        chosen = separate.pop(index)
+        patches = batch[grids].prod(dim=1)
+        starts = torch.cumsum(patches, 0) - patches
+        separate[pixels] = torch.cat([batch[pixels][int(starts[i]):int(starts[i] + patches[i])]
+                                      for i in chosen.tolist()])
+        separate[grids] = batch[grids][chosen]
+
+    def scores(rows, **given):
+        model.zero_grad()
+        logps = model(**rows, **given, token_logps=True, temperature=0.7)
+        per_token = completion_logps(logps, rows["labels"], done)
+        (per_token * done.mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return per_token.detach(), grads
+
+    seen, hook = encoded_pictures(model)
+    try:
+        ours, our_grads = scores(shared)
+    finally:
+        hook.remove()
+    assert seen == {"calls": 1, "pictures": 4}  # once each, for 4 x G rows
+    theirs, their_grads = scores(separate)
+    handed, handed_grads = scores(shared, **encode_prompts(model, batch).for_rows(shared))
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+    assert torch.equal(ours, handed)
+    assert our_grads.keys() == their_grads.keys() == handed_grads.keys() and any("encoder" in n for n in our_grads)
+    for name, grad in our_grads.items():
+        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
+    swapped = {**shared, "video_index": shared["video_index"].clone()}
+    swapped["video_index"][1] = 1  # group 0's second row shows prompt 1's video
+    with pytest.raises(ImageTokenContractError, match="group 0: its rows show different videos"):
+        check_groups(swapped, g, model.tokens.image_token_id)

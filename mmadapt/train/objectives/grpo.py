@@ -4,15 +4,16 @@ settings of the run config's `grpo` section (`GrpoSection`, trl's `GRPOConfig` n
 
 A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 / ms-swift records, encoded once):
 
-0. each picture of the micro-batch is encoded once (`encode`: in training mode, with gradients when the vision side
-   trains), and that one encoding serves the rollout (detached), the policy's forward (with its graph) and the
-   reference's (detached; encoded again only when LoRA trains the vision side, whose reference differs). Videos are
-   encoded in each forward, once per row;
+0. each picture (image or video) of the micro-batch is encoded once (`encode`: in training mode, with gradients
+   when the vision side trains), and that one encoding serves the rollout (detached), the policy's forward (with its
+   graph) and the reference's (detached; encoded again only when LoRA trains the vision side, whose reference
+   differs);
 
 1. rollout (`training_rows`): the policy answers each prompt G = `num_generations` times with mmadapt's `generate`
-   (`mmadapt.train.objectives.rollout`: sampled at `temperature` / `top_p`, the vision placeholders and span tokens
-   never generated); each answer samples from its own seed (the run's
-   seed, the step, the prompt's id, its place in the group), so it is the same on any rank and after a resume;
+   (`mmadapt.train.objectives.rollout`: each prompt prefilled once and its cache copied G ways, sampled at
+   `temperature` / `top_p`, the vision placeholders and span tokens never generated); each answer samples from its
+   own seed (the run's seed, the step, the prompt's id, its place in the group), so it is the same on any rank and
+   after a resume;
 2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
    total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
    never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
@@ -38,7 +39,6 @@ encoded once per step, `mmadapt sees` and `mmadapt plan` for a GRPO run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -54,9 +54,11 @@ from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepRes
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
 from mmadapt.train.objectives.rollout import (
+    Encoded,
     Rollouts,
     check_groups,
     completion_logps,
+    encode_prompts,
     rollout,
     row_seeds,
     scored_rows,
@@ -65,6 +67,7 @@ from mmadapt.train.rewards import reward_specs, score
 
 log = logging.getLogger(__name__)
 ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
+ENCODED = "encoded"  # ... and the step's one encoding of its prompts' pictures (`rollout.Encoded`)
 
 
 def is_sharded(wrapped: Any) -> bool:
@@ -86,14 +89,6 @@ def gathered(wrapped: Any) -> Iterator[None]:
         yield
     finally:
         wrapped.reshard()
-
-
-def detached(visual: Any) -> Any:
-    """`VisualTokens` without their graph (the rollout's and the reference's view of the step's one encoding)."""
-    if visual is None:
-        return None
-    return dataclasses.replace(visual, features=visual.features.detach(),
-                               levels=tuple(level.detach() for level in visual.levels))
 
 
 class GrpoObjective(Objective):
@@ -173,7 +168,8 @@ class GrpoObjective(Objective):
             with run.precision_context(), gathered(run.wrapped):
                 done = [rollout(model, batch, s.num_generations, max_new_tokens=s.max_completion_length,
                                 eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                temperature=s.temperature, top_p=s.top_p, encoded=detached(pictures),
+                                temperature=s.temperature, top_p=s.top_p,
+                                encoded=None if pictures is None else pictures.detached(),
                                 seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
                                     "sample_ids"]], s.num_generations)) if batch["input_ids"].shape[0] else None
                         for batch, pictures in zip(micro, encoded, strict=True)]
@@ -195,7 +191,7 @@ class GrpoObjective(Objective):
             scored = scored_rows(batch, r, self.pad_token_id)
             check_groups(scored, s.num_generations, self.image_token_id)
             if pictures is not None:  # the policy's forward takes the encoding, with its graph
-                scored["visual"] = pictures.take(scored["image_index"])
+                scored[ENCODED] = pictures
             rows.append({**scored, "meta": batch["meta"], ROLLOUT: {
                 "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask},
                 "logged": {**sc.logged(), "reward_std": float(advantages.std.nanmean()),
@@ -204,12 +200,13 @@ class GrpoObjective(Objective):
             rows[0]["logged"]["rollout_s"] = rollout_s
         return rows
 
-    def encode(self, run: Run, batch: dict[str, Any]) -> Any:
-        """The micro-batch's pictures encoded once, by the policy in training mode, with gradients when the vision
-        side trains (its graph is kept for the backward); None without pictures, and under FSDP2 when the vision side
-        trains (its gradients are reduced by hooks of the sharded forward: each forward then encodes)."""
+    def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
+        """The micro-batch's pictures (images and videos) encoded once, by the policy in training mode, with
+        gradients when the vision side trains (its graph is kept for the backward); None without pictures, and under
+        FSDP2 when the vision side trains (its gradients are reduced by hooks of the sharded forward: each forward
+        then encodes, still each picture once per forward through `image_index` / `video_index`)."""
         model = run.model
-        if batch.get("pixel_values") is None or not batch["input_ids"].shape[0]:
+        if not batch["input_ids"].shape[0]:
             return None
         trains = any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
         if trains and is_sharded(run.wrapped):
@@ -218,7 +215,7 @@ class GrpoObjective(Objective):
         model.train()
         try:
             with torch.set_grad_enabled(trains), run.precision_context(), gathered(run.wrapped):
-                return model.encode_images(batch["pixel_values"], batch.get("image_grid_thw"))
+                return encode_prompts(model, batch)
         finally:
             model.train(was_training)
 
@@ -271,16 +268,17 @@ class GrpoObjective(Objective):
     def terms(self, run: Run, batch: dict[str, Any], steps: int, total_tokens: int) -> Any:
         rolled = batch[ROLLOUT]
         rows, done = inputs_of(batch), rolled["rollouts"]
-        logps = run.wrapped(**rows, token_logps=True, temperature=self.settings.temperature)
+        pictures: Encoded | None = rows.pop(ENCODED, None)
+        given = {} if pictures is None else pictures.for_rows(rows)
+        logps = run.wrapped(**rows, **given, token_logps=True, temperature=self.settings.temperature)
         per_token = completion_logps(logps, rows["labels"], done)
         reference = None
         if self.settings.beta > 0:
             model = run.model  # the reference's vision side is the policy's unless LoRA trains it (then: encoded again)
-            shared = "visual" in rows and not (lora_layers(model.encoder) or lora_layers(model.projector))
-            ref_rows = {**rows, "visual": detached(rows["visual"])} if shared else {
-                k: v for k, v in rows.items() if k != "visual"}
+            shared = pictures is not None and not (lora_layers(model.encoder) or lora_layers(model.projector))
+            ref_given = pictures.detached().for_rows(rows) if shared else {}
             with torch.no_grad(), adapters_disabled(model):
-                reference = completion_logps(run.wrapped(**ref_rows, token_logps=True,
+                reference = completion_logps(run.wrapped(**rows, **ref_given, token_logps=True,
                                                          temperature=self.settings.temperature), rows["labels"], done)
         return policy_loss(per_token, None, reference, rolled["advantages"], rolled["mask"], self.loss,
                            accumulation_steps=steps, num_items=total_tokens)

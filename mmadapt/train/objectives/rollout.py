@@ -1,33 +1,35 @@
 """Rollouts for online RL: each prompt of a batch answered G times by the policy, and the rows the policy then scores.
 
 `rollout(model, prompts, G, ...)` answers a `Collator` batch of B generation prompts (`mmadapt.data.prompts`) with
-mmadapt's own `generate`: the B x G rows are the prompts repeated (a group's rows side by side: row r answers prompt
-r // G), sampled at the given temperature and nucleus, the vision placeholders and span tokens never generated
-(`generate` bans them), and each picture encoded once for the G rows that show it (`image_index`). `Rollouts` holds
-the completions (R = B x G rows, T tokens, `pad` after the end), which tokens belong to each answer (its end token
-included) and which answers were cut at `max_new_tokens` without an end.
+mmadapt's own `generate`: each prompt is prefilled once, with each of its pictures encoded once (or handed in,
+`encode_prompts`), and its cache copied G ways (`generate(repeats=G)`); the B x G answers (a group's rows side by
+side: row r answers prompt r // G) are sampled at the given temperature and nucleus, the vision placeholders and span
+tokens never generated (`generate` bans them). `Rollouts` holds the completions (R = B x G rows, T tokens, `pad`
+after the end), which tokens belong to each answer (its end token included) and which answers were cut at
+`max_new_tokens` without an end.
 
 `scored_rows(prompts, rollouts)` lays out what the policy, the old policy and the reference score: per row its
 prompt's tokens then its completion, right-padded, the completion tokens as labels (nothing else supervised), the
-prompt's pictures once for its G rows (`image_index`), Qwen's `mm_token_type_ids` extended with text. The same
-layout serves every forward of a step, so their visual spans are the same by construction; `check_groups` verifies
-it from the ids (each group's rows hold identical prompt spans).
+prompt's images and videos once for its G rows (`image_index`, `video_index`), Qwen's `mm_token_type_ids` extended
+with text. The same layout serves every forward of a step, so their visual spans are the same by construction;
+`check_groups` verifies it from the ids (each group's rows hold identical prompt spans and pictures). `Encoded` (the
+prompts' pictures encoded once) gives every forward of the step its rows' visual tokens (`Encoded.for_rows`).
 
-Shapes: B prompts, G answers per prompt, R = B x G rows, L prompt tokens, T completion tokens, I pictures.
-Videos are laid out per row (encoded for each of the G rows).
+Shapes: B prompts, G answers per prompt, R = B x G rows, L prompt tokens, T completion tokens, I images, V videos.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 import torch
 
+from mmadapt.encoders import VisualTokens
 from mmadapt.loss import IGNORE_INDEX
 
 
-@dataclass
+@dataclasses.dataclass
 class Rollouts:
     """R = B x G answers: `completions` (R, T) ids, `pad` after each answer's end; `mask` (R, T) bool, the answer's
     tokens (its end token included); `truncated` (R,) bool, cut at `max_new_tokens` with no end token;
@@ -62,25 +64,64 @@ def group_rows(prompts: dict[str, Any], num_generations: int) -> dict[str, Any]:
         if prompts.get("image_grid_thw") is not None:
             rows["image_grid_thw"] = prompts["image_grid_thw"]
     if prompts.get("pixel_values_videos") is not None:
-        videos = prompts["videos_per_sample"]
+        videos = prompts["videos_per_sample"].cpu()
         if prompts.get("video_grid_thw") is None:
             raise ValueError("videos in a rollout need video_grid_thw (Qwen's video processor)")
-        grid = prompts["video_grid_thw"]
-        patches = grid.prod(dim=1)
         starts = torch.cumsum(videos, 0) - videos
-        pixels, grids = [], []
-        for p in range(len(videos)):
-            chosen = range(int(starts[p]), int(starts[p] + videos[p]))
-            offsets = [int(patches[:v].sum()) for v in chosen]
-            part = [prompts["pixel_values_videos"][o:o + int(patches[v])] for o, v in zip(offsets, chosen,
-                                                                                         strict=True)]
-            for _ in range(g):
-                pixels += part
-                grids += [grid[v] for v in chosen]
-        rows["pixel_values_videos"] = torch.cat(pixels)
-        rows["video_grid_thw"] = torch.stack(grids)
-        rows["videos_per_sample"] = videos.repeat_interleave(g)
+        rows["video_index"] = torch.cat([torch.arange(int(s), int(s + n)) for s, n in zip(starts, videos, strict=True)
+                                         for _ in range(g)]).to(prompts["input_ids"].device)
+        rows["videos_per_sample"] = videos.repeat_interleave(g).to(prompts["input_ids"].device)
+        rows["pixel_values_videos"], rows["video_grid_thw"] = prompts["pixel_values_videos"], prompts["video_grid_thw"]
     return rows
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A prompt batch's pictures encoded once (`encode_prompts`): `images` one entry per image, `videos` one per video
+    (its (t, h, w) grid), in the batch's order; None where it has none."""
+
+    images: VisualTokens | None
+    videos: VisualTokens | None
+
+    def detached(self) -> Encoded:
+        """Without their graph (the rollout's and a reference's view of the step's one encoding)."""
+        def cut(v: VisualTokens | None) -> VisualTokens | None:
+            return None if v is None else dataclasses.replace(v, features=v.features.detach(),
+                                                              levels=tuple(x.detach() for x in v.levels))
+        return Encoded(cut(self.images), cut(self.videos))
+
+    def for_rows(self, rows: dict[str, Any]) -> dict[str, VisualTokens]:
+        """`forward` / `generate`'s `visual` and `visual_videos` for `rows`: through their `image_index` /
+        `video_index` (`group_rows`), else the prompts' own."""
+        out = {}
+        for key, tokens, index in (("visual", self.images, "image_index"),
+                                   ("visual_videos", self.videos, "video_index")):
+            if tokens is not None:
+                out[key] = tokens.take(rows[index]) if rows.get(index) is not None else tokens
+        return out
+
+
+def encode_prompts(model: Any, prompts: dict[str, Any]) -> Encoded | None:
+    """Each picture of a prompt batch through the vision side once (images and videos in one call, as `forward`
+    encodes them); None without pictures. Runs in the model's mode and the caller's grad mode."""
+    from mmadapt.frames import split
+
+    images, videos = prompts.get("pixel_values"), prompts.get("pixel_values_videos")
+    if images is None and videos is None:
+        return None
+    if videos is None:
+        return Encoded(model.encode_images(images, prompts.get("image_grid_thw")), None)
+    grids = prompts["video_grid_thw"]
+    if images is None:
+        return Encoded(None, model.encode_images(videos, grids))
+    image_grids = prompts["image_grid_thw"]
+    both = model.encode_images(torch.cat([images, videos.to(images.dtype)]),
+                               torch.cat([image_grids, grids.to(image_grids.device)]))
+    return Encoded(*split(both, len(image_grids)))
+
+
+INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "images_per_sample",
+          "pixel_values_videos", "video_grid_thw", "videos_per_sample")  # what `generate` takes of a prompt batch
 
 
 def images_per_prompt(prompts: dict[str, Any]) -> torch.Tensor:
@@ -106,18 +147,18 @@ def row_seeds(seed: int, step: int, sample_ids: list[str], num_generations: int)
 def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_new_tokens: int, eos_token_id: Any,
             pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
             generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
-            encoded: Any = None) -> Rollouts:
-    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`; with
-    `seeds` (B x G,) each answer from its own seed (`row_seeds`), else from `generator`; `encoded`: the prompts'
-    pictures already encoded (`VisualTokens`, one entry per picture of `prompts`), else encoded here, once each."""
-    rows = group_rows(prompts, num_generations)
-    if encoded is not None and "image_index" in rows:
-        rows["visual"] = encoded.take(rows["image_index"])
-    inputs = {k: v for k, v in prompts.items() if k in ("image_grid_thw", "pixel_values", "pixel_values_videos",
-                                                         "video_grid_thw")}
-    completions = model.generate(**{**inputs, **rows}, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+            encoded: Encoded | None = None) -> Rollouts:
+    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`: each
+    prompt prefilled once and its cache copied G ways (`generate(repeats=G)`); with `seeds` (B x G,) each answer from
+    its own seed (`row_seeds`), else from `generator`; `encoded`: the prompts' pictures already encoded
+    (`encode_prompts`), else encoded here, once each."""
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    inputs = {k: v for k, v in prompts.items() if k in INPUTS and v is not None}
+    given = encoded.for_rows(prompts) if encoded is not None else {}
+    completions = model.generate(**inputs, **given, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                  pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                                 generator=generator, row_seeds=seeds)
+                                 generator=generator, row_seeds=seeds, repeats=num_generations)
     ends = torch.tensor([] if eos_token_id is None else eos_token_id, device=completions.device).flatten()
     is_end = torch.isin(completions, ends)
     ended = is_end.any(dim=1)
@@ -129,7 +170,7 @@ def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_ne
 
 def scored_rows(prompts: dict[str, Any], rollouts: Rollouts, pad_token_id: int) -> dict[str, Any]:
     """The B x G rows the policy scores: each row's prompt tokens, then its completion, right-padded; `labels` the
-    completion tokens (IGNORE elsewhere); the prompt's pictures once per group (`image_index`)."""
+    completion tokens (IGNORE elsewhere); the prompt's pictures once per group (`image_index`, `video_index`)."""
     rows = group_rows(prompts, rollouts.num_generations)
     valid = rows["attention_mask"].bool()
     lengths = valid.sum(dim=1) + rollouts.lengths
@@ -177,15 +218,17 @@ def check_groups(rows: dict[str, Any], num_generations: int, image_token_id: int
     ids, g = rows["input_ids"], num_generations
     prompt_part = rows["labels"] == IGNORE_INDEX
     spans = (ids == image_token_id) & prompt_part
-    index = rows.get("image_index")
-    per_row = rows.get("images_per_sample")
     for start in range(0, ids.shape[0], g):
         group = range(start, start + g)
         if any(not torch.equal(spans[start], spans[r]) for r in group):
             raise ImageTokenContractError(f"group {start // g}: its rows' image spans differ; every answer of a group "
                                           "must see the same prompt")
-        if index is not None and per_row is not None:
-            offsets = torch.cumsum(per_row, 0) - per_row
-            first = index[int(offsets[start]):int(offsets[start] + per_row[start])]
-            if any(not torch.equal(first, index[int(offsets[r]):int(offsets[r] + per_row[r])]) for r in group):
-                raise ImageTokenContractError(f"group {start // g}: its rows show different pictures")
+        for index, per_row, kind in (("image_index", "images_per_sample", "pictures"),
+                                     ("video_index", "videos_per_sample", "videos")):
+            if rows.get(index) is None or rows.get(per_row) is None:
+                continue
+            counts = rows[per_row]
+            offsets = torch.cumsum(counts, 0) - counts
+            shown = [rows[index][int(offsets[r]):int(offsets[r] + counts[r])] for r in group]
+            if any(not torch.equal(shown[0], other) for other in shown[1:]):
+                raise ImageTokenContractError(f"group {start // g}: its rows show different {kind}")
