@@ -66,7 +66,8 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
 
 @pytest.mark.parametrize("overrides, words", [
     (["grpo.num_generations=1"], "num_generations must be >= 2"),
-    (["grpo.num_iterations=2"], "only 1"),
+    (["grpo.num_iterations=2", "checkpoint.every=3"], "a multiple of 2"),
+    (["grpo.num_iterations=0"], "num_iterations must be >= 1"),
     (["grpo.beta=0.04"], "needs a reference"),
     (["train.rewards=[]"], "needs train.rewards"),
     (["train.rewards=[nonsense]"], "accuracy"),
@@ -77,6 +78,61 @@ def test_what_grpo_cannot_do_is_refused_naming_the_setting(tmp_path, overrides, 
         parts = build_run(cfg)
         Trainer(parts.model, cfg, parts.train_data, parts.collate)
     assert words in str(refused.value)
+
+
+def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its_log_probs(tmp_path):
+    """grpo.num_iterations 2 (trl's mu) over 4 steps: 2 rollouts, each from the next loader batch (the batches a
+    1-iteration run trains on first); the second step of each scores the same answers with the moved policy against
+    the log-probs the policy had at the rollout (<= 1e-6 of a forward then: the first step's, kept); the rollout's
+    rewards are logged at its first step. A resume from the checkpoint between rollouts equals the whole run."""
+    import shutil
+
+    from mmadapt.train.batches import GlobalBatchSampler
+    from mmadapt.train.checkpoint import latest_checkpoint
+    from mmadapt.train.objectives.rollout import completion_logps
+
+    overrides = ["grpo.num_iterations=2", "train.steps=4", "train.lr=0.05", "checkpoint.every=2",
+                 "stages.backbone=full"]
+    cfg = config(tmp_path, *overrides)
+    parts = build_run(cfg)
+    trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate)
+    rolled, seen, steps = [], [], []
+    rows, terms = trainer.objective.training_rows, trainer.objective.terms
+
+    def recording(run, micro):
+        seen.append([ids for b in micro for ids in b["meta"]["sample_ids"]])
+        out = rows(run, micro)
+        for batch in out:  # the policy's log-probs at the rollout, from a forward of their own
+            with torch.no_grad():
+                logps = run.model(**{k: v for k, v in batch.items() if k not in ("meta", "rollout", "logged",
+                                                                                  "encoded")},
+                                  token_logps=True, temperature=cfg.grpo.temperature)
+            rolled.append(completion_logps(logps, batch["labels"], batch["rollout"]["rollouts"]))
+        return out
+
+    def scoring(run, batch, steps_, total, iteration=0):
+        result = terms(run, batch, steps_, total, iteration)
+        steps.append((run.step, iteration, batch["rollout"].get("old")))
+        return result
+
+    trainer.objective.training_rows, trainer.objective.terms = recording, scoring
+    history = trainer.fit()["history"]
+    order = GlobalBatchSampler(8, micro_batch=2, seed=cfg.train.seed)
+    assert seen == [[[f"p{i}"] for i in order.indices(step)[0]] for step in (0, 1)]
+    assert [(step, it) for step, it, _ in steps] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    for (_, _, old), at_rollout in zip(steps[1::2], rolled, strict=True):
+        assert torch.allclose(old, at_rollout, atol=1e-6, rtol=0)
+    assert ["reward" in r for r in history] == [True, False, True, False]
+    assert all(math.isfinite(r["loss"]) for r in history)
+    assert abs(history[0]["loss"]) < 1e-6 and history[0]["clip_ratio/region_mean"] == 0  # on policy: ratio 1
+    assert history[1]["clip_ratio/region_mean"] > 0  # the moved policy, clipped against the rollout's log-probs
+    shutil.rmtree(latest_checkpoint(tmp_path / "out"))  # back to step 2, between the rollouts
+    again = config(tmp_path, *overrides, "checkpoint.resume=true")
+    parts = build_run(again)
+    resumed = Trainer(parts.model, again, parts.train_data, parts.collate).fit()["history"]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history
+    for a, b in zip(history[2:], resumed[2:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
 
 
 @pytest.mark.slow  # two launches, one of them torchrun with 2 processes

@@ -270,7 +270,7 @@ class GrpoSection:
     # grpo (per-answer mean), dapo (token mean over the step), dr_grpo (sum / max_completion_length), bnpo
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the std advantages are divided by (none: Dr. GRPO)
-    num_iterations: int = 1  # policy updates per rollout (trl's mu); only 1 for now
+    num_iterations: int = 1  # optimizer steps per rollout (trl's mu), the later ones clipped against its log-probs
     mask_truncated_completions: bool = False  # answers cut at max_completion_length add nothing to the loss
 
     def __post_init__(self) -> None:
@@ -282,9 +282,9 @@ class GrpoSection:
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"grpo.temperature must be > 0 and top_p in (0, 1], got {self.temperature} and "
                              f"{self.top_p}")
-        if self.num_iterations != 1:
-            raise ValueError(f"grpo.num_iterations {self.num_iterations}: only 1 (one policy update per rollout, "
-                             "trl's default) is implemented")
+        if self.num_iterations < 1:
+            raise ValueError(f"grpo.num_iterations must be >= 1 (optimizer steps per rollout), got "
+                             f"{self.num_iterations}")
 
 
 @dataclass(kw_only=True)

@@ -192,7 +192,9 @@ class Trainer:
                 log.info("training on a mixture of %d sources, %d samples per epoch:\n%s",
                          len(self.train_data.sources), len(self.train_data), self.train_data.describe())
         self.objective.prepare(self)
-        batches = self.loader(self.step)
+        per_batch = self.objective.steps_per_batch  # optimizer steps per loader batch (GRPO's num_iterations)
+        batches = self.loader(self.step // per_batch)
+        rows: list[dict[str, Any]] = []
         progress = self.progress_bar()
         self.tracker = Tracker(self.out, t.report_to, self.cfg.to_dict(), plan=self.plan) if self.is_main else None
         clock = PartClock(self.model, self.device) if hasattr(self.model, "encoder") else None
@@ -200,10 +202,13 @@ class Trainer:
         started = time.perf_counter()
         while self.step < self.total_steps:
             step_started = time.perf_counter()
-            micro = [next(batches) for _ in range(t.grad_accum)]
-            waited = time.perf_counter() - step_started
-            micro = self.objective.training_rows(self, micro)
-            record = self.train_step(micro, clock)
+            waited, fresh = 0.0, self.step % per_batch == 0 or not rows
+            if fresh:  # a loader batch's rows serve per_batch steps
+                rows = [next(batches) for _ in range(t.grad_accum)]
+                waited = time.perf_counter() - step_started
+                rows = self.objective.training_rows(self, rows)
+            micro = rows
+            record = self.train_step(micro, clock, fresh=fresh)
             self.step += 1
             record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
             self.add_speed(record, micro, waited, time.perf_counter() - step_started)
@@ -240,9 +245,12 @@ class Trainer:
                              "it with --resume (checkpoint.resume=true), or choose another train.out.")
         self.run.log_file.unlink(missing_ok=True)
 
-    def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> dict[str, Any]:
+    def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None, *,
+                   fresh: bool = True) -> dict[str, Any]:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
-        seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time"."""
+        seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time".
+        `fresh`: the micro-batches' samples are new (not a batch serving its next step, `steps_per_batch`), so they
+        count towards the samples seen and the bad-sample budget."""
         started = time.perf_counter()
         result = self.objective.backward(self, micro, clock)
         loss_value = result.loss
@@ -252,7 +260,7 @@ class Trainer:
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, t.clip_grad_norm)
         record = {"loss": loss_value, "grad_norm": grad_norm, **learning_rates(self.scheduler, self.optimizer, t.lr,
                                                                                 t.lr_by_part),
-                  "tokens": result.tokens, "problems": self.count_problems(micro), **result.logged}
+                  "tokens": result.tokens, "problems": self.count_problems(micro) if fresh else 0, **result.logged}
         if self.step_sources:  # a mixture: this step's samples, problems and (from the objective) loss per source
             record["sources"] = {name: {**counts, **record.get("sources", {}).get(name, {})}
                                  for name, counts in self.step_sources.items()}

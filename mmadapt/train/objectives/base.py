@@ -10,7 +10,9 @@ the optimizer, checkpoints, logging); an objective says what one step learns. It
   starting weights (the preference objective decides its reference here and notes their checksum);
 - `prepare(run)`: before the first step, fresh or resumed (the preference objective's precomputed reference table);
 - `training_rows(run, micro)`: before each step, the loader's micro-batches become the rows it trains on (identity
-  here; an online objective generates its rows from the policy);
+  here; an online objective generates its rows from the policy); with `steps_per_batch` k > 1 the rows serve k
+  optimizer steps (GRPO's `num_iterations`): the loader's batch s is steps s*k ... s*k + k - 1, and
+  `training_rows` runs at the first of them;
 - `backward(run, micro, clock)`: the gradients of one global batch (`grad_accum` micro-batches on each rank), its
   loss normalised over the whole global batch so that accumulation and ranks equal one big batch; returns a
   `StepResult` (the loss, the supervised tokens, the values it logs);
@@ -85,6 +87,7 @@ class Objective(ABC):
 
     section: ClassVar[str | None] = None  # the RunConfig section of its settings (e.g. "dpo")
     rows_per_sample: ClassVar[int] = 1  # rows of a micro-batch per sample (a preference pair: 2)
+    steps_per_batch: int = 1  # optimizer steps each loader batch's rows serve (GRPO's num_iterations)
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

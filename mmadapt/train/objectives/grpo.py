@@ -91,6 +91,12 @@ def gathered(wrapped: Any) -> Iterator[None]:
         wrapped.reshard()
 
 
+def vision_trains(model: Any) -> bool:
+    """Whether the encoder or projector has trained parameters (its encoding then carries a graph, and changes with
+    each optimizer step)."""
+    return any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
+
+
 class GrpoObjective(Objective):
     """`train.objective: grpo` (the module docstring)."""
 
@@ -100,6 +106,12 @@ class GrpoObjective(Objective):
         super().__init__(config)
         s = self.settings
         self.rows_per_sample = s.num_generations  # the plan's rows per prompt
+        self.steps_per_batch = s.num_iterations  # a rollout serves num_iterations optimizer steps
+        every = config.checkpoint.every
+        if s.num_iterations > 1 and every % s.num_iterations:
+            raise ValueError(f"checkpoint.every {every} falls inside a rollout's grpo.num_iterations "
+                             f"{s.num_iterations} steps (a resume would lose its answers). Fix: a multiple of "
+                             f"{s.num_iterations}")
         self.loss = PolicyLoss(loss_type=s.loss_type, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
                                max_completion_length=s.max_completion_length)
         if not config.train.rewards:
@@ -151,6 +163,10 @@ class GrpoObjective(Objective):
         if self.tokenizer is None:
             raise ValueError("train.objective grpo trains on mmadapt.data.prompts.PromptDataset (its objective's "
                              "data(): mmadapt.train.run.build_run gives it)")
+        k = self.settings.num_iterations
+        if run.step % k:
+            log.warning("resumed at step %d, inside a rollout's %d steps (grpo.num_iterations): the loader's batch "
+                        "%d is answered anew by the current policy", run.step, k, run.step // k)
         if is_sharded(run.wrapped):  # FSDP2 sets itself up in the root's first forward: before any block runs alone
             with torch.no_grad():
                 self.placeholder_loss(run)
@@ -193,7 +209,7 @@ class GrpoObjective(Objective):
             if pictures is not None:  # the policy's forward takes the encoding, with its graph
                 scored[ENCODED] = pictures
             rows.append({**scored, "meta": batch["meta"], ROLLOUT: {
-                "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask},
+                "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask, "prompts": batch},
                 "logged": {**sc.logged(), "reward_std": float(advantages.std.nanmean()),
                            "zero_std_groups": float(advantages.zero_std.float().mean())}})
         if rows:
@@ -208,7 +224,7 @@ class GrpoObjective(Objective):
         model = run.model
         if not batch["input_ids"].shape[0]:
             return None
-        trains = any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
+        trains = vision_trains(model)
         if trains and is_sharded(run.wrapped):
             return None
         was_training = model.training
@@ -247,6 +263,7 @@ class GrpoObjective(Objective):
             sum(int(b[ROLLOUT]["mask"].sum()) for b in micro if ROLLOUT in b), device=run.device))
         total_tokens = max(int(tokens.item()), 1)
         steps = len(micro) * run.dist.world
+        iteration = run.step % s.num_iterations  # 0: the rollout's first step; later ones clip against its log-probs
         stats, loss_sum = PolicyStats.zero(run.device, kl=s.beta > 0), torch.zeros((), device=run.device)
         run.wrapped.train()
         for k, batch in enumerate(micro):
@@ -255,32 +272,41 @@ class GrpoObjective(Objective):
                 if ROLLOUT not in batch:  # every prompt of it was a problem: a zero-loss forward keeps ranks in step
                     loss = self.placeholder_loss(run)
                 else:
-                    terms = self.terms(run, batch, steps, total_tokens)
+                    terms = self.terms(run, batch, steps, total_tokens, iteration)
                     loss, stats = terms.loss, stats + terms.stats
                     loss_sum += terms.policy_loss.detach() / steps
             (loss * run.dist.world).backward()
             if clock is not None:
                 clock.backward_done()
         stats = PolicyStats.from_tensor(dist_utils.all_reduce_sum(stats.as_tensor()))
-        logged = self.logged(micro, run)
+        logged = self.logged(micro, run) if iteration == 0 else {}  # the rollout's rewards: logged at its first step
         return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens, {**logged, **stats.means()})
 
-    def terms(self, run: Run, batch: dict[str, Any], steps: int, total_tokens: int) -> Any:
-        rolled = batch[ROLLOUT]
+    def terms(self, run: Run, batch: dict[str, Any], steps: int, total_tokens: int, iteration: int = 0) -> Any:
+        """One micro-batch's loss. At a rollout's first step (`iteration` 0) the ratio is 1 (on policy: old =
+        current, detached, as trl) and, with `num_iterations` > 1, the policy's log-probs (and the reference's) are
+        kept: the later steps clip against them, with the pictures encoded again when the vision side trains (its
+        weights moved), else the step's encoding reused."""
+        s, rolled = self.settings, batch[ROLLOUT]
         rows, done = inputs_of(batch), rolled["rollouts"]
         pictures: Encoded | None = rows.pop(ENCODED, None)
+        if iteration and pictures is not None and vision_trains(run.model):
+            pictures = self.encode(run, rolled["prompts"])
         given = {} if pictures is None else pictures.for_rows(rows)
-        logps = run.wrapped(**rows, **given, token_logps=True, temperature=self.settings.temperature)
+        logps = run.wrapped(**rows, **given, token_logps=True, temperature=s.temperature)
         per_token = completion_logps(logps, rows["labels"], done)
-        reference = None
-        if self.settings.beta > 0:
+        reference = rolled.get("reference")
+        if s.beta > 0 and reference is None:
             model = run.model  # the reference's vision side is the policy's unless LoRA trains it (then: encoded again)
             shared = pictures is not None and not (lora_layers(model.encoder) or lora_layers(model.projector))
             ref_given = pictures.detached().for_rows(rows) if shared else {}
             with torch.no_grad(), adapters_disabled(model):
                 reference = completion_logps(run.wrapped(**rows, **ref_given, token_logps=True,
-                                                         temperature=self.settings.temperature), rows["labels"], done)
-        return policy_loss(per_token, None, reference, rolled["advantages"], rolled["mask"], self.loss,
+                                                         temperature=s.temperature), rows["labels"], done)
+        old = rolled.get("old") if iteration else None
+        if s.num_iterations > 1 and not iteration:
+            rolled["old"], rolled["reference"] = per_token.detach(), reference
+        return policy_loss(per_token, old, reference, rolled["advantages"], rolled["mask"], self.loss,
                            accumulation_steps=steps, num_items=total_tokens)
 
     def placeholder_loss(self, run: Run) -> torch.Tensor:
