@@ -135,6 +135,29 @@ def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
 
 
+def test_sees_on_prompts_prints_the_reward_view_with_the_runs_rewards(tmp_path, capsys):
+    """`mmadapt sees MODEL prompts.jsonl`: greedy answers scored with real, blanked and shuffled images (the rewards
+    and answer length of the GRPO run the model comes from, or --rewards); `mmadapt eval --json` writes it."""
+    from mmadapt.cli import main
+
+    config(tmp_path, "train.steps=1", "train.rewards=['test_grpo:length']").save(tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    prompts = str(tmp_path / "prompts.jsonl")
+    code = main(["sees", str(tmp_path / "out" / "model"), prompts, "--batches", "1", "--batch-size", "4"])
+    captured = capsys.readouterr()
+    shown = captured.out
+    assert code != 2, captured.err
+    assert "reward view: 4 prompts" in shown and "blanked" in shown and "shuffled" in shown, shown
+    assert code in (0, 1) and ("rests on the images" in shown) == (code == 0)
+    real = float(next(line.split()[1] for line in shown.splitlines() if line.startswith("real")))
+    assert 0 < real <= 0.6  # length / 10 of answers of at most 6 tokens (grpo.max_completion_length of the run)
+    assert main(["eval", str(tmp_path / "out" / "model"), prompts, "--rewards", "accuracy,format",
+                 "--json", str(tmp_path / "view.json")]) in (0, 1)
+    view = json.loads((tmp_path / "view.json").read_text())["rewards"]
+    assert view["prompts"] == 8 and set(view["reward"]) == {"real", "blanked", "shuffled"}
+    assert all(0 <= v <= 1.1 for v in view["reward"].values()) and view["moved"] == 8
+
+
 @pytest.mark.slow  # two launches, one of them torchrun with 2 processes
 def test_ddp_and_fsdp2_with_two_processes_equal_one_process(tmp_path):
     """Each answer samples from its own seed, so 2 ranks draw what 1 process draws; groups stay on their rank; the
@@ -181,7 +204,7 @@ QUESTION = "<image>Which colour? Answer A or B."
 
 
 @pytest.mark.slow  # 40 SFT steps, then 60 GRPO steps (about 12 s)
-def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_path):
+def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_path, capsys):
     """SFT first teaches the answer's form on labels drawn at random (A or B whatever the colour: a policy at chance);
     GRPO with the accuracy reward alone then teaches the colour (reddish: A, bluish: B; 48 training prompts, 16 held
     out). Held-out greedy reward: 0.5 before GRPO, 1.0 after; with blanked images 0.5 (one letter for the mean
@@ -214,7 +237,8 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
                                  "train.rewards=[accuracy]", "train.steps=60", "data.batch_size=4", "train.lr=1e-3",
                                  "grpo.num_generations=4", "grpo.max_completion_length=1", "grpo.loss_type=grpo"])
     parts = build_run(then, model=parts.model)
-    trainer = Trainer(parts.model, then, parts.train_data, parts.collate, eval_data=parts.eval_data)
+    trainer = Trainer(parts.model, then, parts.train_data, parts.collate, eval_data=parts.eval_data,
+                      tokenizer=parts.tokenizer)
     trainer.objective.prepare(trainer)
     start = trainer.objective.evaluate(trainer)
     trainer.fit()
@@ -222,6 +246,18 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
     assert start["eval_reward"] <= 0.6, start
     assert end["eval_reward"] >= 0.9 and end["eval_reward"] - start["eval_reward"] >= 0.3, (start, end)
     assert abs(end["eval_reward_blanked"] - 0.5) <= 0.2 and end["eval_reward_shuffled"] <= 0.5, end
+    # `mmadapt sees` on the run's model and the held-out prompts: the same view, its rewards from the run's config
+    from mmadapt.cli import main
+
+    code = main(["sees", str(tmp_path / "grpo" / "model"), str(tmp_path / "held.jsonl"), "--image-root",
+                 str(tmp_path)])
+    captured = capsys.readouterr()
+    shown = captured.out
+    assert code == 0 and "the reward rests on the images" in shown, (shown, captured.err)
+    rows = {line.split()[0]: float(line.split()[1]) for line in shown.splitlines()
+            if line.split() and line.split()[0] in ("real", "blanked", "shuffled")}
+    assert rows == pytest.approx({"real": end["eval_reward"], "blanked": end["eval_reward_blanked"],
+                                  "shuffled": end["eval_reward_shuffled"]}, abs=1e-3), (rows, end)
 
 
 @pytest.mark.parametrize("g", [2, 4])

@@ -1,4 +1,5 @@
-"""`mmadapt chat`, `mmadapt eval` and `mmadapt sees`: a trained model answers, is scored, and shows whether it sees.
+"""`mmadapt chat`, `mmadapt eval` and `mmadapt sees`: a trained model answers, is scored, and shows whether it sees
+(for a file of preference pairs: the preference view; for RL prompts: the reward view).
 """
 
 from __future__ import annotations
@@ -97,6 +98,50 @@ def preference_report(args: argparse.Namespace, model: Any, encoder: Any, record
     return preference_view(model, chunks, reference=reference)
 
 
+def prompt_records(records: list) -> bool:
+    from mmadapt.data.prompts import is_prompt_record
+
+    return any(is_prompt_record(r) for r in records[:16])
+
+
+def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
+    """The rewards and answer length of the reward view: `--rewards` / `--max-new-tokens`, else the GRPO run's
+    (`train.rewards`, `grpo.max_completion_length` of the config.yaml of the run `--model` belongs to), else
+    accuracy and 64 tokens."""
+    from mmadapt.run_directory import RunDirectory
+
+    rewards, length = None, None
+    run = RunDirectory.of(args.model)
+    if run is not None and run.config_file.is_file():
+        from mmadapt.train.config import RunConfig
+
+        cfg = RunConfig.load(run.config_file, [])
+        rewards, length = cfg.train.rewards or None, cfg.grpo.max_completion_length
+    if args.rewards:
+        rewards = [name.strip() for name in args.rewards.split(",") if name.strip()]
+    if getattr(args, "max_new_tokens", None):
+        length = args.max_new_tokens
+    return rewards or ["accuracy"], length or 64
+
+
+def reward_report(args: argparse.Namespace, model: Any, encoder: Any, records: list, batches: int | None,
+                  batch_size: int) -> Any:
+    """The reward view (`mmadapt.train.objectives.reward_view`) of a file of RL prompts: the mean reward of greedy
+    answers with real, blanked and shuffled images."""
+    from mmadapt.data import Collator
+    from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
+    from mmadapt.train.objectives.reward_view import AnswerScorer, reward_view
+    from mmadapt.train.rewards import reward_specs
+
+    names, length = run_rewards(args)
+    specs = reward_specs(names)
+    dataset = PromptDataset(records, PromptEncoder(encoder, length))
+    count = len(dataset) if batches is None else min(len(dataset), batches * batch_size)
+    collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
+    return reward_view(model, AnswerScorer.for_encoder(encoder, specs, length), [dataset[i] for i in range(count)],
+                       collate, batch_size=batch_size)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help.
     A file of preference pairs gets the preference view instead (`preference_report`)."""
@@ -105,6 +150,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from mmadapt.evaluate import evaluate_records, plot_report, write_predictions
 
     model, encoder, collate, records = _inference_data(args)
+    if prompt_records(records):
+        view = reward_report(args, model, encoder, records, None, 8)
+        print(view)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rewards": view.to_dict()}, f, indent=2)
+        return 1 if args.require_sees and not view.ok else 0
     if preference_records(records):
         view = preference_report(args, model, encoder, records, None, 8)
         print(view)
@@ -134,6 +186,10 @@ def cmd_sees(args: argparse.Namespace) -> int:
     from mmadapt.sees import sees_records
 
     model, encoder, collate, records = _inference_data(args)
+    if prompt_records(records):
+        view = reward_report(args, model, encoder, records, args.batches, args.batch_size)
+        print(view)
+        return 0 if view.ok else 1
     if preference_records(records):
         view = preference_report(args, model, encoder, records, args.batches, args.batch_size)
         print(view)
@@ -148,10 +204,13 @@ def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: 
     """A command over a model and the user's data file (`eval`, `sees`): the arguments they share."""
     command = sub.add_parser(name, help=helptext)
     add_model_arguments(command)
-    command.add_argument("data", help="a LLaVA or messages .json / .jsonl file (or preference pairs: the preference "
-                         "view)")
+    command.add_argument("data", help="a LLaVA or messages .json / .jsonl file (preference pairs: the preference "
+                         "view; RL prompts with answers, as GRPO trains on: the reward view)")
     command.add_argument("--reference", default=None, help="preference pairs: the model training started from (its "
                          "margins are subtracted: the DPO reward margin / beta)")
+    command.add_argument("--rewards", default=None, help="RL prompts: the rewards to score answers with, comma-"
+                         "separated (accuracy, format, package.module:function; default: the GRPO run's "
+                         "train.rewards, else accuracy)")
     add_data_arguments(command, helps={"image_root": "directory image and video paths are relative to (default: "
                                        "the data file's directory)"})
     return command
@@ -180,3 +239,5 @@ def add_sees_command(sub: argparse._SubParsersAction) -> None:
     command.set_defaults(func=cmd_sees)
     command.add_argument("--batches", type=int, default=4)
     command.add_argument("--batch-size", type=int, default=8)
+    command.add_argument("--max-new-tokens", type=int, default=None, help="RL prompts: the answers' length "
+                         "(default: the GRPO run's grpo.max_completion_length, else 64)")

@@ -53,6 +53,7 @@ from mmadapt.train.batches import inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
+from mmadapt.train.objectives.reward_view import AnswerScorer, control_rewards
 from mmadapt.train.objectives.rollout import (
     Encoded,
     Rollouts,
@@ -63,7 +64,7 @@ from mmadapt.train.objectives.rollout import (
     row_seeds,
     scored_rows,
 )
-from mmadapt.train.rewards import reward_specs, score
+from mmadapt.train.rewards import reward_specs
 
 log = logging.getLogger(__name__)
 ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
@@ -118,8 +119,7 @@ class GrpoObjective(Objective):
             raise ValueError("train.objective grpo needs train.rewards: e.g. 'train.rewards=[accuracy]' (built-ins: "
                              "accuracy, format; or package.module:function)")
         self.specs = reward_specs(config.train.rewards)
-        self.tokenizer: Any = None
-        self.pad_token_id, self.eos_token_ids = 0, []
+        self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
 
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
@@ -140,12 +140,9 @@ class GrpoObjective(Objective):
                              collate)
 
     def bind(self, encoder: Any, model: Any) -> None:
-        """What decoding and scoring answers need: the tokenizer, its pad and end ids (the tokenizer's EOS and the
-        template's end of turn, as `Processor.eos_token_ids`), the image token."""
-        self.tokenizer, self.pad_token_id = encoder.tokenizer, encoder.pad_token_id
-        end = encoder.template.end_of_turn(encoder.tokenizer)
-        ids = {encoder.tokenizer.eos_token_id, encoder.tokenizer.convert_tokens_to_ids(end) if end else None}
-        self.eos_token_ids = sorted(i for i in ids if i is not None)
+        """What decoding and scoring answers need (`AnswerScorer`: the tokenizer, its pad and end ids, the rewards),
+        and the image token."""
+        self.scorer = AnswerScorer.for_encoder(encoder, self.specs, self.settings.max_completion_length)
         self.image_token_id = model.tokens.image_token_id
 
     def setup(self, model: Any) -> None:
@@ -158,9 +155,9 @@ class GrpoObjective(Objective):
 
     def prepare(self, run: Run) -> None:
         prompts = getattr(run.train_data, "encoder", None)
-        if self.tokenizer is None and prompts is not None:  # the trainer's own instance: from the run's dataset
+        if self.scorer is None and prompts is not None:  # the trainer's own instance: from the run's dataset
             self.bind(prompts.encoder, run.model)
-        if self.tokenizer is None:
+        if self.scorer is None:
             raise ValueError("train.objective grpo trains on mmadapt.data.prompts.PromptDataset (its objective's "
                              "data(): mmadapt.train.run.build_run gives it)")
         k = self.settings.num_iterations
@@ -183,7 +180,7 @@ class GrpoObjective(Objective):
         try:
             with run.precision_context(), gathered(run.wrapped):
                 done = [rollout(model, batch, s.num_generations, max_new_tokens=s.max_completion_length,
-                                eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                eos_token_id=self.scorer.eos_token_ids, pad_token_id=self.scorer.pad_token_id,
                                 temperature=s.temperature, top_p=s.top_p,
                                 encoded=None if pictures is None else pictures.detached(),
                                 seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
@@ -204,7 +201,7 @@ class GrpoObjective(Objective):
                 continue
             advantages = self.advantages(total, std_over)
             mask = r.mask & ~r.truncated[:, None] if s.mask_truncated_completions else r.mask
-            scored = scored_rows(batch, r, self.pad_token_id)
+            scored = scored_rows(batch, r, self.scorer.pad_token_id)
             check_groups(scored, s.num_generations, self.image_token_id)
             if pictures is not None:  # the policy's forward takes the encoding, with its graph
                 scored[ENCODED] = pictures
@@ -238,12 +235,7 @@ class GrpoObjective(Objective):
     def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
         if done is None:
             return None
-        g = self.settings.num_generations
-        texts = [self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True).strip()
-                 for ids, mask in zip(done.completions, done.mask, strict=True)]
-        names = sorted({k for row in batch["columns"] for k in row})
-        columns = {k: [row.get(k) for row in batch["columns"] for _ in range(g)] for k in names}
-        return score(texts, columns, self.specs)
+        return self.scorer.score(self.scorer.texts(done.completions, done.mask), batch, self.settings.num_generations)
 
     def advantages(self, total: torch.Tensor, batch_rewards: torch.Tensor | None) -> Any:
         s = self.settings
@@ -310,8 +302,9 @@ class GrpoObjective(Objective):
                            accumulation_steps=steps, num_items=total_tokens)
 
     def placeholder_loss(self, run: Run) -> torch.Tensor:
-        ids = torch.tensor([[self.pad_token_id, self.pad_token_id]], device=run.device)
-        labels = torch.tensor([[-100, self.pad_token_id]], device=run.device)
+        pad = self.scorer.pad_token_id if self.scorer is not None else 0
+        ids = torch.tensor([[pad, pad]], device=run.device)
+        labels = torch.tensor([[-100, pad]], device=run.device)
         logps = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, token_logps=True)
         return logps.sum() * 0
 
@@ -345,36 +338,21 @@ class GrpoObjective(Objective):
         """Does the reward rest on the image? The mean reward of one greedy answer per eval prompt with its real
         images (`eval_reward`), blanked (`eval_reward_blanked`: the processor's mean colour) and shuffled among the
         batch's prompts (`eval_reward_shuffled`: another prompt's image of the same size): every rank its every
-        world-th batch (`mmadapt.controls`)."""
+        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts)."""
         from mmadapt.controls import IMAGE_CONTROLS
-        from mmadapt.data.prompts import EncodedPrompt
 
         data, size = run.eval_data, run.cfg.data.batch_size
         totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
         run.model.eval()
-        for start in list(range(0, len(data), size))[run.dist.rank::run.dist.world]:
-            items = [data[i] for i in range(start, min(start + size, len(data)))]
-            prompts = [i for i in items if isinstance(i, EncodedPrompt)]
-            for control in IMAGE_CONTROLS:
-                shown = [EncodedPrompt(sample, p.columns) for sample, p in zip(
-                    control.samples([p.sample for p in prompts]), prompts, strict=True)]
-                if shown:
-                    totals[control.name] += self.greedy_rewards(run, run.collate_fn(shown))
+        with run.precision_context(), gathered(run.wrapped):
+            for start in list(range(0, len(data), size))[run.dist.rank::run.dist.world]:
+                items = [data[i] for i in range(start, min(start + size, len(data)))]
+                for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn,
+                                                    device=run.device).items():
+                    totals[name] += values
         out = {}
         for control in IMAGE_CONTROLS:
             everyone = [t for part in dist_utils.gather_objects(totals[control.name]) for t in part]
             key = "eval_reward" if control.name == "real" else f"eval_reward_{control.name}"
             out[key] = sum(everyone) / len(everyone) if everyone else math.nan
         return out
-
-    def greedy_rewards(self, run: Run, batch: dict[str, Any]) -> list[float]:
-        """The total reward of one greedy answer to each prompt of `batch` (NaN totals, unscored rows, left out)."""
-        with run.precision_context(), gathered(run.wrapped):
-            answers = rollout(run.model, to_device(batch, run.device), 1, max_new_tokens=self.settings
-                              .max_completion_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                              temperature=0.0)
-        texts = [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
-                 for ids, m in zip(answers.completions, answers.mask, strict=True)]
-        names = sorted({k for row in batch["columns"] for k in row})
-        scores = score(texts, {k: [row.get(k) for row in batch["columns"]] for k in names}, self.specs)
-        return [t for t in scores.total if not math.isnan(t)]

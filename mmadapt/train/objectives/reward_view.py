@@ -1,0 +1,157 @@
+"""Does the reward rest on the image? Greedy answers to RL prompts scored with their real images, blanked and shuffled
+(`mmadapt.controls`), the view a GRPO run logs at each eval (`eval_reward`, `eval_reward_blanked`,
+`eval_reward_shuffled`) and `mmadapt sees` prints for a file of prompts.
+
+    scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), max_new_tokens=64)
+    view = reward_view(model, scorer, prompts, collate)      # prompts: EncodedPrompt items (mmadapt.data.prompts)
+    print(view); assert view.ok                               # the real images' reward beats blanked and shuffled
+
+A model can learn the format reward and guess the answer from text priors; then its reward holds as well with the
+images blanked (the processor's mean colour) or swapped for another prompt's (of the same size), and `ok` is False.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmadapt.controls import BLANKED, IMAGE_CONTROLS, REAL, SHUFFLED
+from mmadapt.train.rewards import RewardSpec, Scores, score
+
+
+@dataclass
+class AnswerScorer:
+    """What decoding and scoring answers needs: the tokenizer, the pad and end ids (the tokenizer's EOS and the
+    template's end of turn), the rewards, and the answers' length."""
+
+    tokenizer: Any
+    specs: Sequence[RewardSpec]
+    eos_token_ids: list[int]
+    pad_token_id: int
+    max_new_tokens: int
+
+    @classmethod
+    def for_encoder(cls, encoder: Any, specs: Sequence[RewardSpec], max_new_tokens: int) -> AnswerScorer:
+        """From a `SampleEncoder` (its tokenizer, template and pad id)."""
+        end = encoder.template.end_of_turn(encoder.tokenizer)
+        ids = {encoder.tokenizer.eos_token_id, encoder.tokenizer.convert_tokens_to_ids(end) if end else None}
+        return cls(encoder.tokenizer, tuple(specs), sorted(i for i in ids if i is not None), encoder.pad_token_id,
+                   max_new_tokens)
+
+    def texts(self, completions: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        """Each answer's text, special tokens removed."""
+        return [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
+                for ids, m in zip(completions, mask, strict=True)]
+
+    def score(self, texts: list[str], batch: dict[str, Any], repeats: int = 1) -> Scores:
+        """The rewards of `texts`: `repeats` answers per prompt of `batch`, its `columns` repeated to match."""
+        names = sorted({k for row in batch["columns"] for k in row})
+        columns = {k: [row.get(k) for row in batch["columns"] for _ in range(repeats)] for k in names}
+        return score(texts, columns, self.specs)
+
+    def greedy(self, model: Any, batch: dict[str, Any]) -> list[float]:
+        """The total reward of one greedy answer to each prompt of a `PromptCollator` batch (NaN: no reward scored
+        it)."""
+        from mmadapt.train.objectives.rollout import rollout
+
+        if not batch["input_ids"].shape[0]:
+            return []
+        answers = rollout(model, batch, 1, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_ids,
+                          pad_token_id=self.pad_token_id, temperature=0.0)
+        return self.score(self.texts(answers.completions, answers.mask), batch).total
+
+
+@torch.no_grad()
+def control_rewards(model: Any, scorer: AnswerScorer, prompts: Sequence[Any], collate: Any, *,
+                    device: Any = None) -> dict[str, list[float]]:
+    """The total rewards of greedy answers to `prompts` (one batch of `EncodedPrompt`s) under each image control:
+    {control name: per prompt, NaN-free}. The model is put in eval mode by the caller."""
+    from mmadapt.data.prompts import EncodedPrompt
+    from mmadapt.train.batches import to_device
+
+    kept = [p for p in prompts if isinstance(p, EncodedPrompt)]
+    out: dict[str, list[float]] = {}
+    for control in IMAGE_CONTROLS:
+        shown = [EncodedPrompt(sample, p.columns) for sample, p in zip(
+            control.samples([p.sample for p in kept]), kept, strict=True)]
+        batch = collate(shown) if shown else None
+        if batch is not None and device is not None:
+            batch = to_device(batch, device)
+        totals = scorer.greedy(model, batch) if batch is not None else []
+        out[control.name] = [t for t in totals if not math.isnan(t)]
+    return out
+
+
+def shuffles(prompts: Sequence[Any]) -> int:
+    """How many of `prompts` the shuffled control gives another prompt's pictures."""
+    from mmadapt.data.prompts import EncodedPrompt
+
+    kept = [p.sample for p in prompts if isinstance(p, EncodedPrompt)]
+    return sum(a is not b and (getattr(a, "pixel_values", None) is not getattr(b, "pixel_values", None)
+                               or getattr(a, "pixel_values_videos", None) is not getattr(b, "pixel_values_videos",
+                                                                                         None))
+               for a, b in zip(kept, SHUFFLED.samples(kept), strict=True))
+
+
+@dataclass
+class RewardView:
+    """Per image control, the mean total reward of greedy answers (`reward["real"]`, `["blanked"]`,
+    `["shuffled"]`, the last absent when no prompt's pictures could move); `prompts` scored, `moved` the prompts
+    the shuffle changed, `problems` the records that could not be used (counted, skipped)."""
+
+    prompts: int
+    reward: dict[str, float]
+    moved: int
+    problems: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """The reward rests on the images: the real images' reward is above the blanked one's (and the shuffled
+        one's, when pictures could move)."""
+        real = self.reward[REAL.name]
+        return real > self.reward[BLANKED.name] and (SHUFFLED.name not in self.reward
+                                                      or real > self.reward[SHUFFLED.name])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "reward": self.reward, "moved": self.moved, "problems": self.problems,
+                "rests_on_images": self.ok}
+
+    def __str__(self) -> str:
+        lines = [f"reward view: {self.prompts} prompts, the mean reward of one greedy answer each"
+                 + (f" ({self.problems} bad prompts skipped)" if self.problems else ""),
+                 f"{'images':<10}{'reward':>10}"]
+        for control in IMAGE_CONTROLS:
+            if control.name in self.reward:
+                lines.append(f"{control.name:<10}{self.reward[control.name]:>10.3f}")
+            else:
+                lines.append(f"{control.name:<10}{'n/a':>10}   not applicable: no two prompts' pictures share a size")
+        lines.append("the reward rests on the images" if self.ok else
+                     "the reward does NOT rest on the images: it holds as well without them (text alone)")
+        return "\n".join(lines)
+
+
+def reward_view(model: Any, scorer: AnswerScorer, prompts: Sequence[Any], collate: Any, *,
+                batch_size: int = 8, device: Any = None) -> RewardView:
+    """The reward view of `prompts` (`EncodedPrompt`s, or the `DataProblem`s a `PromptDataset` gives for bad
+    records: counted) in batches of `batch_size`; `ValueError` when no prompt could be answered."""
+    from mmadapt.data.prompts import EncodedPrompt
+    from mmadapt.modes import eval_mode
+
+    totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
+    moved = 0
+    with eval_mode(model):
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start:start + batch_size])
+            for name, values in control_rewards(model, scorer, chunk, collate, device=device).items():
+                totals[name] += values
+            moved += shuffles(chunk)
+    good = sum(isinstance(p, EncodedPrompt) for p in prompts)
+    if not totals[REAL.name]:
+        raise ValueError(f"no prompt could be answered and scored ({len(prompts) - good} bad prompts): check the file "
+                         "with `mmadapt data check`")
+    reward = {name: sum(v) / len(v) for name, v in totals.items() if v and (name != SHUFFLED.name or moved)}
+    return RewardView(good, reward, moved, len(prompts) - good)
