@@ -297,3 +297,45 @@ def test_the_fit_recovers_a_quadratic_term_and_keeps_lines_linear():
     assert fit(linear, "tokens", lambda p: p["y"], "rows")[2] == 0
     fixed = [{"patches": 576, "images": 1, "y": 576 * 9} for _ in range(3)]  # a fixed-size encoder: per image
     assert fit(fixed, "patches", lambda p: p["y"], "images") == (0.0, 9.0, 0.0)
+
+
+@pytest.mark.parametrize("parts", [("qwen3_5_vit", "qwen_merger", "qwen3_5"), ("clip", "mlp2x_gelu", "llama")])
+def test_the_rollout_cache_is_counted_as_transformers_holds_it(parts):
+    """`cache_bytes` (the plan's GRPO rollout) against the cache a real generation leaves: the bytes of every tensor
+    of the backbone's cache after a prefill of 6 rows x 20 tokens and 5 steps (Qwen3.5: Gated DeltaNet conv and
+    recurrent states beside the attention layer's keys and values), exactly."""
+    import mmadapt
+    from mmadapt.train.plan.predict import cache_bytes
+
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*parts).eval()
+    ids = torch.randint(0, 100, (6, 20))
+    with torch.no_grad():
+        out = model.backbone(input_ids=ids, use_cache=True)
+        for _ in range(5):
+            out = model.backbone(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
+    held = 0
+    for layer in out.cache.layers:
+        for name in ("keys", "values"):
+            value = getattr(layer, name, None)
+            held += value.nbytes if isinstance(value, torch.Tensor) and value.numel() else 0
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            held += sum(t.nbytes for t in (states.values() if isinstance(states, dict) else states or [])
+                        if isinstance(t, torch.Tensor))
+    assert held > 0 and cache_bytes(model, 6, 25, 4) == held
+
+
+def test_a_grpo_run_is_planned_with_g_rows_per_prompt_one_image_and_its_rollout():
+    from mmadapt.train.plan.predict import cache_bytes
+    from mmadapt.train.plan.workloads import workload
+
+    overrides = ["data.batch_size=2", "data.max_length=512"]
+    sft = RunConfig.load(None, overrides)
+    grpo = RunConfig.load(None, [*overrides, "train.objective=grpo", "train.rewards=[accuracy]",
+                                 "grpo.num_generations=8"])
+    model = build_model_from(sft)
+    one, eight = workload(sft, model), workload(grpo, model)
+    assert (eight.rows, eight.tokens) == (8 * one.rows, 8 * one.tokens) and eight.images == one.images == 2
+    plan = predict(grpo, gpus=1, device="cpu")
+    assert plan.per_gpu["rollout"] >= cache_bytes(model, 16, 512, 4) > 0
+    assert "rollout" in plan.table() and "rollout" not in predict(sft, gpus=1, device="cpu").per_gpu

@@ -88,6 +88,8 @@ class Objective(ABC):
     section: ClassVar[str | None] = None  # the RunConfig section of its settings (e.g. "dpo")
     rows_per_sample: ClassVar[int] = 1  # rows of a micro-batch per sample (a preference pair: 2)
     steps_per_batch: int = 1  # optimizer steps each loader batch's rows serve (GRPO's num_iterations)
+    shares_videos: ClassVar[bool] = False  # a sample's rows take its videos from one encoding (GRPO; a DPO pair's
+    # rows each encode theirs)
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

@@ -102,6 +102,7 @@ class GrpoObjective(Objective):
     """`train.objective: grpo` (the module docstring)."""
 
     section = "grpo"
+    shares_videos = True  # a group's rows take their prompt's videos from one encoding (video_index)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -2,7 +2,8 @@
 one image at the processor's largest size that fits, or, for models that take video, one video at `data.video`'s
 largest when that has more visual tokens; each sample is the objective's `rows_per_sample` rows (`train.objective:
 dpo`: `batch_size` pairs, 2 rows each, the pair's image encoded once; the reference's no-grad forward is not counted:
-it is freed before the policy's)."""
+it is freed before the policy's; `grpo`: `batch_size` prompts, G answer rows each, the prompt's image or video encoded
+once)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def workload(config: RunConfig, model: Any) -> Workload:
         tokens = rows * d.max_tokens
     supervised = d.batch_size * max(d.max_length - visual, 1)
     images = d.batch_size
-    per_sample = objective_for(config).rows_per_sample  # a preference pair: 2 padded rows (chosen, rejected), the
-    rows, tokens, supervised = per_sample * rows, per_sample * tokens, per_sample * supervised  # pair's image encoded
-    images = per_sample * images if frames else images  # once; a video once per row
+    objective = objective_for(config)
+    per_sample = objective.rows_per_sample  # a preference pair: 2 padded rows (chosen, rejected); GRPO: G answers
+    rows, tokens, supervised = per_sample * rows, per_sample * tokens, per_sample * supervised  # the image encoded
+    images = per_sample * images if frames and not objective.shares_videos else images  # once; a pair's video per row
     return Workload(rows=rows, tokens=tokens, images=images, patches_per_image=patches, visual_per_image=visual,
                     supervised=supervised, image_side=side, video_frames=frames)
 
