@@ -5,9 +5,9 @@
 
 One GRPO step's forward + loss + backward (`mmadapt.train.objectives`, fp32, everything training: vision tower,
 merger, LLM) over the same R = B x G rows, laid out two ways:
-- shared (mmadapt, `GrpoObjective.training_rows`): each prompt's picture encoded once (`model.encode_images`, with
-  its graph), handed to the policy's forward as `visual=encoded.take(image_index)` (`scored_rows`), and, when
-  beta > 0, to the reference's no-grad forward detached: B encodings per step;
+- shared (mmadapt, `GrpoObjective.training_rows`): each prompt's picture encoded once (`encode_prompts`, with its
+  graph), handed to the policy's forward (`Encoded.for_rows`: `visual=encoded.take(image_index)`, `scored_rows`),
+  and, when beta > 0, to the reference's no-grad forward detached: B encodings per step;
 - per row (what trl, verl and EasyR1 do): the same rows with each row's picture in `pixel_values` (no
   `image_index`), so the vision tower runs for every row in every forward: B x G encodings per step (2 B x G with
   the reference).
@@ -178,9 +178,8 @@ class Meter:
 def grpo_step(model: Any, layout: Layout, rows: dict[str, Any], prompts: dict[str, Any], done: Any,
               advantages: torch.Tensor, settings: Any, meter: Meter) -> Step:
     """One step's forward(s) + loss + backward with `layout`'s pictures (the module docstring)."""
-    from mmadapt.train.objectives.grpo import detached
     from mmadapt.train.objectives.policy_gradient import policy_loss
-    from mmadapt.train.objectives.rollout import completion_logps
+    from mmadapt.train.objectives.rollout import completion_logps, encode_prompts
     from mmadapt.train.tracking import PartClock
 
     model.zero_grad(set_to_none=True)
@@ -195,9 +194,9 @@ def grpo_step(model: Any, layout: Layout, rows: dict[str, Any], prompts: dict[st
         meter.start()
         started = time.perf_counter()
         if layout.shared:
-            encoded = model.encode_images(prompts["pixel_values"], prompts.get("image_grid_thw"))
-            policy_rows = {**rows, "visual": encoded.take(rows["image_index"])}
-            reference_rows = {**rows, "visual": detached(policy_rows["visual"])}
+            encoded = encode_prompts(model, prompts)
+            policy_rows = {**rows, **encoded.for_rows(rows)}
+            reference_rows = {**rows, **encoded.detached().for_rows(rows)}
         else:
             policy_rows = reference_rows = rows
         per_token = completion_logps(model(**policy_rows, token_logps=True), rows["labels"], done)

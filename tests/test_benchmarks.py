@@ -73,6 +73,15 @@ def test_bench_grpo_quick_run_prints_its_table():
 
 
 @pytest.mark.slow
+def test_bench_rollout_quick_run_prints_its_table():
+    out = run("bench_rollout.py", "--quick", timeout=300)
+    assert "| prefill once, cache copied G ways (mmadapt) | 2 | 2 |" in out  # B = 2 prompts prefilled, 2 pictures
+    assert "| G prefills, each picture once | 2 | 4 |" in out
+    assert "| G prefills, a picture per row (HF generate, trl) | 4 | 4 |" in out
+    assert out.count("| 100% |") == 3  # the same answers, token for token
+
+
+@pytest.mark.slow
 def test_bench_checkpointing_quick_run_prints_its_table():
     out = run("bench_checkpointing.py", "--quick")
     assert "#### Activation checkpointing: fwd + bwd of 64 tokens" in out

@@ -30,10 +30,14 @@ from them), completion lengths (mean, max, truncated share), `kl`, the clip frac
 the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a
 reward that rests on the image falls without it.
 
-Under FSDP2 the rollout gathers the root's own parameters (`gathered`), and a trained vision side is encoded in each
-forward (its gradients are reduced by the sharded forward's hooks). Not yet: `num_iterations` > 1 (old log-probs), the
-rollout prefilled once per prompt with its cache copied G ways (the G rows are prefilled side by side), videos
-encoded once per step, `mmadapt sees` and `mmadapt plan` for a GRPO run.
+With `num_iterations` k > 1 a rollout serves k optimizer steps (`Objective.steps_per_batch`: the loader's batch s is
+steps s*k ... s*k + k - 1): the first is on policy (ratio 1) and keeps the policy's per-token log-probs (and the
+reference's); the later ones score the same answers with the moved policy, clipped against them, re-encoding the
+pictures only when the vision side trains. Checkpoints fall between rollouts (`checkpoint.every` a multiple of k).
+
+Under FSDP2 the rollout gathers the root's own parameters (`gathered`), and a trained vision side is encoded by the
+rollout and again in each forward (once per picture in each: its gradients are reduced by the sharded forward's
+hooks).
 """
 
 from __future__ import annotations
