@@ -34,6 +34,8 @@ class GenerationStep:
     logprobs: torch.Tensor | None = None  # (B,) the chosen tokens' log-probs
     top_ids: torch.Tensor | None = None  # (B, K) the K most likely tokens, most likely first
     top_logprobs: torch.Tensor | None = None  # (B, K) their log-probs
+    logits: torch.Tensor | None = None  # (B, V) the step's logits as the model gives them (before any suppression,
+    # penalty, temperature or nucleus): for a caller that scores the step its own way (an RL rollout's log-probs)
 
 
 class GenerateMixin:
@@ -114,7 +116,7 @@ class GenerateMixin:
                 on_token(token)
             if on_step is not None:
                 scores = token_logprobs(logits, token, logprobs, suppress=suppress) if logprobs is not None else None
-                stop = on_step(GenerationStep(step, token, *(scores or (None, None, None))))
+                stop = on_step(GenerationStep(step, token, *(scores or (None, None, None)), logits=logits))
                 if stop is not None:
                     done |= torch.as_tensor(stop, dtype=torch.bool, device=done.device).expand_as(done)
             if seen is not None:

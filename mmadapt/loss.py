@@ -356,33 +356,42 @@ def sequence_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor,
 
 
 def token_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, temperature: float = 1.0,
-                chunk: int | None = None) -> torch.Tensor:
+                chunk: int | None = None, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(N,) fp32 log p(target) of each position under softmax(head(states) / temperature), without the (B, L, V)
     logits: one chunk of logits at a time, recomputed in the backward (activation checkpointing per chunk). What an
     online RL objective scores its completions with, token by token (trl's `_get_per_token_logps`, the temperature
-    of sampling included)."""
+    of sampling included). `entropy=True` returns (log-probs, entropies): also each position's entropy (nats) of that
+    distribution, detached, from the same chunk of logits (trl's logged `entropy`)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     weight = getattr(head, "weight", None)
     chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
-    parts = [checkpoint_logps(head, states[start:start + chunk], targets[start:start + chunk], temperature)
+    parts = [checkpoint_logps(head, states[start:start + chunk], targets[start:start + chunk], temperature, entropy)
              for start in range(0, states.shape[0], chunk)]
-    return torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)
+    empty = states.new_zeros(0, dtype=torch.float32)
+    if not entropy:
+        return torch.cat(parts) if parts else empty
+    return (torch.cat([p[0] for p in parts]) if parts else empty, torch.cat([p[1] for p in parts]) if parts else empty)
 
 
-def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-                 ) -> torch.Tensor:
+def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                 entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     logits = head(states).float()
     if temperature != 1.0:
         logits = logits / temperature
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    normaliser = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, targets[:, None]).squeeze(1) - normaliser
+    if not entropy:
+        return picked
+    with torch.no_grad():  # H = logsumexp(l) - sum(softmax(l) * l)
+        return picked, normaliser - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
 
 
 def checkpoint_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0) -> torch.Tensor:
+                     temperature: float = 1.0, entropy: bool = False) -> Any:
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(_chunk_logps, head, states, targets, temperature, use_reentrant=False)
+    return checkpoint(_chunk_logps, head, states, targets, temperature, entropy, use_reentrant=False)
 
 
 @torch.no_grad()

@@ -338,6 +338,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         token_losses: torch.Tensor | None = None,
         token_logps: bool = False,
         temperature: float = 1.0,
+        token_entropy: torch.Tensor | None = None,
         visual: VisualTokens | None = None,
         visual_videos: VisualTokens | None = None,
         **kwargs: Any,
@@ -359,7 +360,9 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
         `token_logps=True` (online RL, `mmadapt.train.objectives`) returns a (B, L) fp32 tensor instead: at each
         labelled position t, log p(labels[t] | the tokens before it) under softmax(logits / `temperature`), 0
-        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`).
+        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`). `token_entropy`
+        (B, L) fp32, optional: filled with the entropy of that distribution at each labelled position (0 elsewhere),
+        detached.
 
         `visual`: the rows' images already encoded (`VisualTokens` at LLM width, one entry per image of the rows, in
         row order; `VisualTokens.take` gives them from pictures encoded once): the vision side does not run for them
@@ -372,7 +375,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
             if labels is None:
                 raise ValueError("token_logps needs labels (the tokens to score)")
             with inputs.verified(self.backbone):
-                return self.token_scores(inputs, labels, temperature, **kwargs)
+                return self.token_scores(inputs, labels, temperature, entropy=token_entropy, **kwargs)
         if sequence_logps:
             if labels is None:
                 raise ValueError("sequence_logps needs labels (the answer tokens to score)")
@@ -410,9 +413,10 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         tokens = torch.bincount(rows, minlength=labels.shape[0])
         return SequenceLogProbs(logps=logps, tokens=tokens, kl=kl, states=states.detach() if keep_states else None)
 
-    def token_scores(self, inputs: ModelInputs, labels: torch.Tensor, temperature: float, **kwargs: Any
-                     ) -> torch.Tensor:
-        """(B, L) per-token log-probs of the labelled tokens (`forward(token_logps=True)`)."""
+    def token_scores(self, inputs: ModelInputs, labels: torch.Tensor, temperature: float, *,
+                     entropy: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """(B, L) per-token log-probs of the labelled tokens (`forward(token_logps=True)`); `entropy` (B, L), when
+        given, receives each labelled position's entropy."""
         from mmadapt.loss import IGNORE_INDEX, supervised_rows, token_logps
 
         kwargs.pop("num_items_in_batch", None)
@@ -420,9 +424,14 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
         labels = labels.to(out.last_hidden_state.device)
         states, targets, _ = supervised_rows(out.last_hidden_state, labels)
-        logps = token_logps(states, self.backbone.get_output_embeddings(), targets, temperature=temperature)
+        head = self.backbone.get_output_embeddings()
+        scored = token_logps(states, head, targets, temperature=temperature, entropy=entropy is not None)
+        logps, entropies = scored if entropy is not None else (scored, None)
         predicts = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX
         rows, positions = predicts.nonzero(as_tuple=True)  # the order of supervised_rows' states
+        if entropy is not None:
+            entropy.zero_().index_put_((rows.to(entropy.device), (positions + 1).to(entropy.device)),
+                                       entropies.to(entropy.device))
         return logps.new_zeros(labels.shape).index_put((rows, positions + 1), logps)
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:

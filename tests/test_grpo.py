@@ -53,8 +53,11 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
     for record in history:
         assert math.isfinite(record["loss"]) or record["zero_std_groups"] == 1.0
         for key in ("reward", "rewards/accuracy/mean", "rewards/format/mean", "reward_std", "zero_std_groups",
-                    "completion_length/mean", "completion_length/max", "clip_ratio/region_mean", "rollout_s"):
+                    "completion_length/mean", "completion_length/max", "clip_ratio/region_mean", "rollout_s",
+                    "entropy", "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
             assert key in record, (key, sorted(record))
+        assert 0 < record["entropy"] <= math.log(256)  # nats, at most uniform over the char vocabulary
+        assert record["sampling/sampling_logp_difference/max"] <= 1e-4  # the rollout saw what the forward sees
         assert 1 <= record["completion_length/mean"] <= 6 and record["completion_length/max"] <= 6
         assert record["zero_std_groups"] < 1 and math.isfinite(record["loss"])
     moved = [n for n, p in parts.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]

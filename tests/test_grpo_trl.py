@@ -184,9 +184,13 @@ def test_the_grpo_loss_and_gradients_equal_trls_grpo_trainer(setup, loss_type, b
     theirs.backward()
     their_metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
 
-    logps = completion_logps(s.model(**s.rows, token_logps=True, temperature=TEMPERATURE), s.rows["labels"], s.done)
+    entropy = torch.zeros(s.rows["labels"].shape)
+    logps = completion_logps(s.model(**s.rows, token_logps=True, temperature=TEMPERATURE, token_entropy=entropy),
+                             s.rows["labels"], s.done)
     terms = policy_loss(logps, s.old, s.ref if beta else None, ADVANTAGES, mask, settings)
     terms.loss.backward()
+    entropies = completion_logps(entropy, s.rows["labels"], s.done)  # trl's logged entropy: the tokens' mean
+    assert abs(float((entropies * mask).sum() / mask.sum()) - their_metrics["entropy"]) <= ATOL
 
     assert abs(terms.loss.item() - theirs.item()) <= ATOL, (terms.loss.item(), theirs.item())
     ours_metrics = terms.stats.means()

@@ -129,14 +129,41 @@ def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):
     done = rollout(model, batch, 2, max_new_tokens=4, eos_token_id=encoder.tokenizer.eos_token_id,
                    pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(3))
     rows = scored_rows(batch, done, encoder.pad_token_id)
+    entropy = torch.full(rows["labels"].shape, 9.0)
     with torch.no_grad():
-        ours = model(**rows, token_logps=True, temperature=0.7)
+        ours = model(**rows, token_logps=True, temperature=0.7, token_entropy=entropy)
         logits = model(**{k: v for k, v in rows.items() if k != "labels"}, return_logits=True).logits
-    full = torch.log_softmax(logits.float() / 0.7, dim=-1)[:, :-1].gather(-1, rows["labels"][:, 1:].clamp(min=0)[
-        ..., None])[..., 0]
+    tempered = torch.log_softmax(logits.float() / 0.7, dim=-1)[:, :-1]
+    full = tempered.gather(-1, rows["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
     labelled = rows["labels"][:, 1:] != IGNORE_INDEX
     assert torch.allclose(ours[:, 1:][labelled], full[labelled], atol=1e-5, rtol=0)
     assert (ours[:, 1:][~labelled] == 0).all() and (ours[:, 0] == 0).all()
+    their_entropy = -(tempered.exp() * tempered).sum(-1)  # of the distribution each labelled token was drawn from
+    assert torch.allclose(entropy[:, 1:][labelled], their_entropy[labelled], atol=1e-5, rtol=0)
+    assert (entropy[:, 1:][~labelled] == 0).all() and (entropy[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["images", "videos"])
+def test_the_rollouts_log_probs_equal_the_forward_over_the_rows_it_scores(setup, with_videos, kind):
+    """The contract between a rollout and the training forward: at the same weights the log-probs the rollout saw
+    for its sampled tokens (prefill once, the cache copied G ways) equal the forward's over the scored rows (G rows
+    side by side, each picture shared), within 1e-5 at fp32 (images; videos, an image and a video, text). Rows whose
+    pictures are not the rollout's (blanked) are visibly off: what `sampling/sampling_logp_difference` watches in a
+    run."""
+    model, encoder, batch = setup if kind == "images" else with_videos
+    done = rollout(model, batch, 3, max_new_tokens=6, eos_token_id=encoder.tokenizer.eos_token_id,
+                   pad_token_id=encoder.pad_token_id, temperature=0.8, generator=torch.Generator().manual_seed(6))
+    rows = scored_rows(batch, done, encoder.pad_token_id)
+    with torch.no_grad():
+        forward = completion_logps(model(**rows, token_logps=True, temperature=0.8), rows["labels"], done)
+    assert done.logps.shape == done.completions.shape and (done.logps[~done.mask] == 0).all()
+    gap = (forward - done.logps).abs()[done.mask]
+    assert gap.max() <= 1e-5, gap.max()
+    pixels = "pixel_values" if kind == "images" else "pixel_values_videos"
+    moved = {**rows, pixels: torch.zeros_like(rows[pixels])}  # the rows no longer see what the rollout saw
+    with torch.no_grad():
+        wrong = completion_logps(model(**moved, token_logps=True, temperature=0.8), rows["labels"], done)
+    assert (wrong - done.logps).abs()[done.mask].max() > 1e-3
 
 
 def test_a_group_whose_rows_see_different_prompts_is_refused(setup):

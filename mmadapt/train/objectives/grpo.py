@@ -25,8 +25,9 @@ A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 
 
 Logged per step: `reward` and each reward's mean (`rewards/<name>/mean`, unscored and failed rows), `reward_std`
 (the groups' mean std), `zero_std_groups` (the share of groups whose answers all scored the same: nothing learned
-from them), completion lengths (mean, max, truncated share), `kl`, the clip fractions, and the time the rollout took
-(`rollout_s`). `evaluate` answers each eval prompt once, greedily, with its real images, blanked and shuffled among
+from them), completion lengths (mean, max, truncated share), the time the rollout took (`rollout_s`) and how far its
+own log-probs are from the policy's forward (`sampling/sampling_logp_difference/mean|max`: the contract between
+them), at a rollout's first step; `entropy`, `kl` and the clip fractions at every step. `evaluate` answers each eval prompt once, greedily, with its real images, blanked and shuffled among
 the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a
 reward that rests on the image falls without it.
 
@@ -43,6 +44,7 @@ hooks).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -261,7 +263,8 @@ class GrpoObjective(Objective):
         total_tokens = max(int(tokens.item()), 1)
         steps = len(micro) * run.dist.world
         iteration = run.step % s.num_iterations  # 0: the rollout's first step; later ones clip against its log-probs
-        stats, loss_sum = PolicyStats.zero(run.device, kl=s.beta > 0), torch.zeros((), device=run.device)
+        stats = PolicyStats.zero(run.device, kl=s.beta > 0, entropy=True)
+        loss_sum = torch.zeros((), device=run.device)
         run.wrapped.train()
         for k, batch in enumerate(micro):
             sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
@@ -290,7 +293,8 @@ class GrpoObjective(Objective):
         if iteration and pictures is not None and vision_trains(run.model):
             pictures = self.encode(run, rolled["prompts"])
         given = {} if pictures is None else pictures.for_rows(rows)
-        logps = run.wrapped(**rows, **given, token_logps=True, temperature=s.temperature)
+        entropy = torch.zeros(rows["labels"].shape, dtype=torch.float32, device=rows["labels"].device)
+        logps = run.wrapped(**rows, **given, token_logps=True, temperature=s.temperature, token_entropy=entropy)
         per_token = completion_logps(logps, rows["labels"], done)
         reference = rolled.get("reference")
         if s.beta > 0 and reference is None:
@@ -301,10 +305,27 @@ class GrpoObjective(Objective):
                 reference = completion_logps(run.wrapped(**rows, **ref_given, token_logps=True,
                                                          temperature=s.temperature), rows["labels"], done)
         old = rolled.get("old") if iteration else None
+        if not iteration:
+            self.log_sampling_gap(batch, per_token.detach(), done)
         if s.num_iterations > 1 and not iteration:
             rolled["old"], rolled["reference"] = per_token.detach(), reference
-        return policy_loss(per_token, old, reference, rolled["advantages"], rolled["mask"], self.loss,
-                           accumulation_steps=steps, num_items=total_tokens)
+        terms = policy_loss(per_token, old, reference, rolled["advantages"], rolled["mask"], self.loss,
+                            accumulation_steps=steps, num_items=total_tokens)
+        entropies = completion_logps(entropy, rows["labels"], done)  # aligned as the log-probs
+        return dataclasses.replace(terms, stats=dataclasses.replace(
+            terms.stats, entropy=(entropies * rolled["mask"]).sum()))
+
+    @staticmethod
+    def log_sampling_gap(batch: dict[str, Any], per_token: torch.Tensor, done: Rollouts) -> None:
+        """How far the rollout's own log-probs of its tokens are from the policy's forward over the scored rows, at
+        the same weights (trl's `sampling/sampling_logp_difference`, mean and max over the completion tokens): 0 up to
+        float rounding when the rollout and the forward saw the same ids, positions and visual tokens - the
+        contract between them - and the same precision."""
+        if done.logps is None or not bool(done.mask.any()):
+            return
+        gap = (per_token - done.logps.to(per_token.device)).abs()[done.mask.to(per_token.device)]
+        batch.setdefault("logged", {}).update({"sampling/sampling_logp_difference/mean": float(gap.mean()),
+                                               "sampling/sampling_logp_difference/max": float(gap.max())})
 
     def placeholder_loss(self, run: Run) -> torch.Tensor:
         pad = self.scorer.pad_token_id if self.scorer is not None else 0
@@ -327,7 +348,8 @@ class GrpoObjective(Objective):
                 for key, value in part.items():
                     if not (isinstance(value, float) and math.isnan(value)):
                         merged.setdefault(key, []).append(value)
-        out = {key: sum(values) / len(values) for key, values in merged.items() if key != "rollout_s"}
+        out = {key: max(values) if key.endswith("/max") else sum(values) / len(values)
+               for key, values in merged.items() if key != "rollout_s"}
         out["rollout_s"] = max(merged.get("rollout_s", [0.0]))
         all_lengths = [x for rank in everyone for x in rank["lengths"]]
         all_truncated = [x for rank in everyone for x in rank["truncated"]]

@@ -142,42 +142,53 @@ class PolicyLoss:
 class PolicyStats:
     """Masked sums over a micro-batch's completion tokens (0-d tensors, detached): add them over micro-batches (`+`)
     and ranks (`as_tensor`, all-reduce, `from_tensor`), then `means()` gives trl's metrics. `kl` is None when beta
-    is 0 (trl logs no `kl` then)."""
+    is 0 (trl logs no `kl` then); `entropy` (the policy's, summed over the tokens) is None when not measured."""
 
     tokens: torch.Tensor
     clipped_low: torch.Tensor
     clipped_high: torch.Tensor
     clipped_region: torch.Tensor
     kl: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     @classmethod
-    def zero(cls, device: torch.device | str | None = None, *, kl: bool = False) -> PolicyStats:
-        """Nothing counted yet (`kl`: the KL term is in the loss, beta != 0)."""
+    def zero(cls, device: torch.device | str | None = None, *, kl: bool = False,
+             entropy: bool = False) -> PolicyStats:
+        """Nothing counted yet (`kl`: the KL term is in the loss, beta != 0; `entropy`: measured)."""
         z = torch.zeros((), device=device)
-        return cls(z, z, z, z, z if kl else None)
+        return cls(z, z, z, z, z if kl else None, z if entropy else None)
 
     def __add__(self, other: PolicyStats) -> PolicyStats:
-        kl = None if self.kl is None or other.kl is None else self.kl + other.kl
+        def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if a is None or b is None else a + b
+
         return PolicyStats(self.tokens + other.tokens, self.clipped_low + other.clipped_low,
-                           self.clipped_high + other.clipped_high, self.clipped_region + other.clipped_region, kl)
+                           self.clipped_high + other.clipped_high, self.clipped_region + other.clipped_region,
+                           both(self.kl, other.kl), both(self.entropy, other.entropy))
 
     def as_tensor(self) -> torch.Tensor:
-        """(5,): tokens, low, high, region, kl (NaN when None), for one all-reduce (sum)."""
-        kl = torch.full_like(self.tokens, float("nan")) if self.kl is None else self.kl
-        return torch.stack([self.tokens, self.clipped_low, self.clipped_high, self.clipped_region, kl])
+        """(6,): tokens, low, high, region, kl, entropy (NaN when None), for one all-reduce (sum)."""
+        def value(t: torch.Tensor | None) -> torch.Tensor:
+            return torch.full_like(self.tokens, float("nan")) if t is None else t
+
+        return torch.stack([self.tokens, self.clipped_low, self.clipped_high, self.clipped_region, value(self.kl),
+                            value(self.entropy)])
 
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> PolicyStats:
-        tokens, low, high, region, kl = values.unbind()
-        return cls(tokens, low, high, region, None if torch.isnan(kl) else kl)
+        tokens, low, high, region, kl, entropy = values.unbind()
+        return cls(tokens, low, high, region, None if torch.isnan(kl) else kl,
+                   None if torch.isnan(entropy) else entropy)
 
     def means(self) -> dict[str, float]:
-        """The means over completion tokens, by trl's names: `kl` (when beta != 0), `clip_ratio/low_mean`,
-        `clip_ratio/high_mean`, `clip_ratio/region_mean`."""
+        """The means over completion tokens, by trl's names: `kl` (when beta != 0), `entropy` (when measured),
+        `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`."""
         tokens = float(self.tokens.clamp(min=1.0))
         out = {"clip_ratio/low_mean": float(self.clipped_low) / tokens,
                "clip_ratio/high_mean": float(self.clipped_high) / tokens,
                "clip_ratio/region_mean": float(self.clipped_region) / tokens}
+        if self.entropy is not None:
+            out = {"entropy": float(self.entropy) / tokens, **out}
         return out if self.kl is None else {"kl": float(self.kl) / tokens, **out}
 
 

@@ -33,12 +33,15 @@ from mmadapt.loss import IGNORE_INDEX
 class Rollouts:
     """R = B x G answers: `completions` (R, T) ids, `pad` after each answer's end; `mask` (R, T) bool, the answer's
     tokens (its end token included); `truncated` (R,) bool, cut at `max_new_tokens` with no end token;
-    `num_generations` G (row r answers prompt r // G)."""
+    `num_generations` G (row r answers prompt r // G); `logps` (R, T) fp32, the log-prob of each sampled token as the
+    rollout saw it, under softmax(logits / temperature) over the whole vocabulary (what the training forward scores:
+    no suppression, no nucleus; 0 past the end), or None."""
 
     completions: torch.Tensor
     mask: torch.Tensor
     truncated: torch.Tensor
     num_generations: int
+    logps: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -156,16 +159,24 @@ def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_ne
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     inputs = {k: v for k, v in prompts.items() if k in INPUTS and v is not None}
     given = encoded.for_rows(prompts) if encoded is not None else {}
+    scores: list[torch.Tensor] = []
+
+    def score(step: Any) -> None:  # the sampled token's log-prob as training scores it (temperature 0: as 1)
+        logits = step.logits.float()
+        logits = logits / temperature if temperature > 0 else logits
+        scores.append(torch.log_softmax(logits, dim=-1).gather(-1, step.tokens[:, None])[:, 0])
+
     completions = model.generate(**inputs, **given, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                  pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                                 generator=generator, row_seeds=seeds, repeats=num_generations)
+                                 generator=generator, row_seeds=seeds, repeats=num_generations, on_step=score)
     ends = torch.tensor([] if eos_token_id is None else eos_token_id, device=completions.device).flatten()
     is_end = torch.isin(completions, ends)
     ended = is_end.any(dim=1)
     first_end = torch.where(ended, is_end.int().argmax(dim=1), completions.shape[1] - 1)
     positions = torch.arange(completions.shape[1], device=completions.device)
     mask = positions[None, :] <= first_end[:, None]
-    return Rollouts(completions.masked_fill(~mask, pad_token_id), mask, ~ended, num_generations)
+    logps = torch.stack(scores, dim=1).masked_fill(~mask, 0.0)
+    return Rollouts(completions.masked_fill(~mask, pad_token_id), mask, ~ended, num_generations, logps)
 
 
 def scored_rows(prompts: dict[str, Any], rollouts: Rollouts, pad_token_id: int) -> dict[str, Any]:
