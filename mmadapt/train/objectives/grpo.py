@@ -27,9 +27,9 @@ Logged per step: `reward` and each reward's mean (`rewards/<name>/mean`, unscore
 (the groups' mean std), `zero_std_groups` (the share of groups whose answers all scored the same: nothing learned
 from them), completion lengths (mean, max, truncated share), the time the rollout took (`rollout_s`) and how far its
 own log-probs are from the policy's forward (`sampling/sampling_logp_difference/mean|max`: the contract between
-them), at a rollout's first step; `entropy`, `kl` and the clip fractions at every step. `evaluate` answers each eval prompt once, greedily, with its real images, blanked and shuffled among
-the prompts, and logs the mean reward of each (`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a
-reward that rests on the image falls without it.
+them), at a rollout's first step; `entropy`, `kl` and the clip fractions at every step. `evaluate` answers each eval
+prompt once, greedily, with its real images, blanked and shuffled among the prompts, and logs the mean reward of each
+(`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a reward that rests on the image falls without it.
 
 With `num_iterations` k > 1 a rollout serves k optimizer steps (`Objective.steps_per_batch`: the loader's batch s is
 steps s*k ... s*k + k - 1): the first is on policy (ratio 1) and keeps the policy's per-token log-probs (and the
