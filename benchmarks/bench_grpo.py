@@ -285,14 +285,16 @@ def table(steps: dict[Layout, list[Step]], args: argparse.Namespace, beta: float
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_rl_arguments(description: str, answer_help: str, parser: argparse.ArgumentParser | None = None
+                       ) -> tuple[argparse.Namespace, torch.device]:
+    """The arguments the RL benchmarks share (`--quick`: G = 2, 8 tokens, 1 rep), and the device, readied (on the
+    CPU freed memory is handed back, as `mmadapt train` does, so that peaks measure the step)."""
+    parser = parser or argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="tiny model, G = 2, 1 rep (smoke run)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=2, help="B, prompts per micro-batch (one image each)")
+    parser.add_argument("--prompts", type=int, default=2, help="B, prompts (one image each)")
     parser.add_argument("--generations", type=int, default=8, help="G, answers per prompt")
-    parser.add_argument("--answer-tokens", type=int, default=32, help="T, the longest answer")
-    parser.add_argument("--betas", default="0,0.04", help="comma-separated KL weights (> 0: a reference forward)")
+    parser.add_argument("--answer-tokens", type=int, default=32, help=answer_help)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--config", default=next(iter(CONFIGS)), choices=list(CONFIGS))
     args = parser.parse_args()
@@ -303,6 +305,13 @@ def main() -> None:
         from mmadapt.train.cpu_memory import return_freed_memory
 
         return_freed_memory()
+    return args, device
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--betas", default="0,0.04", help="comma-separated KL weights (> 0: a reference forward)")
+    args, device = parse_rl_arguments(parser.description, "T, the longest answer", parser)
     config = CONFIGS[args.config]
     model = build(config, args.quick).to(device).train()
     prompts = prompt_batch(model, config, args.quick, args.prompts)

@@ -41,7 +41,6 @@ rollout is 1.34x (1.62x) faster. All three layouts sampled the same answers toke
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -54,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_grpo import CONFIGS, Meter, per_row_layout, prompt_batch
+from bench_grpo import CONFIGS, Meter, parse_rl_arguments, per_row_layout, prompt_batch
 from bench_loss import build
 
 LAYOUTS = ("prefill once, cache copied G ways (mmadapt)", "G prefills, each picture once",
@@ -117,22 +116,7 @@ def main() -> None:
     from mmadapt.train.batches import to_device
     from mmadapt.train.objectives.rollout import row_seeds
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, G = 2, 1 rep (smoke run)")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=2, help="B, prompts (one image each)")
-    parser.add_argument("--generations", type=int, default=8, help="G, answers per prompt")
-    parser.add_argument("--answer-tokens", type=int, default=32, help="every answer's length (no end token)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--config", default=next(iter(CONFIGS)), choices=list(CONFIGS))
-    args = parser.parse_args()
-    if args.quick:
-        args.reps, args.generations, args.answer_tokens = 1, 2, 8
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        from mmadapt.train.cpu_memory import return_freed_memory
-
-        return_freed_memory()
+    args, device = parse_rl_arguments(__doc__.split("\n")[0], "every answer's length (no end token)")
     config = CONFIGS[args.config]
     model = build(config, args.quick).to(device).eval()
     prompts = to_device(prompt_batch(model, config, args.quick, args.prompts), device)

@@ -49,6 +49,53 @@ def encoded_pictures(model):
     return seen, model.encoder.register_forward_hook(count)
 
 
+def separate_pictures(rows, batch):
+    """`rows` with each row's own copy of its images and videos (no `image_index` / `video_index`): what G separate
+    encodings see."""
+    separate = dict(rows)
+    for index, pixels, grids in (("image_index", "pixel_values", "image_grid_thw"),
+                                 ("video_index", "pixel_values_videos", "video_grid_thw")):
+        if index not in separate:
+            continue
+        chosen = separate.pop(index)
+        patches = batch[grids].prod(dim=1)
+        starts = torch.cumsum(patches, 0) - patches
+        separate[pixels] = torch.cat([batch[pixels][int(starts[i]):int(starts[i] + patches[i])]
+                                      for i in chosen.tolist()])
+        separate[grids] = batch[grids][chosen]
+    return separate
+
+
+def scores_and_grads(model, rows, done, **given):
+    """The per-token log-probs (T = 0.7) of `rows` and the gradients of their sum over the answers."""
+    model.zero_grad()
+    logps = model(**rows, **given, token_logps=True, temperature=0.7)
+    per_token = completion_logps(logps, rows["labels"], done)
+    (per_token * done.mask).sum().backward()
+    return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_shared_equals_separate_and_handed(model, batch, shared, done, pictures):
+    """The shared layout encodes each picture once (`pictures`) and gives the log-probs and gradients of G separate
+    encodings (<= 1e-6), and exactly those of the pictures encoded beforehand (`encode_prompts`, its graph kept)."""
+    from mmadapt.train.objectives.rollout import encode_prompts
+
+    seen, hook = encoded_pictures(model)
+    try:
+        ours, our_grads = scores_and_grads(model, shared, done)
+    finally:
+        hook.remove()
+    assert seen == {"calls": 1, "pictures": pictures}
+    theirs, their_grads = scores_and_grads(model, separate_pictures(shared, batch), done)
+    handed, handed_grads = scores_and_grads(model, shared, done, **encode_prompts(model, batch).for_rows(shared))
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+    assert torch.equal(ours, handed)
+    assert our_grads.keys() == their_grads.keys() == handed_grads.keys() and any("encoder" in n for n in our_grads)
+    for name, grad in our_grads.items():
+        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
+
+
 @pytest.mark.parametrize("g", [2, 4])
 def test_each_picture_is_encoded_once_for_the_g_answers_of_its_prompt(setup, g):
     model, encoder, batch = setup
@@ -89,39 +136,8 @@ def test_scored_rows_equal_rows_that_each_encode_their_own_pictures(setup):
     model, encoder, batch = setup
     done = rollout(model, batch, 2, max_new_tokens=5, eos_token_id=encoder.tokenizer.eos_token_id,
                    pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(2))
-    shared = scored_rows(batch, done, encoder.pad_token_id)
-    separate = dict(shared)
-    index = separate.pop("image_index")
-    patches = batch["image_grid_thw"].prod(dim=1)
-    starts = torch.cumsum(patches, 0) - patches
-    separate["pixel_values"] = torch.cat([batch["pixel_values"][int(starts[i]):int(starts[i] + patches[i])]
-                                          for i in index.tolist()])
-    separate["image_grid_thw"] = batch["image_grid_thw"][index]
-
-    def scores(rows):
-        model.zero_grad()
-        logps = model(**rows, token_logps=True, temperature=0.7)
-        per_token = completion_logps(logps, rows["labels"], done)
-        (per_token * done.mask).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return per_token.detach(), grads
-
-    seen, hook = encoded_pictures(model)
-    try:
-        ours, our_grads = scores(shared)
-    finally:
-        hook.remove()
-    theirs, their_grads = scores(separate)
-    given = {**shared, "visual": model.encode_images(batch["pixel_values"], batch["image_grid_thw"]).take(
-        shared["image_index"])}  # encoded beforehand (an RL step's one encoding), its graph kept
-    handed, handed_grads = scores(given)
-    assert seen["pictures"] == 3  # once each, for six rows
-    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
-    assert torch.equal(ours, handed)
-    assert our_grads.keys() == their_grads.keys() == handed_grads.keys() and any("encoder" in n for n in our_grads)
-    for name, grad in our_grads.items():
-        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
-        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
+    check_shared_equals_separate_and_handed(model, batch, scored_rows(batch, done, encoder.pad_token_id), done,
+                                            pictures=3)  # once each, for six rows
 
 
 def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):
@@ -278,8 +294,6 @@ def test_videos_and_images_are_encoded_once_for_the_g_answers_and_score_as_separ
     once over each picture (2 images, 2 videos), whatever G; the scored rows' log-probs and gradients equal rows that
     each encode their own pictures (<= 1e-6), and equal exactly those of the pictures encoded beforehand
     (`encode_prompts`, an RL step's one encoding)."""
-    from mmadapt.train.objectives.rollout import encode_prompts
-
     model, encoder, batch = with_videos
     seen, hook = encoded_pictures(model)
     try:
@@ -291,38 +305,7 @@ def test_videos_and_images_are_encoded_once_for_the_g_answers_and_score_as_separ
     shared = scored_rows(batch, done, encoder.pad_token_id)
     check_groups(shared, g, model.tokens.image_token_id)
     assert shared["video_index"].tolist() == [0] * g + [1] * g and shared["image_index"].tolist() == [0] * g + [1] * g
-    separate = dict(shared)
-    for index, pixels, grids in (("image_index", "pixel_values", "image_grid_thw"),
-                                 ("video_index", "pixel_values_videos", "video_grid_thw")):
-        chosen = separate.pop(index)
-        patches = batch[grids].prod(dim=1)
-        starts = torch.cumsum(patches, 0) - patches
-        separate[pixels] = torch.cat([batch[pixels][int(starts[i]):int(starts[i] + patches[i])]
-                                      for i in chosen.tolist()])
-        separate[grids] = batch[grids][chosen]
-
-    def scores(rows, **given):
-        model.zero_grad()
-        logps = model(**rows, **given, token_logps=True, temperature=0.7)
-        per_token = completion_logps(logps, rows["labels"], done)
-        (per_token * done.mask).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return per_token.detach(), grads
-
-    seen, hook = encoded_pictures(model)
-    try:
-        ours, our_grads = scores(shared)
-    finally:
-        hook.remove()
-    assert seen == {"calls": 1, "pictures": 4}  # once each, for 4 x G rows
-    theirs, their_grads = scores(separate)
-    handed, handed_grads = scores(shared, **encode_prompts(model, batch).for_rows(shared))
-    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
-    assert torch.equal(ours, handed)
-    assert our_grads.keys() == their_grads.keys() == handed_grads.keys() and any("encoder" in n for n in our_grads)
-    for name, grad in our_grads.items():
-        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
-        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
+    check_shared_equals_separate_and_handed(model, batch, shared, done, pictures=4)  # once each, for 4 x G rows
     swapped = {**shared, "video_index": shared["video_index"].clone()}
     swapped["video_index"][1] = 1  # group 0's second row shows prompt 1's video
     with pytest.raises(ImageTokenContractError, match="group 0: its rows show different videos"):
