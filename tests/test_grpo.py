@@ -119,7 +119,9 @@ def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its
         return result
 
     trainer.objective.training_rows, trainer.objective.terms = recording, scoring
-    history = trainer.fit()["history"]
+    summary = trainer.fit()
+    history = summary["history"]
+    assert summary["samples_seen"] == 4  # 2 rollouts of 2 prompts, each counted once
     order = GlobalBatchSampler(8, micro_batch=2, seed=cfg.train.seed)
     assert seen == [[[f"p{i}"] for i in order.indices(step)[0]] for step in (0, 1)]
     assert [(step, it) for step, it, _ in steps] == [(0, 0), (1, 1), (2, 0), (3, 1)]

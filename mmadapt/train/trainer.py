@@ -138,6 +138,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.plan: dict[str, Any] | None = None  # the run's memory plan, logged with the config (train.run sets it)
         self.warned_slow_data = False
+        self.rows_are_new = True  # this step's micro-batches are a new loader batch (not one serving its next step)
         self.step_sources: dict[str, dict[str, int]] = {}  # this step's counts per mixture source (count_problems)
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
         if config.checkpoint.resume:
@@ -207,8 +208,8 @@ class Trainer:
                 rows = [next(batches) for _ in range(t.grad_accum)]
                 waited = time.perf_counter() - step_started
                 rows = self.objective.training_rows(self, rows)
-            micro = rows
-            record = self.train_step(micro, clock, fresh=fresh)
+            micro, self.rows_are_new = rows, fresh
+            record = self.train_step(micro, clock)
             self.step += 1
             record.update(step=self.step, seconds=round(time.perf_counter() - started, 3))
             self.add_speed(record, micro, waited, time.perf_counter() - step_started)
@@ -245,12 +246,11 @@ class Trainer:
                              "it with --resume (checkpoint.resume=true), or choose another train.out.")
         self.run.log_file.unlink(missing_ok=True)
 
-    def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None, *,
-                   fresh: bool = True) -> dict[str, Any]:
+    def train_step(self, micro: list[dict[str, Any]], clock: PartClock | None = None) -> dict[str, Any]:
         """Forward/backward over the micro-batches, guard, clip, optimizer step. Returns the log record, with the
-        seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time".
-        `fresh`: the micro-batches' samples are new (not a batch serving its next step, `steps_per_batch`), so they
-        count towards the samples seen and the bad-sample budget."""
+        seconds of the forward + backward (vision side and LLM, `clock`) and of the optimizer under "time". The
+        micro-batches' samples count towards the samples seen and the bad-sample budget unless they are a batch
+        serving its next step (`rows_are_new` False: `Objective.steps_per_batch`)."""
         started = time.perf_counter()
         result = self.objective.backward(self, micro, clock)
         loss_value = result.loss
@@ -260,7 +260,8 @@ class Trainer:
         grad_norm = dist_utils.grad_norm_and_clip(self.wrapped, t.clip_grad_norm)
         record = {"loss": loss_value, "grad_norm": grad_norm, **learning_rates(self.scheduler, self.optimizer, t.lr,
                                                                                 t.lr_by_part),
-                  "tokens": result.tokens, "problems": self.count_problems(micro) if fresh else 0, **result.logged}
+                  "tokens": result.tokens, "problems": self.count_problems(micro) if self.rows_are_new else 0,
+                  **result.logged}
         if self.step_sources:  # a mixture: this step's samples, problems and (from the objective) loss per source
             record["sources"] = {name: {**counts, **record.get("sources", {}).get(name, {})}
                                  for name, counts in self.step_sources.items()}
