@@ -167,7 +167,8 @@ def test_sees_on_prompts_prints_the_reward_view_with_the_runs_rewards(tmp_path, 
 def test_ddp_and_fsdp2_with_two_processes_equal_one_process(tmp_path):
     """Each answer samples from its own seed, so 2 ranks draw what 1 process draws; groups stay on their rank; the
     rewards, the answers' lengths and the gradient norm (the loss itself is ~0 on policy: the advantages' mean; its
-    gradient is not) agree within 1e-5, relative for the gradient norm, so step 2 starts from the same weights."""
+    gradient is not) agree within 1e-5, relative for the gradient norm, so step 2 starts from the same weights.
+    The projector trains (the default stages), and in a last pair the whole vision side."""
     import os
     import subprocess
     import sys
@@ -194,6 +195,11 @@ def test_ddp_and_fsdp2_with_two_processes_equal_one_process(tmp_path):
     for strategy in ("ddp", "fsdp"):
         two = launch(strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
         same(one, two)
+    # the whole vision side trained: under FSDP2 its units (blocks, encoder, projector) gather and reduce their own
+    # parameters outside the root's forward, so the step's one encoding serves the rollout and the policy there too
+    vision = ("stages.encoder=full",)
+    same(launch("one-vision", "data.batch_size=2", *vision),
+         launch("fsdp-vision", "data.batch_size=1", "distributed.strategy=fsdp", *vision, procs=2))
 
 
 def same(one, two):

@@ -2,9 +2,10 @@
 
 `init()` starts the process group when launched by torchrun (gloo on CPU, nccl on GPU) and
 is a no-op for one process. `wrap` applies FSDP2 (`fully_shard` on every decoder and vision
-block, then the root; mixed precision bf16 params with fp32 gradient reduction under the
-bf16 policy) or DDP. Checkpoints always hold full, unsharded, unprefixed state dicts, so a
-checkpoint from any world size loads into any other and into a plain model.
+block, then the encoder and the projector (`vision_units`), then the root; mixed precision bf16
+params with fp32 gradient reduction under the bf16 policy) or DDP. Checkpoints always hold full,
+unsharded, unprefixed state dicts, so a checkpoint from any world size loads into any other and
+into a plain model.
 
 Ranks never wait silently: every collective has the run's `distributed.timeout_minutes` (passed to
 `init_process_group`; NCCL's own default is 10 minutes), and `failing_together` turns an exception on one rank into
@@ -86,10 +87,23 @@ def shard(model: nn.Module, ctx: DistContext, precision: Precision) -> nn.Module
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
-    for block in blocks_to_shard(model):
+    blocks = blocks_to_shard(model)
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
+    for part in vision_units(model, blocks):
+        fully_shard(part, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def vision_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The encoder and the projector, each a unit of its own for the parameters of no block (a ViT's patch embedding
+    and merger, the projector's layers), so that the vision side can run outside the root's forward - an RL step
+    encodes its pictures once, before its rollout and its forwards - gathering and reducing its own parameters. Parts
+    whose parameters are all in blocks, or that have none, are left to the root."""
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    return [part for part in (model.encoder, model.projector)
+            if any(id(p) not in inside for p in part.parameters())]
 
 
 def blocks_to_shard(model: nn.Module) -> list[nn.Module]:

@@ -36,9 +36,9 @@ steps s*k ... s*k + k - 1): the first is on policy (ratio 1) and keeps the polic
 reference's); the later ones score the same answers with the moved policy, clipped against them, re-encoding the
 pictures only when the vision side trains. Checkpoints fall between rollouts (`checkpoint.every` a multiple of k).
 
-Under FSDP2 the rollout gathers the root's own parameters (`gathered`), and a trained vision side is encoded by the
-rollout and again in each forward (once per picture in each: its gradients are reduced by the sharded forward's
-hooks).
+Under FSDP2 the rollout gathers the root's own parameters (`gathered`: embeddings, head), and the vision side runs
+outside the root's forward as its own units (`distributed.vision_units`: its blocks, the encoder, the projector
+gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def is_sharded(wrapped: Any) -> bool:
 
 @contextlib.contextmanager
 def gathered(wrapped: Any) -> Iterator[None]:
-    """Under FSDP2, the root's own parameters (embeddings, head, projector: those of no sharded block) gathered while
+    """Under FSDP2, the root's own parameters (embeddings, head: those of no sharded unit) gathered while
     the block runs: `generate` and `encode_images` are not the root's forward, whose hooks would gather them (each
     block's forward still gathers its own)."""
     if not is_sharded(wrapped):
@@ -222,15 +222,12 @@ class GrpoObjective(Objective):
 
     def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
         """The micro-batch's pictures (images and videos) encoded once, by the policy in training mode, with
-        gradients when the vision side trains (its graph is kept for the backward); None without pictures, and under
-        FSDP2 when the vision side trains (its gradients are reduced by hooks of the sharded forward: each forward
-        then encodes, still each picture once per forward through `image_index` / `video_index`)."""
+        gradients when the vision side trains (its graph is kept for the backward; under FSDP2 the vision units'
+        hooks gather their parameters and reduce their gradients); None without pictures."""
         model = run.model
         if not batch["input_ids"].shape[0]:
             return None
         trains = vision_trains(model)
-        if trains and is_sharded(run.wrapped):
-            return None
         was_training = model.training
         model.train()
         try:

@@ -126,17 +126,22 @@ def attention_paths(model: Any, forward: list[Segment], load: dict[str, tuple[fl
 
 
 def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: Precision) -> int:
-    """FSDP2: the root unit (everything outside the blocks) stays unsharded through the step, two block units are
-    gathered at a time (the current one and the prefetched next), and one unit's gradients are unsharded before
-    their reduce-scatter; in the compute dtype. DDP: its gradient buckets, one more copy of the gradients."""
+    """FSDP2: the root unit (the LLM's modules outside its blocks, the head) stays unsharded through the step, two
+    units are gathered at a time (the current one and the prefetched next: blocks, and the encoder's and the
+    projector's own modules, `distributed.vision_units`), and one unit's gradients are unsharded before their
+    reduce-scatter; in the compute dtype. DDP: its gradient buckets, one more copy of the gradients."""
     if strategy == "ddp":
         return trained_bytes
     if strategy != "fsdp2":
         return 0
     compute = precision.hidden_bytes / 4  # the gathered parameters in the compute dtype, counted in fp32 bytes
-    units = [s for s in segments if s.key.is_block]
+
+    def in_root(s: Segment) -> bool:
+        return not s.key.is_block and s.key.part not in ("encoder", "projector")
+
+    units = [s for s in segments if not in_root(s)]
     biggest = max((s.param_bytes for s in units), default=0)
-    root = sum(s.param_bytes for s in segments if not s.key.is_block)
+    root = sum(s.param_bytes for s in segments if in_root(s))
     return int((2 * biggest + root) * compute + max((s.trained_bytes for s in units), default=0))
 
 
