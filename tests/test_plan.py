@@ -338,4 +338,5 @@ def test_a_grpo_run_is_planned_with_g_rows_per_prompt_one_image_and_its_rollout(
     assert (eight.rows, eight.tokens) == (8 * one.rows, 8 * one.tokens) and eight.images == one.images == 2
     plan = predict(grpo, gpus=1, device="cpu")
     assert plan.per_gpu["rollout"] >= cache_bytes(model, 16, 512, 4) > 0
+    assert predict(grpo, gpus=4, device="cpu").per_gpu["rollout"] == plan.per_gpu["rollout"]  # each rank's own rows
     assert "rollout" in plan.table() and "rollout" not in predict(sft, gpus=1, device="cpu").per_gpu

@@ -65,8 +65,9 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     # the step's peak: the backward sweep (gradients appear as the saved activations go) with its temporaries and
     # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
     backward = peak + transient + recompute + loss
-    # a GRPO run's rollout: between steps (gradients freed), its generation cache and one prefill's working set
-    rollout = rollout_bytes(config, model, work, precision) // shard
+    # a GRPO run's rollout: between steps (gradients freed), its generation cache and one prefill's working set, for
+    # this rank's own rows (not sharded)
+    rollout = rollout_bytes(config, model, work, precision)
     total = int(parameters + optimizer_state + sharding + max(backward, gradients + step_temp, rollout))
     per_gpu = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state + step_temp,
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
