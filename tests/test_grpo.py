@@ -72,6 +72,7 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
     (["grpo.num_iterations=2", "checkpoint.every=3"], "a multiple of 2"),
     (["grpo.num_iterations=0"], "num_iterations must be >= 1"),
     (["grpo.beta=0.04"], "needs a reference"),
+    (["grpo.beta=0.04", "stages.backbone=lora"], "but ['projector'] train fully"),
     (["train.rewards=[]"], "needs train.rewards"),
     (["train.rewards=[nonsense]"], "accuracy"),
 ])
@@ -271,11 +272,14 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
                                   "shuffled": end["eval_reward_shuffled"]}, abs=1e-3), (rows, end)
 
 
+@pytest.mark.parametrize("stages", [("grpo.beta=0.04", "stages.backbone=lora", "stages.projector=frozen"),
+                                    ("stages.encoder=full",)], ids=["LoRA + reference", "vision trained"])
 @pytest.mark.parametrize("g", [2, 4])
-def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and_the_policy(tmp_path, g):
-    """A hook on the vision tower over a whole step (grad_accum 2; rollout, reference with beta > 0 and the policy's
-    forward and backward), prompts with no picture, one or two images, a video, an image and a video mixed: one
-    encoding per picture (image or video)."""
+def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and_the_policy(tmp_path, g, stages):
+    """A hook on the vision tower over a whole step (grad_accum 2; rollout, the reference with beta > 0 and the
+    policy's forward and backward; or the whole vision side trained, its encoding's graph kept for the backward),
+    prompts with no picture, one or two images, a video, an image and a video mixed: one encoding per picture (image
+    or video)."""
     from mmadapt.synthetic import moving_square, write_video
 
     write_video(tmp_path / "left.mp4", moving_square(8, 32, 48, direction=(0, -1), start=(8, 40)), fps=8)
@@ -293,8 +297,8 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
                                 "train.rewards=['test_grpo:length']", f"data.train={path}",
                                 f"data.image_root={tmp_path}", "data.batch_size=3", "train.grad_accum=2",
                                 "data.max_length=256", "data.video.fps=4", "data.video.max_pixels=32768",
-                                f"grpo.num_generations={g}", "grpo.max_completion_length=4",
-                                "grpo.beta=0.04", "stages.backbone=lora", "train.steps=1"])
+                                f"grpo.num_generations={g}", "grpo.max_completion_length=4", *stages,
+                                "train.steps=1"])
     parts = build_run(cfg)
     trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate)
     seen, shown = {"calls": 0, "pictures": 0}, []
@@ -318,4 +322,4 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
         hook.remove()
     with_pictures = [n for n in shown if n]
     assert seen == {"calls": len(with_pictures), "pictures": sum(shown)}, (seen, shown)
-    assert "kl" in history[0] and math.isfinite(history[0]["loss"])
+    assert ("kl" in history[0]) == ("grpo.beta=0.04" in stages) and math.isfinite(history[0]["loss"])

@@ -154,9 +154,15 @@ class GrpoObjective(Objective):
 
     def setup(self, model: Any) -> None:
         s = self.settings
-        if s.beta > 0 and not lora_layers(model):
-            raise ValueError(f"grpo.beta {s.beta} needs a reference: the model with its LoRA adapters off, so train "
-                             "with LoRA (stages.backbone: lora), or set grpo.beta: 0 (trl's default)")
+        if s.beta > 0:  # the reference is the model with its LoRA adapters off: the starting model only when every
+            trained_fully = [part for part, mode in self.config.stages.modes().items() if mode == "full"]  # trained
+            if trained_fully or not lora_layers(model):  # part is LoRA (a fully trained part moves it too)
+                raise ValueError(
+                    f"grpo.beta {s.beta} needs a reference: the model with its LoRA adapters off, which is the "
+                    "starting model only when every trained part is LoRA"
+                    + (f", but {trained_fully} train fully" if trained_fully else "")
+                    + ". Fix: train with LoRA (stages.backbone: lora) and freeze or LoRA the other parts, or set "
+                    "grpo.beta: 0 (trl's default)")
         log.info("objective: grpo (loss %s, G %d, beta %g, rewards %s)", s.loss_type, s.num_generations, s.beta,
                  ", ".join(f"{spec.name} x {spec.weight:g}" for spec in self.specs))
 
