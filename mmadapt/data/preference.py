@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mmadapt.data.collate import Collator
-from mmadapt.data.pipeline import SampleEncoder, check_answers
+from mmadapt.data.pipeline import OverSampleEncoder, SampleEncoder, check_answers
 from mmadapt.data.problems import DataProblem, per_sample, problem_of
 from mmadapt.data.samples import (
     IMAGE,
@@ -216,24 +216,14 @@ class EncodedPair:
         return len(self.chosen) + len(self.rejected)
 
 
-class PairEncoder:
+class PairEncoder(OverSampleEncoder):
     """Turns preference records into `EncodedPair`s, with a `SampleEncoder`'s model, tokenizer and settings."""
 
     def __init__(self, encoder: SampleEncoder) -> None:
         self.encoder = encoder
 
-    @property
-    def config(self) -> Any:
-        return self.encoder.config
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.encoder.pad_token_id
-
     def parse(self, record: Any, index: int) -> PreferenceSample:
-        c = self.config
-        return parse_preference(record, index, c.image_root, c.allow_outside_root, max_images=c.max_images,
-                                max_frames=c.max_sample_frames)
+        return self.parse_with(parse_preference, record, index)
 
     def render(self, pair: PreferenceSample) -> tuple[tuple[Sample, Sample], list[tuple[list[int], list[int]]],
                                                       list[Any]]:

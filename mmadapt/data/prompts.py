@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mmadapt.data.images import load_image
-from mmadapt.data.pipeline import SampleEncoder
+from mmadapt.data.pipeline import OverSampleEncoder, SampleEncoder
 from mmadapt.data.problems import DataProblem, guarded, per_sample
 from mmadapt.data.samples import IMAGE, EncodedSample, Sample, parse_record, read_records, record_id
 
@@ -147,7 +147,7 @@ class EncodedPrompt:
         return self.sample.id
 
 
-class PromptEncoder:
+class PromptEncoder(OverSampleEncoder):
     """Encodes RL prompts for one model: the `SampleEncoder`'s template, images and limits, and room for answers of
     `completion_tokens` within its `max_length`."""
 
@@ -156,18 +156,8 @@ class PromptEncoder:
             raise ValueError(f"completion_tokens must be >= 1, got {completion_tokens}")
         self.encoder, self.completion_tokens = encoder, completion_tokens
 
-    @property
-    def config(self) -> Any:
-        return self.encoder.config
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.encoder.pad_token_id
-
     def parse(self, record: Any, index: int) -> PromptSample:
-        c = self.config
-        return parse_prompt(record, index, c.image_root, c.allow_outside_root, max_images=c.max_images,
-                            max_frames=c.max_sample_frames)
+        return self.parse_with(parse_prompt, record, index)
 
     def encode(self, record: Any, index: int) -> EncodedPrompt:
         """One record -> `EncodedPrompt`, or a `DataProblem` naming the sample (`too_long`: the prompt leaves less

@@ -103,6 +103,16 @@ class Objective(ABC):
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
         """The datasets of `data.train` / `data.eval` and the collator, for `model` and its `SampleEncoder`."""
 
+    def require_one_unpacked_file(self, one_file: str, unpacked: str) -> None:
+        """For an objective that reads one `data.train` file (`one_file`: why, appended) and lays out its rows
+        unpacked (`unpacked`: how): `ValueError` naming the setting to change for a mixture or `data.packing`."""
+        d, name = self.config.data, self.config.train.objective
+        if not all(isinstance(v, str | None) for v in (d.train, d.eval)):
+            raise ValueError(f"train.objective {name} reads one data.train file{one_file}; a mixture (a list of "
+                             "sources) trains with sft")
+        if d.packing:
+            raise ValueError(f"train.objective {name} {unpacked}; set data.packing: false")
+
     def setup(self, model: Any) -> None:
         """Once, before the model is moved and wrapped."""
         return None

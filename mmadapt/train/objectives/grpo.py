@@ -134,12 +134,7 @@ class GrpoObjective(Objective):
         from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
 
         d = self.config.data
-        if not all(isinstance(v, str | None) for v in (d.train, d.eval)):
-            raise ValueError("train.objective grpo reads one data.train file of prompts; a mixture (a list of "
-                             "sources) trains with sft")
-        if d.packing:
-            raise ValueError("train.objective grpo lays out each prompt's answers side by side; set "
-                             "data.packing: false")
+        self.require_one_unpacked_file(" of prompts", "lays out each prompt's answers side by side")
         self.bind(encoder, model)
         prompts = PromptEncoder(encoder, self.settings.max_completion_length)
         collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))

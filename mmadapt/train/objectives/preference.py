@@ -231,12 +231,8 @@ class PreferenceObjective(Objective):
         from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
 
         d = self.config.data
-        if not all(isinstance(v, str | None) for v in (d.train, d.eval)):
-            raise ValueError("train.objective dpo reads one data.train file (its precomputed reference is keyed by the "
-                             "record's index in it); a mixture (a list of sources) trains with sft")
-        if d.packing:
-            raise ValueError("train.objective dpo pads its pairs (chosen and rejected rows side by side); set "
-                             "data.packing: false")
+        self.require_one_unpacked_file(" (its precomputed reference is keyed by the record's index in it)",
+                                       "pads its pairs (chosen and rejected rows side by side)")
         pairs = PairEncoder(encoder)
         collate = PairCollator.for_model(model, encoder.pad_token_id)
         return ObjectiveData(PreferenceDataset(d.train, pairs), PreferenceDataset(d.eval, pairs) if d.eval else None,
