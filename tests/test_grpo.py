@@ -143,13 +143,19 @@ def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its
 
 def test_sees_on_prompts_prints_the_reward_view_with_the_runs_rewards(tmp_path, capsys):
     """`mmadapt sees MODEL prompts.jsonl`: greedy answers scored with real, blanked and shuffled images (the rewards
-    and answer length of the GRPO run the model comes from, or --rewards); `mmadapt eval --json` writes it."""
+    and answer length of the GRPO run the model comes from, or --rewards; a reward the run names as code only when
+    the command line names it); `mmadapt eval --json` writes it."""
     from mmadapt.cli import main
 
     config(tmp_path, "train.steps=1", "train.rewards=['test_grpo:length']").save(tmp_path / "run.yaml")
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     prompts = str(tmp_path / "prompts.jsonl")
-    code = main(["sees", str(tmp_path / "out" / "model"), prompts, "--batches", "1", "--batch-size", "4"])
+    view = ["sees", str(tmp_path / "out" / "model"), prompts, "--batches", "1", "--batch-size", "4"]
+    assert main(view) == 2  # the run's config names code: never imported on a directory's say-so
+    refused = capsys.readouterr().err
+    assert refused.count("\n") == 1 and "name code: ['test_grpo:length']" in refused
+    assert "--rewards test_grpo:length" in refused
+    code = main([*view, "--rewards", "test_grpo:length"])  # the user names it: imported
     captured = capsys.readouterr()
     shown = captured.out
     assert code != 2, captured.err

@@ -107,7 +107,8 @@ def prompt_records(records: list) -> bool:
 def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
     """The rewards and answer length of the reward view: `--rewards` / `--max-new-tokens`, else the GRPO run's
     (`train.rewards`, `grpo.max_completion_length` of the config.yaml of the run `--model` belongs to), else
-    accuracy and 64 tokens."""
+    accuracy and 64 tokens. A reward the run's config names as code (`package.module:function`) is never imported
+    from the directory's say-so: only when the command line names it (`--rewards`)."""
     from mmadapt.run_directory import RunDirectory
 
     rewards, length = None, None
@@ -119,6 +120,14 @@ def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
         rewards, length = cfg.train.rewards or None, cfg.grpo.max_completion_length
     if args.rewards:
         rewards = [name.strip() for name in args.rewards.split(",") if name.strip()]
+    elif rewards:
+        from mmadapt.train.rewards import REWARDS
+
+        code = [n for n in (r.get("name") if isinstance(r, dict) else r for r in rewards) if n not in REWARDS.names()]
+        if code:
+            raise ValueError(f"the run's train.rewards ({run.config_file}) name code: {code}. mmadapt does not import "
+                             "code a directory names; if you trust it, pass it yourself: --rewards "
+                             f"{','.join(str(n) for n in code)} (or only built-ins: --rewards accuracy,format)")
     if getattr(args, "max_new_tokens", None):
         length = args.max_new_tokens
     return rewards or ["accuracy"], length or 64
