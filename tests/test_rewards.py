@@ -49,6 +49,8 @@ def test_accuracy_is_none_without_a_solution_and_reads_answer_or_a_named_column(
     assert reward(["1", "2", "3", "4"], solution=[None, "", float("nan"), "4"]) == [None, None, None, 1.0]
     assert reward(["1", "2"], answer=["1", "3"]) == [1.0, 0.0]
     assert reward(["1"], question=["what?"]) == [None]
+    # a file mixing trl's (solution) and EasyR1's (answer) records: each row reads the one it has, solution first
+    assert reward(["1", "2", "3"], solution=["1", None, "3"], answer=[None, "2", "9"]) == [1.0, 1.0, 1.0]
     assert Accuracy(column="gold")(["1", "2"], gold=["1", "1"], solution=["2", "2"]) == [1.0, 0.0]
     with pytest.raises(KeyError, match="reads column 'gold', which the data lacks"):
         Accuracy(column="gold")(["1"], solution=["1"])

@@ -310,3 +310,59 @@ def test_videos_and_images_are_encoded_once_for_the_g_answers_and_score_as_separ
     swapped["video_index"][1] = 1  # group 0's second row shows prompt 1's video
     with pytest.raises(ImageTokenContractError, match="group 0: its rows show different videos"):
         check_groups(swapped, g, model.tokens.image_token_id)
+
+
+def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_the_contract(tmp_path):
+    """Qwen3's 151k-token tokenizer with Qwen3.5's chat template: the prompts end with the template's generation
+    prompt (its opened thinking block), the answers end at `<|im_end|>` (the template's end of turn, an end token
+    beside the tokenizer's EOS) and decode to text without special tokens; the sampled answers' own log-probs equal
+    the training forward's over the 151k vocabulary (5e-4: float rounding of the log-softmax, 1e-4 measured); a
+    batch mixing trl's `solution` and EasyR1's `answer` records is scored row by row."""
+    from real_tokenizers import real_tokenizer
+
+    from mmadapt.train.objectives.reward_view import AnswerScorer
+    from mmadapt.train.rewards import reward_specs
+
+    Image.new("RGB", (64, 32), (200, 40, 90)).save(tmp_path / "0.png")
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).eval()
+    tokenizer = real_tokenizer("qwen3")
+    encoder = SampleEncoder.for_model(model, tokenizer, chat_template="qwen3_5", image_root=str(tmp_path),
+                                      max_length=256)
+    prompts = PromptEncoder(encoder, completion_tokens=8)
+    records = [{"id": "a", "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                    "text": "How many?"}]}],
+                "image": "0.png", "solution": "4"},
+               {"id": "b", "problem": "What is 2 + 2?", "answer": "4"}]
+    encoded = [prompts.encode(r, k) for k, r in enumerate(records)]
+    # the template's own generation prompt: Qwen3.5 opens the thinking block for the answer
+    assert all(tokenizer.decode(e.sample.input_ids).endswith("<|im_start|>assistant\n<think>\n") for e in encoded)
+    from mmadapt.data.prompts import PromptCollator
+
+    batch = PromptCollator(Collator.for_model(model, encoder.pad_token_id))(encoded)
+    batch = {k: v for k, v in batch.items() if k not in ("labels", "meta")}
+    scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), max_new_tokens=8)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end in scorer.eos_token_ids
+    done = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=scorer.eos_token_ids,
+                   pad_token_id=scorer.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    rows = scored_rows(batch, done, scorer.pad_token_id)
+    check_groups(rows, 3, model.tokens.image_token_id)
+    with torch.no_grad():
+        forward = completion_logps(model(**rows, token_logps=True), rows["labels"], done)
+    # fp32 log-softmax over 151k logits summed in another order (the prefill's last position against the chunked
+    # forward): up to 1e-4 apart measured (|log p| ~ 12), bounded at 5e-4
+    assert (forward - done.logps).abs()[done.mask].max() <= 5e-4
+    assert model.backbone.get_output_embeddings().weight.shape[0] >= 151_000
+
+    head = model.backbone.get_output_embeddings()
+    hook = head.register_forward_hook(lambda module, args, output: output.index_add(
+        -1, torch.tensor([end]), torch.full((*output.shape[:-1], 1), 1e4)))
+    try:  # a head that ends every answer at once
+        ended = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=scorer.eos_token_ids,
+                        pad_token_id=scorer.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(8))
+    finally:
+        hook.remove()
+    assert ended.lengths.tolist() == [1] * 6 and not ended.truncated.any()
+    assert scorer.texts(ended.completions, ended.mask) == [""] * 6
+    assert scorer.score(scorer.texts(ended.completions, ended.mask), batch, 3).total == [0.0] * 6

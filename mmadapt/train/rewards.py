@@ -82,7 +82,8 @@ def normalise(answer: str) -> str | float:
 @dataclass(frozen=True, kw_only=True)
 class Accuracy:
     """1.0 when the completion's answer equals the row's solution, 0.0 when not, None without a solution. `column`:
-    the column holding it (None: `solution`, else `answer`)."""
+    the column holding it (None: per row, its `solution`, else its `answer`: a file mixing trl's and EasyR1's
+    records holds each in one of them)."""
 
     column: str | None = None
 
@@ -92,14 +93,13 @@ class Accuracy:
                 str(solution)))) for text, solution in zip(completions, solutions, strict=True)]
 
     def solutions(self, columns: dict[str, Any], rows: int) -> list[Any]:
-        names = [self.column] if self.column else ["solution", "answer"]
-        for name in names:
-            if name in columns:
-                return list(columns[name])
         if self.column:
-            raise KeyError(f"reward 'accuracy' reads column {self.column!r}, which the data lacks; it has "
-                           f"{sorted(columns)}")
-        return [None] * rows
+            if self.column not in columns:
+                raise KeyError(f"reward 'accuracy' reads column {self.column!r}, which the data lacks; it has "
+                               f"{sorted(columns)}")
+            return list(columns[self.column])
+        present = [columns[name] for name in ("solution", "answer") if name in columns]
+        return [next((column[r] for column in present if not missing(column[r])), None) for r in range(rows)]
 
 
 def missing(solution: Any) -> bool:
