@@ -458,27 +458,6 @@ class SampleEncoder:
             return 1
 
 
-class OverSampleEncoder:
-    """Base of an encoder of another kind of record (RL prompts, preference pairs) over a `SampleEncoder`: its
-    settings (`config`), pad id, and the record parsing with the settings' root and limits (`parse_with`)."""
-
-    encoder: SampleEncoder
-
-    @property
-    def config(self) -> Any:
-        return self.encoder.config
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.encoder.pad_token_id
-
-    def parse_with(self, parse: Any, record: Any, index: int) -> Any:
-        """`parse(record, index, image_root, allow_outside_root, max_images=, max_frames=)` with the settings'."""
-        c = self.config
-        return parse(record, index, c.image_root, c.allow_outside_root, max_images=c.max_images,
-                     max_frames=c.max_sample_frames)
-
-
 @dataclass(frozen=True)
 class VideoPlan:
     """One video as its header says it will be: the header, whether it is a frame list, the frames kept, their

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 
 from mmadapt.data.collate import Collator
-from mmadapt.data.pipeline import OverSampleEncoder, SampleEncoder, check_answers
+from mmadapt.data.pipeline import SampleEncoder, check_answers
 from mmadapt.data.problems import DataProblem, per_sample, problem_of
 from mmadapt.data.samples import (
     IMAGE,
     VIDEO,
     EncodedSample,
+    OverSampleEncoder,
     Sample,
     Turn,
     parse_record,

@@ -28,9 +28,17 @@ from typing import Any
 import torch
 
 from mmadapt.data.images import load_image
-from mmadapt.data.pipeline import OverSampleEncoder, SampleEncoder
+from mmadapt.data.pipeline import SampleEncoder
 from mmadapt.data.problems import DataProblem, guarded, per_sample
-from mmadapt.data.samples import IMAGE, EncodedSample, Sample, parse_record, read_records, record_id
+from mmadapt.data.samples import (
+    IMAGE,
+    EncodedSample,
+    OverSampleEncoder,
+    Sample,
+    parse_record,
+    read_records,
+    record_id,
+)
 
 FORMATS = ("trl (prompt + image(s) + columns)", "EasyR1 / verl (problem + answer + images)",
            "ms-swift (messages ending with a user turn + images + solution)")

@@ -290,3 +290,24 @@ def iter_samples(records: list[Any], image_root: str | os.PathLike | None = None
             yield parse_record(record, index, image_root, allow_outside_root)
         except DataProblem as problem:
             yield problem
+
+
+class OverSampleEncoder:
+    """Base of an encoder of another kind of record (RL prompts, preference pairs) over a `SampleEncoder`: its
+    settings (`config`), pad id, and the record parsing with the settings' root and limits (`parse_with`)."""
+
+    encoder: Any  # the SampleEncoder (mmadapt.data.pipeline)
+
+    @property
+    def config(self) -> Any:
+        return self.encoder.config
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.encoder.pad_token_id
+
+    def parse_with(self, parse: Any, record: Any, index: int) -> Any:
+        """`parse(record, index, image_root, allow_outside_root, max_images=, max_frames=)` with the settings'."""
+        c = self.config
+        return parse(record, index, c.image_root, c.allow_outside_root, max_images=c.max_images,
+                     max_frames=c.max_sample_frames)
