@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 
@@ -23,6 +24,8 @@ from mmadapt.train.rewards import (
     reward_specs,
     score,
 )
+
+MB = 1_000_000
 
 
 # ---- accuracy --------------------------------------------------------------------------------------------------------
@@ -59,6 +62,24 @@ def test_accuracy_is_none_without_a_solution_and_reads_answer_or_a_named_column(
 def test_boxed_and_final_answer():
     assert boxed("no box") is None and boxed("\\boxed{a{b}c}") == "a{b}c" and boxed("\\boxed{}") == ""
     assert final_answer("<think>x</think>y</think>z") == "z" and final_answer("plain") == "plain"
+
+
+def test_boxed_finds_a_box_closed_after_unclosed_ones():
+    assert boxed("\\boxed{a} \\boxed{b \\boxed{c}") == "c" and boxed("\\boxed{a} \\boxed{b {") == "a"
+    assert boxed("\\boxed{x \\boxed{y} z}") == "y" and boxed("}} \\boxed{{}}}") == "{}"
+
+
+@pytest.mark.parametrize("solution,expected", [
+    ("\\boxed{" * (MB // 7), 0.0),              # unclosed boxes: each was searched to the end again (quadratic)
+    ("\\boxed{" + "{" * MB, 0.0),               # one box, a million braces
+    ("\\boxed{" + "{}" * (MB // 2) + "} 4", 0.0),  # ... that closes: its content is the answer
+    ("1" * MB + ".", 0.0),                        # a million digits
+    ("</think>" * (MB // 8) + " 4", 1.0),
+])
+def test_accuracy_is_linear_in_a_megabyte_solution(solution, expected):
+    start = time.perf_counter()
+    assert Accuracy()(["\\boxed{4}"], solution=[solution]) == [expected]
+    assert time.perf_counter() - start < 1.0  # was quadratic: 36 s for 56 KB of unclosed boxes
 
 
 # ---- format ----------------------------------------------------------------------------------------------------------

@@ -46,22 +46,31 @@ log = logging.getLogger(__name__)
 RewardFunction = Callable[..., list[float | None]]
 THINK_FORMAT = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # trl.rewards.think_format_reward's pattern
 NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-BOXED = "\\boxed{"
+BOXED_OPEN = re.compile(re.escape("\\boxed{"))
+BRACE = re.compile(r"[{}]")
 
 
 # ---- the built-in rewards --------------------------------------------------------------------------------------------
 def boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text` (braces balanced), or None (none, or never closed)."""
-    start = text.rfind(BOXED)
-    while start != -1:
-        depth, i = 1, start + len(BOXED)
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[start + len(BOXED) : i - 1]
-        start = text.rfind(BOXED, 0, start)
-    return None
+    """The content of the last `\\boxed{...}` in `text` (braces balanced), or None (none, or never closed).
+
+    One pass over the braces with a stack of the open ones (each `{` closed by the first `}` that balances it), so
+    the cost is linear in `text`: searching each box's end from its start again costs the square of the number of
+    unclosed boxes (a 56 KB solution of them took 36 s)."""
+    opens = {match.end() - 1 for match in BOXED_OPEN.finditer(text)}  # the positions of the boxes' own `{`
+    if not opens:
+        return None
+    stack: list[int] = []
+    last: tuple[int, int] | None = None  # (its `{`, its `}`) of the closed box that starts last
+    for brace in BRACE.finditer(text, min(opens)):
+        at = brace.start()
+        if text[at] == "{":
+            stack.append(at)
+        elif stack:
+            start = stack.pop()
+            if start in opens and (last is None or start > last[0]):
+                last = (start, at)
+    return None if last is None else text[last[0] + 1 : last[1]]
 
 
 def final_answer(text: str) -> str:
