@@ -6,8 +6,10 @@ server goes on answering; a full queue is a 429; a client that leaves mid-stream
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import http.server
+import socket
 import threading
 import time
 from pathlib import Path
@@ -274,9 +276,93 @@ def test_remote_images_load_only_when_allowed(served):
                 load_image_url(refused, MediaPolicy(allow_remote=True), "p")
             assert time.monotonic() - start < 1.0
             assert raised.value.message == ("could not fetch the image at that URL: this server fetches only public "
-                                            "http(s) addresses, within 10 s")  # one message: no port scanner
+                                            "http(s) addresses, within 10 s in total (connecting, headers and body; "
+                                            "--remote-timeout)")  # one message: no port scanner
     finally:
         server.shutdown()
+
+
+@contextlib.contextmanager
+def local_server(respond):
+    """An http server on 127.0.0.1 in a thread whose GETs `respond(handler)` answers; yields its base URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server calls it by this name
+            with contextlib.suppress(OSError):  # the fetcher cut the connection
+                respond(self)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_redirect_to_another_scheme_is_refused_as_the_same_address_over_http_is(tmp_path):
+    listener = socket.create_server(("127.0.0.2", 0))  # what an ftp: redirect would reach: nothing may connect
+    listener.settimeout(0.5)
+    target = f"127.0.0.2:{listener.getsockname()[1]}"
+    png = noise_image(tmp_path / "noise.png", seed=0).read_bytes()
+    locations = {"/ftp": f"ftp://{target}/x", "/file": "file:///etc/passwd", "/data": data_url(png),
+                 "/http": f"http://{target}/x", "/relative": "/noise.png"}
+
+    def respond(handler):
+        if handler.path in locations:
+            handler.send_response(302)
+            handler.send_header("Location", locations[handler.path])
+            handler.end_headers()
+        else:
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(len(png)))
+            handler.end_headers()
+            handler.wfile.write(png)
+
+    only_this_host = MediaPolicy(allow_remote=True, remote_networks=("127.0.0.1/32",))
+    with local_server(respond) as url, listener:
+        assert load_image_url(f"{url}/relative", only_this_host, "p").size == (32, 32)  # http redirects are followed
+        for path, scheme in (("/ftp", "ftp"), ("/file", "file"), ("/data", "data")):
+            with pytest.raises(APIError, match=f"redirects to a {scheme}: URL; this server fetches http"):
+                load_image_url(f"{url}{path}", only_this_host, "p")
+        with pytest.raises(APIError, match="fetches only public http"):
+            load_image_url(f"{url}/http", only_this_host, "p")
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+def test_a_slow_server_is_cut_at_the_total_deadline(tmp_path):
+    png = noise_image(tmp_path / "noise.png", seed=0).read_bytes()
+
+    def respond(handler):
+        if handler.path == "/slow-head":  # a header line every 0.2 s
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for _ in range(50):
+                handler.wfile.write(b"X-Padding: 1\r\n")
+                time.sleep(0.2)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(png)))
+        handler.end_headers()
+        if handler.path == "/slow-body":  # a byte every 0.2 s
+            for k in range(len(png)):
+                handler.wfile.write(png[k:k + 1])
+                time.sleep(0.2)
+        else:
+            handler.wfile.write(png)
+
+    policy = MediaPolicy(allow_remote=True, remote_networks=("127.0.0.0/8",), remote_timeout=1.0)
+    with pytest.raises(ValueError, match="remote_timeout must be > 0"):
+        MediaPolicy(remote_timeout=0)
+    with local_server(respond) as url:
+        for path in ("/slow-body", "/slow-head"):
+            start = time.monotonic()
+            with pytest.raises(APIError, match=r"within 1 s in total \(connecting, headers and body"):
+                load_image_url(f"{url}{path}", policy, "p")
+            assert 0.9 < time.monotonic() - start < 2.0, path  # each read was short; their sum is what is bounded
+        assert load_image_url(f"{url}/fast.png", policy, "p").size == (32, 32)
 
 
 def test_mmadapt_serve_builds_its_settings_from_the_command_line(served, monkeypatch):

@@ -6,10 +6,12 @@ Three kinds of URL, each checked before anything is decoded:
 - a local path (`file:///abs/path`, `/abs/path` or a path relative to the root): only when the server has an
   `image_root`, and only if the path, resolved with its symlinks, lies under the resolved root (`..` and links
   leading out are refused);
-- `http(s)://...`: refused unless `allow_remote`; then fetched with a timeout and a byte limit, with no proxy, from
-  public addresses only: every connection (redirects included) resolves the host once, refuses it if any address is
-  loopback, private, link-local or reserved (unless inside `remote_networks`) and connects to the address it checked;
-  a failed fetch is one generic message (the cause goes to the server's log, not to the client).
+- `http(s)://...`: refused unless `allow_remote`; then fetched within one total deadline (`remote_timeout` seconds for
+  connecting, the headers and the body together, redirects included) and a byte limit, with no proxy, from public
+  addresses only: every connection (redirects included) resolves the host once, refuses it if any address is
+  loopback, private, link-local or reserved (unless inside `remote_networks`) and connects to the address it checked.
+  Only http(s) is spoken: a redirect to any other scheme (ftp:, file:, data:) is refused. A failed fetch is one
+  generic message (the cause goes to the server's log, not to the client).
 
 An image goes through three steps, so that a request can be budgeted before it costs memory (`mmadapt.serve.budget`):
 `stage_image` (its encoded bytes or its path, signature checked, nothing decoded), `image_header` (width x height from
@@ -29,6 +31,9 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -53,10 +58,13 @@ VIDEO_TYPES = {"video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".
 class MediaPolicy:
     """What a request may point at: local files only under `image_root` (None: no local files), remote URLs only
     with `allow_remote` and only from public addresses (or those inside `remote_networks`, CIDRs such as
-    "10.1.0.0/16": an internal image store), within `remote_timeout` seconds; at most `max_image_bytes` per image and
+    "10.1.0.0/16": an internal image store), within `remote_timeout` seconds in total (connecting, headers and body,
+    redirects included); at most `max_image_bytes` per image and
     `max_video_bytes` per video (encoded), and `max_pixels` per image (the data settings' `max_image_pixels`)."""
 
     def __post_init__(self) -> None:
+        if not self.remote_timeout > 0:
+            raise ValueError(f"remote_timeout must be > 0 seconds, got {self.remote_timeout}")
         for net in self.remote_networks:
             try:
                 ipaddress.ip_network(net, strict=False)
@@ -218,30 +226,105 @@ def _local_path(url: str, policy: MediaPolicy, param: str, kind: str) -> Path:
 
 
 def _fetch(url: str, policy: MediaPolicy, max_bytes: int, param: str, kind: str) -> bytes:
-    """The body at a remote URL, at most `max_bytes`, within the policy's timeout, from a public address only (each
-    connection, redirects included, checked by `_PublicOnly`). Every failure is one generic message: the server is no
-    probe of what it can reach (which ports answer, which names resolve)."""
+    """The body at a remote URL, at most `max_bytes`, all of it (connections, redirects, headers, body) within the
+    policy's `remote_timeout` (`Deadline`), from a public address only (each connection, redirects included, checked
+    by `_public_connection`), over http(s) only. Every failure is one generic message: the server is no probe of what
+    it can reach (which ports answer, which names resolve)."""
     if not policy.allow_remote:
         raise bad_request(f"remote {kind} URLs are off on this server; send the {kind} as a data: URL (or start the "
                           "server with --allow-remote-images)", param=param, code="remote_media_disabled")
     try:
-        with _opener(policy).open(url, timeout=policy.remote_timeout) as response:  # http(s) only: _is_remote
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise bad_request(f"the {kind} at {url} is {length} bytes, over the limit of {max_bytes} "
-                                  f"(--max-{kind}-bytes)", param=param, code=f"{kind}_too_large")
-            data = response.read(max_bytes + 1)
+        with Deadline(policy.remote_timeout) as deadline:
+            data = _read_within(url, policy, max_bytes, param, kind, deadline)
     except APIError:
         raise
+    except RefusedRedirect as e:
+        raise bad_request(f"the {kind} URL redirects to a {e.scheme}: URL; this server fetches http(s) only, "
+                          "redirects included", param=param, code=f"invalid_{kind}_url") from None
     except (OSError, ValueError, http.client.HTTPException) as e:
         log.info("fetching %s failed: %s: %s", url, type(e).__name__, e)  # the server's log, not the client's answer
         raise bad_request(f"could not fetch the {kind} at that URL: this server fetches only public http(s) "
-                          f"addresses, within {policy.remote_timeout:g} s", param=param,
-                          code=f"invalid_{kind}_url") from None
+                          f"addresses, within {policy.remote_timeout:g} s in total (connecting, headers and body; "
+                          "--remote-timeout)", param=param, code=f"invalid_{kind}_url") from None
     if len(data) > max_bytes:
         raise bad_request(f"the {kind} at {url} is over the limit of {max_bytes} bytes (--max-{kind}-bytes)",
                           param=param, code=f"{kind}_too_large")
     return data
+
+
+def _read_within(url: str, policy: MediaPolicy, max_bytes: int, param: str, kind: str, deadline: Deadline) -> bytes:
+    """The first `max_bytes` + 1 bytes at `url`; a `TimeoutError` once `deadline` has passed (its timer cuts the
+    connection, and a body cut short is never taken for a whole one)."""
+    with _opener(policy, deadline).open(url, timeout=deadline.left()) as response:  # http(s) only: _is_remote
+        length = response.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            raise bad_request(f"the {kind} at {url} is {length} bytes, over the limit of {max_bytes} "
+                              f"(--max-{kind}-bytes)", param=param, code=f"{kind}_too_large")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = response.read(min(64 * 1024, max_bytes + 1 - size))
+            deadline.left()  # raises once the time is up, whatever the read returned
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    return b"".join(chunks)
+
+
+class Deadline:
+    """One fetch's whole time: `left()` is the time that remains (a `TimeoutError` when none does), and the sockets
+    the fetch opens are `watch`ed: when the time is up, a timer shuts them down, so a read blocked on a server that
+    sends a byte now and then returns at once. A socket timeout alone bounds each read, not their sum: a byte a
+    second held a fetch for as long as the server liked."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.expired = False
+        self.timer = threading.Timer(seconds, self.expire)
+        self.timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.cancel()
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0 or self.expired:
+            raise TimeoutError(f"the fetch took over its {self.seconds:g} s")
+        return left
+
+    def watch(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sockets.append(sock)
+            if self.expired:
+                _cut(sock)
+
+    def expire(self) -> None:
+        with self.lock:
+            self.expired = True
+            for sock in self.sockets:
+                _cut(sock)
+
+
+def _cut(sock: socket.socket) -> None:
+    """End a connection's reads and writes now, from any thread (the owner's blocked `recv` returns)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed, or never connected
+        pass
+
+
+class RefusedRedirect(urllib.error.URLError):
+    """A redirect to a URL that is not http(s) (ftp:, file:, data:, ...)."""
+
+    def __init__(self, scheme: str) -> None:
+        super().__init__(f"a redirect to a {scheme}: URL")
+        self.scheme = scheme
 
 
 class RefusedAddress(OSError):
@@ -259,9 +342,10 @@ def allowed_address(address: str, policy: MediaPolicy) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-def _public_connection(policy: MediaPolicy) -> Any:
+def _public_connection(policy: MediaPolicy, deadline: Deadline) -> Any:
     """`socket.create_connection` that resolves the host once, refuses it unless every address it resolves to is
-    allowed, and connects to that checked address (no second lookup a rebinding name could answer differently)."""
+    allowed, and connects to that checked address (no second lookup a rebinding name could answer differently),
+    within what is left of the fetch's `deadline` (which watches the socket)."""
     def create(address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,
                source_address: Any = None, **_: Any) -> socket.socket:
         host, port = address
@@ -271,8 +355,8 @@ def _public_connection(policy: MediaPolicy) -> Any:
         family, kind, proto, _, where = found[0]
         sock = socket.socket(family, kind, proto)
         try:
-            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:
-                sock.settimeout(timeout)
+            sock.settimeout(deadline.left())  # each blocking call at most what is left; the timer bounds their sum
+            deadline.watch(sock)
             sock.connect(where)
         except BaseException:
             sock.close()
@@ -282,9 +366,26 @@ def _public_connection(policy: MediaPolicy) -> Any:
     return create
 
 
-def _opener(policy: MediaPolicy) -> urllib.request.OpenerDirector:
-    """urllib with no proxies and every connection (the first and each redirect's) through `_public_connection`."""
-    connect = _public_connection(policy)
+class _OnlyHTTPRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects (their limits, loop detection), refusing every target that is not http(s): urllib itself
+    follows ftp: too."""
+
+    def http_error_302(self, req: Any, fp: Any, code: int, msg: str, headers: Any) -> Any:
+        target = headers.get("location") or headers.get("uri")
+        scheme = urllib.parse.urlsplit(urllib.parse.urljoin(req.full_url, target or "")).scheme.lower()
+        if scheme not in ("http", "https"):
+            fp.close()
+            raise RefusedRedirect(scheme)
+        return super().http_error_302(req, fp, code, msg, headers)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def _opener(policy: MediaPolicy, deadline: Deadline) -> urllib.request.OpenerDirector:
+    """urllib speaking http(s) only - no proxy, ftp, file or data handlers (`build_opener` would add them) - with
+    every connection (the first and each redirect's) through `_public_connection` and watched by `deadline` (an
+    https connection again once wrapped in TLS: the wrapper owns the socket from then on)."""
+    connect = _public_connection(policy, deadline)
 
     class HTTP(http.client.HTTPConnection):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -296,6 +397,12 @@ def _opener(policy: MediaPolicy) -> urllib.request.OpenerDirector:
             super().__init__(*args, **kwargs)
             self._create_connection = connect
 
+        def connect(self) -> None:  # http.client's, with the handshake after the wrapped socket is watched
+            http.client.HTTPConnection.connect(self)
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host, do_handshake_on_connect=False)
+            deadline.watch(self.sock)
+            self.sock.do_handshake()
+
     class Handler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
         def http_open(self, req: Any) -> Any:
             return self.do_open(HTTP, req)
@@ -303,7 +410,11 @@ def _opener(policy: MediaPolicy) -> urllib.request.OpenerDirector:
         def https_open(self, req: Any) -> Any:
             return self.do_open(HTTPS, req, context=self._context)
 
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}), Handler())
+    opener = urllib.request.OpenerDirector()
+    for handler in (Handler(), _OnlyHTTPRedirects(), urllib.request.HTTPDefaultErrorHandler(),
+                    urllib.request.HTTPErrorProcessor(), urllib.request.UnknownHandler()):
+        opener.add_handler(handler)
+    return opener
 
 
 def _scratch_file(scratch: Path, data: bytes, suffix: str) -> str:
