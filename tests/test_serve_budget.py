@@ -300,6 +300,50 @@ def test_a_closed_page_forgets_its_conversation_and_removes_its_uploads(served):
     assert Path(served.root).exists()
 
 
+def test_half_sent_request_heads_are_closed_after_the_header_timeout(served):
+    def receive_answer(sock) -> bytes:
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
+            b"content-length")))
+        while len(body) < length:
+            body += sock.recv(65536)
+        return head
+
+    settings = ServeSettings(name="tiny", header_timeout=1.0, max_connections=6)
+    app = create_app(served.service.model, served.service.processor, settings)
+    try:
+        with BackgroundServer(app) as server:
+            address = server.host, server.port
+            health = f"GET /health HTTP/1.1\r\nHost: {server.host}\r\n".encode()
+            held = [socket.create_connection(address, timeout=10) for _ in range(4)]
+            for sock in held[:3]:
+                sock.sendall(health + b"X-Slow: ")  # half a head; the fourth sends nothing at all
+            kept = socket.create_connection(address, timeout=10)  # a keep-alive connection, then half a head
+            kept.sendall(health + b"\r\n")
+            assert b" 200 " in receive_answer(kept).split(b"\r\n")[0]
+            kept.sendall(health)
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503  # full: 5 held, and this one
+            start = time.monotonic()
+            for sock in [*held, kept]:
+                assert sock.recv(1) == b""  # closed by the server
+                sock.close()
+            assert time.monotonic() - start < 1.5  # 1 s from each connection's start (or its last answer)
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            slow = socket.create_connection(address, timeout=10)  # a whole head in time, in pieces, is answered
+            slow.sendall(health[:10])
+            time.sleep(0.5)
+            slow.sendall(health[10:] + b"\r\n")
+            assert b" 200 " in receive_answer(slow).split(b"\r\n")[0]
+            slow.close()
+    finally:
+        app.state.service.close()
+    with pytest.raises(ValueError, match="header_timeout must be > 0"):
+        ServeSettings(header_timeout=0)
+
+
 def test_a_client_that_leaves_mid_body_is_one_log_line_and_errors_name_no_server_path(served, caplog):
     import logging
 

@@ -35,9 +35,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name=args.served_model_name or default_name(args.model), api_key=key,
         media=MediaPolicy(image_root=Path(args.image_root) if args.image_root else None,
                           allow_remote=args.allow_remote_images, max_image_bytes=args.max_image_bytes,
-                          max_video_bytes=args.max_video_file_bytes, remote_networks=tuple(args.remote_network)),
+                          max_video_bytes=args.max_video_file_bytes, remote_networks=tuple(args.remote_network),
+                          remote_timeout=args.remote_timeout),
         max_queue=args.max_queue, default_max_tokens=args.max_tokens, max_tokens_limit=args.max_tokens_limit,
-        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
+        max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
         max_connections=args.max_connections, allowed_hosts=tuple(args.allowed_hosts),
         budget=RequestBudget(**{name: getattr(args, dest) for name, dest in BUDGET_FLAGS.items()
                                 if getattr(args, dest) is not None}))
@@ -102,6 +103,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "their queue place (default 2)")
     serve.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive "
                        "(default 30; 408 after)")
+    serve.add_argument("--header-timeout", type=float, default=10.0, help="seconds a request's head (request line "
+                       "and headers) may take to arrive, from the connection's start or its previous answer "
+                       "(default 10; the connection is closed after)")
     serve.add_argument("--max-connections", type=int, default=64, help="open connections at once (default 64; "
                        "503 beyond)")
     serve.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME", help="Host names the server "
@@ -110,6 +114,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--remote-network", action="append", default=[], metavar="CIDR", help="with "
                        "--allow-remote-images: a private network remote images may come from (e.g. 10.1.0.0/16; "
                        "default: public addresses only)")
+    serve.add_argument("--remote-timeout", type=float, default=10.0, help="with --allow-remote-images: seconds one "
+                       "fetch may take in total, connecting, headers and body together, redirects included "
+                       "(default 10)")
     serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait behind the running one; "
                        "one more gets 429 with Retry-After (default 16)")
     serve.add_argument("--max-tokens", type=int, default=512, help="max_tokens of a request that sets none "

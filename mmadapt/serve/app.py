@@ -54,7 +54,8 @@ class ServeSettings:
     requests may point at (`media`; its `max_pixels` None takes the processor's `max_image_pixels`), the queue
     (`max_queue` requests wait behind the running one), `default_max_tokens` for a request that sets none, the most
     one may ask for (`max_tokens_limit`), the largest request body (`max_request_bytes`; images are inside) and how
-    long it may take to arrive (`body_timeout` seconds), what one request may hold (`budget`: images, pixels, videos,
+    long it may take to arrive (`body_timeout` seconds; its head, `header_timeout` seconds: `mmadapt.serve.runner`),
+    what one request may hold (`budget`: images, pixels, videos,
     frames, text; `mmadapt.serve.budget`), the open connections (`max_connections`, uvicorn's 503 beyond) and the
     `Host` names it answers to besides localhost and its bound address (`allowed_hosts`; `mmadapt.serve.guard`)."""
 
@@ -67,6 +68,7 @@ class ServeSettings:
     max_request_bytes: int = 64 * 1024 * 1024
     budget: RequestBudget = field(default_factory=RequestBudget)
     body_timeout: float = 30.0
+    header_timeout: float = 10.0
     max_connections: int = 64
     allowed_hosts: tuple[str, ...] = ()
 
@@ -76,8 +78,9 @@ class ServeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens_limit {self.max_tokens_limit}")
-        if not self.body_timeout > 0:
-            raise ValueError(f"body_timeout must be > 0 seconds, got {self.body_timeout}")
+        for name in ("body_timeout", "header_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for a server without one")
 

@@ -1,5 +1,6 @@
 """Running the API: `load_app(MODEL)` (what `mmadapt serve MODEL` serves), `run(app)` (uvicorn, in the foreground)
-and `BackgroundServer(app)` (uvicorn on a thread: a notebook, a training run's evaluation, the tests).
+and `BackgroundServer(app)` (uvicorn on a thread: a notebook, a training run's evaluation, the tests). Both run
+uvicorn's h11 protocol with a deadline for each request's head (`head_timeout_protocol`): uvicorn has none.
 """
 
 from __future__ import annotations
@@ -44,13 +45,71 @@ def load_app(src: str | Path, adapters: str | Path | None = None, *, settings: S
 
 def run(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve `app` until interrupted (uvicorn; Ctrl-C stops it after the running answer is cancelled); at most the
-    settings' `max_connections` connections at once (uvicorn answers more with 503)."""
+    settings' `max_connections` connections at once (uvicorn answers more with 503), each closed when a request's
+    head takes over `header_timeout` seconds to arrive."""
     import uvicorn
 
-    service = app.state.service
-    service.hosts.bind(host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
-                limit_concurrency=service.settings.max_connections)
+    uvicorn.run(app, **uvicorn_options(app, host), port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def uvicorn_options(app: FastAPI, host: str) -> dict[str, Any]:
+    """What `run` and `BackgroundServer` give uvicorn for `app` bound to `host` (which its Host check then allows)."""
+    settings = app.state.service.settings
+    app.state.service.hosts.bind(host)
+    return {"host": host, "limit_concurrency": settings.max_connections,
+            "http": head_timeout_protocol(settings.header_timeout)}
+
+
+def head_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request head (request line and headers) is not complete
+    within `seconds` of the connection opening, or of its previous response ending.
+
+    uvicorn has no such deadline: its `timeout_keep_alive` covers only a connection idle after a response, so one that
+    sends half a head holds its place, and its count against `limit_concurrency`, for as long as it likes (six held a
+    server with `--max-connections 6` at 503 for 45 s). This subclass is the one place that adds it: a timer per
+    connection, armed while h11 waits for a request head (the client's state IDLE) and cancelled once it is whole."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutProtocol(H11Protocol):
+        head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.watch_head()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self.watch_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.watch_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.stop_head_timer()
+            super().connection_lost(exc)
+
+        def watch_head(self) -> None:
+            """Arm the timer while a head is awaited (once: the first byte of a head does not restart it)."""
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                self.stop_head_timer()
+            elif self.head_timer is None:
+                self.head_timer = self.loop.call_later(seconds, self.head_timed_out)
+
+        def stop_head_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_timed_out(self) -> None:
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closed a connection from %s: no whole request head within %g s (--header-timeout)",
+                         self.client[0] if self.client else "?", seconds)
+                self.transport.close()
+
+    return HeadTimeoutProtocol
 
 
 class BackgroundServer:
@@ -64,11 +123,8 @@ class BackgroundServer:
                  start_timeout: float = 30.0) -> None:
         import uvicorn
 
-        service = app.state.service
-        service.hosts.bind(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=5,
-                                                    limit_concurrency=service.settings.max_connections))
+        self.server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(app, host), port=port,
+                                                    log_level=log_level, timeout_graceful_shutdown=5))
         self.host, self.start_timeout = host, start_timeout
         self.thread = threading.Thread(target=self.server.run, name="mmadapt-serve", daemon=True)
         self.port: int | None = None
