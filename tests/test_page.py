@@ -4,6 +4,7 @@ tests/test_page_browser.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import threading
@@ -155,6 +156,43 @@ def test_a_bad_upload_is_a_message_the_conversation_is_unchanged_and_the_next_qu
     assert page.session(who).chat.turns == []
     answered = list(page.send({"text": PROMPT, "files": [tiny.png]}, [], *GREEDY, request=who))
     assert last_answer(answered[-1]) == chat_answer(tiny, (PROMPT, [tiny.png]))[0]
+
+
+def bloated_png(path: Path, seed: int, padding: int = 2 * 2**20) -> str:
+    """A 16 x 16 noise PNG padded with `padding` bytes in a private ancillary chunk (decoders skip it)."""
+    data = noise_image(path, seed=seed, size=16).read_bytes()
+    pad = bytes(padding)
+    chunk = struct.pack(">I", len(pad)) + b"prVt" + pad + struct.pack(">I", zlib.crc32(b"prVt" + pad))
+    path.write_bytes(data[:-12] + chunk + data[-12:])  # before IEND, the last 12 bytes
+    return str(path)
+
+
+def test_a_conversation_keeps_its_images_within_a_decoded_size_bound_and_the_page_a_bounded_number(tiny, tmp_path):
+    from mmadapt.serve.page import PageLimits
+
+    limits = PageLimits(sessions=2, session_bytes=4 * 1024)  # four 16 x 16 images (768 bytes each, decoded)
+    page = Page(tiny.service, ModelCard.read(None, tiny.model, tiny.processor, name="tiny"), [],
+                upload_folders=[tmp_path], limits=limits)
+    said: list[str] = []
+    page.say = said.append
+    who, history = request("bloated"), []
+    uploads = [bloated_png(tmp_path / f"bloated-{k}.png", seed=k) for k in range(8)]  # 2 MiB each
+    for upload in uploads:
+        steps = list(page.send({"text": PROMPT, "files": [upload]}, history, 1, 0.0, 1.0, 0, 1.0, request=who))
+        history = steps[-1][0]
+        assert page.session(who).held_bytes() <= limits.session_bytes
+    kept = [image for turn in page.session(who).chat.turns for image in turn.images]
+    assert len(kept) == 4 and len(said) == 4 and all("--page-session-bytes" in s for s in said), said
+    for image, upload in zip(kept, uploads, strict=False):  # the same pixels, in their own few hundred bytes
+        assert len(image.data) < 1024 and np.array_equal(np.asarray(Image.open(io.BytesIO(image.data))),
+                                                         np.asarray(Image.open(upload).convert("RGB")))
+    with pytest.raises(ValueError, match="session_bytes must be >= 1"):
+        PageLimits(session_bytes=0)
+
+    for other in ("second", "third"):  # the least recently used conversation is forgotten, its uploads removed
+        list(page.send({"text": PROMPT, "files": []}, [], 1, 0.0, 1.0, 0, 1.0, request=request(other)))
+    assert list(page.sessions) == ["second", "third"]
+    assert not any(Path(upload).exists() for upload in uploads[:4])
 
 
 def test_the_evidence_view_explains_the_answer_shown_and_says_what_the_model_answers_without_the_image(tiny):

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from mmadapt.cli.common import add_model_arguments
 
@@ -58,14 +59,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from mmadapt.serve.page import mount_page
         except ImportError as e:
             raise ValueError(f"mmadapt serve --ui needs gradio ({e}); install it: pip install 'mmadapt[ui]'") from None
+    limits = page_limits(args)
     app = load_app(args.model, args.adapters, settings=settings, device=device)
     if args.ui:
-        mount_page(app, src=args.model, path=PAGE_PATH, examples=args.examples)
+        mount_page(app, src=args.model, path=PAGE_PATH, examples=args.examples, limits=limits)
         print(f"the page: http://{args.host}:{args.port}{PAGE_PATH} (chat, evidence, model card)", flush=True)
     print(f"serving {settings.name!r} at http://{args.host}:{args.port}/v1 (OpenAI chat completions; Ctrl-C stops)",
           flush=True)
     run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def page_limits(args: argparse.Namespace) -> Any:
+    """The page's `PageLimits` from the flags given (the others: its defaults); None without --ui, where they are a
+    warning (they bound what the page keeps)."""
+    given = {name: value for name, value in (("sessions", args.page_sessions),
+                                             ("session_bytes", args.page_session_bytes)) if value is not None}
+    if not args.ui:
+        if given:
+            logging.basicConfig(level=logging.INFO)
+            log.warning("--page-sessions / --page-session-bytes have no effect without --ui")
+        return None
+    from mmadapt.serve.page import PageLimits
+
+    return PageLimits(**given)
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -129,5 +146,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                        "the evidence map of each answer, the model card (needs gradio: pip install 'mmadapt[ui]')")
     serve.add_argument("--examples", default=None, help="--ui: a LLaVA / messages file whose first single-image "
                        "questions are the page's examples (default: the run's data.eval, else sample photographs)")
+    serve.add_argument("--page-sessions", type=int, default=None, help="--ui: conversations the page keeps, one "
+                       "per open page; the least recently used beyond are forgotten (default 32)")
+    serve.add_argument("--page-session-bytes", type=int, default=None, help="--ui: decoded bytes (width x height x "
+                       "3) of the images one page conversation may hold (default 64 MiB)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(func=cmd_serve)

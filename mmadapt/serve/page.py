@@ -19,15 +19,20 @@ Three tabs over the server's one model (`Service`):
 
 Uploads are untrusted: a turn is budgeted with its conversation as an API request is (`mmadapt.serve.budget`: the
 counts and the text, then each file's size, signature and header; gradio's own `max_file_size` before it is stored)
-and a bad one is a message in the page, the file dropped from the box and the conversation unchanged. A conversation
-holds its images encoded, never decoded (they decode on the model's worker when a prompt is built), and a page's
-uploads are removed when it closes (or its conversation is forgotten). Example images are decoded and re-encoded
-into a directory the page owns; nothing is read from a path a client names.
+and a bad one is a message in the page, the file dropped from the box and the conversation unchanged. What the page
+keeps is bounded (`PageLimits`): at most `sessions` conversations (the least recently used beyond are forgotten),
+each holding images of at most `session_bytes` decoded (width x height x 3, from the headers, before decoding). A
+conversation holds its images encoded, never decoded (they decode on the model's worker when a prompt is built), and
+never in more bytes than their pixels: an upload larger than its decoded pixels (a 20 MB PNG of 16 x 16 pixels) is
+decoded once and kept re-encoded as PNG. A page's uploads are removed when it closes (or its conversation is
+forgotten). Example images are decoded and re-encoded into a directory the page owns; nothing is read from a path a
+client names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import queue
@@ -35,6 +40,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +60,29 @@ from mmadapt.serve.budget import Tally
 from mmadapt.serve.card import ModelCard
 from mmadapt.serve.errors import APIError
 from mmadapt.serve.examples import Example, default_examples, examples_from
-from mmadapt.serve.media import VIDEO_TYPES, image_header, stage_image_file
+from mmadapt.serve.media import VIDEO_TYPES, decode_image, image_header, stage_image_file
 from mmadapt.serve.worker import Cancelled, QueueFull
 
 log = logging.getLogger(__name__)
 
-MAX_SESSIONS = 64  # conversations kept (one per open page); the least recently used beyond are forgotten
 AUTO = "an example unlike this image"
 METHODS: dict[str, Callable[[], Any]] = {"occlusion": Occlusion, "rise": Rise, "integrated": Integrated}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageLimits:
+    """What the page keeps in memory: at most `sessions` conversations (one per open page, keyed by an id the client
+    chooses; the least recently used beyond are forgotten and their uploads removed), each holding images of at most
+    `session_bytes`: each counts its decoded size (width x height x 3) or the bytes it is kept in, whichever is more
+    (`Page.image`), so the page holds at most `sessions` x `session_bytes` of images, whatever the uploads weigh."""
+
+    sessions: int = 32
+    session_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "session_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"page {name} must be >= 1, got {getattr(self, name)}")
 
 
 class PageMessage(Exception):
@@ -77,6 +98,11 @@ class Session:
         self.cancel = threading.Event()  # the evidence being computed
         self.files: set[str] = set()  # its uploads (checked to lie in the upload folders), removed when it ends
 
+    def held_bytes(self) -> int:
+        """The bytes of the images its conversation holds (what it keeps in memory for them)."""
+        return sum(len(image.data) for turn in self.chat.turns for image in turn.images
+                   if isinstance(image, EmbeddedImage))
+
     def end(self) -> None:
         """Stop what it runs and remove its uploaded files."""
         self.stop.set()
@@ -91,12 +117,12 @@ class Page:
     """The page over a `Service` (the API's model, processor and worker); `build()` is the gradio app."""
 
     def __init__(self, service: Any, card: ModelCard, examples: list[Example], *,
-                 upload_folders: list[Path] | None = None) -> None:
+                 upload_folders: list[Path] | None = None, limits: PageLimits = PageLimits()) -> None:
         """`upload_folders`: where the files of a request may lie (default: gradio's upload folder); the examples'
-        folders are added."""
+        folders are added. `limits`: what the page keeps (`PageLimits`)."""
         from gradio.utils import get_upload_folder
 
-        self.service, self.card, self.examples = service, card, examples
+        self.service, self.card, self.examples, self.limits = service, card, examples, limits
         folders = [Path(get_upload_folder())] if upload_folders is None else upload_folders
         self.upload_folders = {Path(os.path.realpath(f)) for f in [*folders, *(e.image.parent for e in examples)]}
         self.sessions: OrderedDict[str, Session] = OrderedDict()
@@ -110,7 +136,7 @@ class Page:
         with self.sessions_lock:
             if key not in self.sessions:
                 self.sessions[key] = Session(Chat(self.service.model, self.service.processor))
-                while len(self.sessions) > MAX_SESSIONS:
+                while len(self.sessions) > self.limits.sessions:
                     self.sessions.popitem(last=False)[1].end()
             self.sessions.move_to_end(key)
             return self.sessions[key]
@@ -128,8 +154,8 @@ class Page:
         """(images staged, video files, the files kept, a message per file refused) for a turn of `chat` with
         `files` and `text`. The turn is budgeted with the conversation it joins (the model reads it whole), as an
         API request is (`mmadapt.serve.budget`): the counts and the text first, then each file's size, signature
-        and header; nothing is decoded here. Images are kept encoded (`EmbeddedImage`): a conversation holds its
-        uploads' bytes, never their decoded pixels."""
+        and header, and the decoded size of the conversation's images against the page's `session_bytes`. Images
+        are kept encoded (`EmbeddedImage`, see `image`), never as decoded pixels."""
         paths = [str(f.get("path") if isinstance(f, dict) else f) for f in files]
         is_video = [Path(p).suffix.lower() in VIDEO_TYPES.values() for p in paths]
         held_images = [i for t in chat.turns for i in t.images]
@@ -141,10 +167,12 @@ class Page:
                                 text_chars=len(text) + sum(len(t.content) for t in chat.turns), param=None)
         except APIError as e:  # the box is emptied: gradio would copy every file back into it
             return [], [], [], [f"this turn: {e.message}"]
-        tally = Tally(budget)
+        tally, held = Tally(budget), 0
         try:  # the conversation's own media come first: they are in every prompt
             for image in held_images:
-                tally.image(*image_header(image, self.service.media, image.name))
+                width, height = image_header(image, self.service.media, image.name)
+                tally.image(width, height)
+                held += max(3 * width * height, len(image.data))
             for video in held_videos:
                 plan = self.service.processor.encoder.video_header(video, Path(video).name)
                 tally.video(plan.frames, plan.bytes)
@@ -160,7 +188,9 @@ class Page:
                 if video:
                     videos.append(self.video(path, name, tally))
                 else:
-                    images.append(self.image(path, name, tally))
+                    image, size = self.image(path, name, tally, room=self.limits.session_bytes - held)
+                    images.append(image)
+                    held += size
                 kept.append(path)
             except APIError as e:
                 problems.append(f"{name}: {e.message}")
@@ -170,11 +200,35 @@ class Page:
                 problems.append(f"{name}: the file cannot be read ({e.strerror or type(e).__name__})")
         return images, videos, kept, problems
 
-    def image(self, path: str, name: str, tally: Tally) -> EmbeddedImage:
+    def image(self, path: str, name: str, tally: Tally, *, room: int) -> tuple[EmbeddedImage, int]:
+        """(the image as the conversation keeps it, what it costs the conversation's `room`) for an upload: its size,
+        signature and header checked, its pixels counted in the request budget (`tally`). It is kept as uploaded when
+        that is no more bytes than its decoded pixels (a photo's JPEG), else decoded here once and kept re-encoded
+        as PNG; it costs its decoded bytes (width x height x 3, checked before decoding), or the bytes kept if more
+        (a tiny PNG's framing), so the bytes a conversation keeps never exceed the room it had."""
         media = self.service.media
         staged = stage_image_file(path, media, name)
-        tally.image(*image_header(staged, media, name), param=name)
-        return EmbeddedImage(staged.read_bytes(), name)
+        width, height = image_header(staged, media, name)
+        tally.image(width, height, param=name)
+        decoded = 3 * width * height
+        self.check_room(decoded, room, width, height)
+        if os.stat(staged).st_size <= decoded:
+            data = staged.read_bytes()
+        else:
+            with self.service.decoding:  # decoding has the API's bound
+                pixels = decode_image(staged, media, name)
+            encoded = io.BytesIO()
+            pixels.save(encoded, format="PNG", compress_level=1)  # lossless: the model sees the same pixels
+            data = encoded.getvalue()
+        cost = max(decoded, len(data))
+        self.check_room(cost, room, width, height)
+        return EmbeddedImage(data, name), cost
+
+    def check_room(self, cost: int, room: int, width: int, height: int) -> None:
+        if cost > room:
+            raise PageMessage(f"its {width} x {height} pixels take {cost} bytes; this conversation has room for "
+                              f"{max(room, 0)} more of the page's {self.limits.session_bytes} bytes of images per "
+                              "conversation (--page-session-bytes): Clear starts a new one")
 
     def video(self, path: str, name: str, tally: Tally) -> str:
         if not self.videos:
@@ -540,10 +594,11 @@ def describe(answer: Answer) -> str:
 
 # ---- mounting ----------------------------------------------------------------------------------------------------
 def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str = "/ui",
-               examples: str | os.PathLike | None = None) -> FastAPI:
+               examples: str | os.PathLike | None = None, limits: PageLimits = PageLimits()) -> FastAPI:
     """Add the page at `path` of `app` (an app of `create_app` / `load_app`: the page answers through its model and
     worker). `src`: where the model was loaded from (the model card, the run's example questions); `examples`: a
-    LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval).
+    LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval);
+    `limits`: the conversations it keeps and their images' decoded bytes (`PageLimits`).
     A server with an API key asks for it on the page too (a login form: any user name, the key as password)."""
     import hmac
     import shutil
@@ -554,7 +609,7 @@ def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str 
     weakref.finalize(app, shutil.rmtree, scratch, ignore_errors=True)
     found = (examples_from(examples, scratch) if examples is not None else default_examples(src, scratch))
     card = ModelCard.read(src, service.model, service.processor, name=service.settings.name)
-    page = Page(service, card, found).build()
+    page = Page(service, card, found, limits=limits).build()
     page.queue(default_concurrency_limit=1, max_size=service.settings.max_queue + 1)
     limit = max(service.media.max_image_bytes, service.media.max_video_bytes if
                 service.processor.encoder.video_processor is not None else 0)
@@ -577,4 +632,4 @@ CSS = """
 footer { display: none !important; }
 """
 
-__all__ = ["Page", "mount_page", "sampling_controls", "verdict_words"]
+__all__ = ["Page", "PageLimits", "mount_page", "sampling_controls", "verdict_words"]
