@@ -379,3 +379,7 @@ def test_mmadapt_serve_builds_its_settings_from_the_command_line(served, monkeyp
     assert (seen["app"], seen["host"], seen["port"]) == ("app", "127.0.0.1", 8123)
     assert (settings.name, settings.api_key, settings.max_queue) == ("model", "from-env", 3)
     assert settings.media.image_root == Path(images) and not settings.media.allow_remote
+    assert (settings.header_timeout, settings.media.remote_timeout) == (10.0, 10.0)  # the defaults the docs state
+
+    assert main(["serve", str(served.model_dir), "--header-timeout", "2.5", "--remote-timeout", "4"]) == 0
+    assert (seen["settings"].header_timeout, seen["settings"].media.remote_timeout) == (2.5, 4.0)

@@ -80,7 +80,7 @@ def page_limits(args: argparse.Namespace) -> Any:
             logging.basicConfig(level=logging.INFO)
             log.warning("--page-sessions / --page-session-bytes have no effect without --ui")
         return None
-    from mmadapt.serve.page import PageLimits
+    from mmadapt.serve.budget import PageLimits
 
     return PageLimits(**given)
 

@@ -95,6 +95,30 @@ class RequestBudget:
             raise self.refuse("max_text_chars", f"{text_chars} characters of text", "text_too_long", param)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PageLimits:
+    """What the page (`--ui`) keeps in memory: at most `sessions` conversations (one per open page, keyed by an id
+    the client chooses; the least recently used beyond are forgotten and their uploads removed), each holding images
+    of at most `session_bytes`: each counts its decoded size (width x height x 3) or the bytes it is kept in,
+    whichever is more (`mmadapt.serve.page.Page.image`), so the page holds at most `sessions` x `session_bytes` of
+    images, whatever the uploads weigh."""
+
+    sessions: int = 32
+    session_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "session_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"page {name} must be >= 1, got {getattr(self, name)}")
+
+    def check_room(self, cost: int, held: int, param: str | None = None) -> None:
+        """A conversation whose images take `held` bytes taking one more of `cost`: a 400 beyond `session_bytes`."""
+        if held + cost > self.session_bytes:
+            raise bad_request(f"the image takes {cost} bytes (decoded) and this conversation's images {held}, over the "
+                              f"page's limit of {self.session_bytes} bytes per conversation (--page-session-bytes); "
+                              "Clear starts a new one", param=param, code="too_many_pixels")
+
+
 class Tally:
     """Step 2: a request's media as their headers say they will decode, added up against a resolved budget."""
 

@@ -20,19 +20,15 @@ Three tabs over the server's one model (`Service`):
 Uploads are untrusted: a turn is budgeted with its conversation as an API request is (`mmadapt.serve.budget`: the
 counts and the text, then each file's size, signature and header; gradio's own `max_file_size` before it is stored)
 and a bad one is a message in the page, the file dropped from the box and the conversation unchanged. What the page
-keeps is bounded (`PageLimits`): at most `sessions` conversations (the least recently used beyond are forgotten),
-each holding images of at most `session_bytes` decoded (width x height x 3, from the headers, before decoding). A
-conversation holds its images encoded, never decoded (they decode on the model's worker when a prompt is built), and
-never in more bytes than their pixels: an upload larger than its decoded pixels (a 20 MB PNG of 16 x 16 pixels) is
-decoded once and kept re-encoded as PNG. A page's uploads are removed when it closes (or its conversation is
-forgotten). Example images are decoded and re-encoded into a directory the page owns; nothing is read from a path a
-client names.
+keeps is bounded (`PageLimits`: conversations, the decoded bytes of each one's images). A conversation holds its
+images encoded, never decoded (they decode on the model's worker when a prompt is built), never in more bytes than
+their pixels (`compact_image`); its uploads are removed when its page closes (or it is forgotten). Example images are
+decoded and re-encoded into a directory the page owns; nothing is read from a path a client names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import queue
@@ -40,7 +36,6 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +51,17 @@ from mmadapt.evidence.effect import Effect, image_effect
 from mmadapt.evidence.maps import MIN_EFFECT
 from mmadapt.inference import Answer, Chat
 from mmadapt.sampling import Sampling, sampling_settings
-from mmadapt.serve.budget import Tally
+from mmadapt.serve.budget import PageLimits, Tally
 from mmadapt.serve.card import ModelCard
 from mmadapt.serve.errors import APIError
 from mmadapt.serve.examples import Example, default_examples, examples_from
-from mmadapt.serve.media import VIDEO_TYPES, decode_image, image_header, stage_image_file
+from mmadapt.serve.media import VIDEO_TYPES, compact_image, image_header, stage_image_file
 from mmadapt.serve.worker import Cancelled, QueueFull
 
 log = logging.getLogger(__name__)
 
 AUTO = "an example unlike this image"
 METHODS: dict[str, Callable[[], Any]] = {"occlusion": Occlusion, "rise": Rise, "integrated": Integrated}
-
-
-@dataclass(frozen=True, kw_only=True)
-class PageLimits:
-    """What the page keeps in memory: at most `sessions` conversations (one per open page, keyed by an id the client
-    chooses; the least recently used beyond are forgotten and their uploads removed), each holding images of at most
-    `session_bytes`: each counts its decoded size (width x height x 3) or the bytes it is kept in, whichever is more
-    (`Page.image`), so the page holds at most `sessions` x `session_bytes` of images, whatever the uploads weigh."""
-
-    sessions: int = 32
-    session_bytes: int = 64 * 2**20
-
-    def __post_init__(self) -> None:
-        for name in ("sessions", "session_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"page {name} must be >= 1, got {getattr(self, name)}")
 
 
 class PageMessage(Exception):
@@ -117,12 +96,12 @@ class Page:
     """The page over a `Service` (the API's model, processor and worker); `build()` is the gradio app."""
 
     def __init__(self, service: Any, card: ModelCard, examples: list[Example], *,
-                 upload_folders: list[Path] | None = None, limits: PageLimits = PageLimits()) -> None:
+                 upload_folders: list[Path] | None = None, limits: PageLimits | None = None) -> None:
         """`upload_folders`: where the files of a request may lie (default: gradio's upload folder); the examples'
-        folders are added. `limits`: what the page keeps (`PageLimits`)."""
+        folders are added. `limits`: what the page keeps (default `PageLimits()`)."""
         from gradio.utils import get_upload_folder
 
-        self.service, self.card, self.examples, self.limits = service, card, examples, limits
+        self.service, self.card, self.examples, self.limits = service, card, examples, limits or PageLimits()
         folders = [Path(get_upload_folder())] if upload_folders is None else upload_folders
         self.upload_folders = {Path(os.path.realpath(f)) for f in [*folders, *(e.image.parent for e in examples)]}
         self.sessions: OrderedDict[str, Session] = OrderedDict()
@@ -188,7 +167,7 @@ class Page:
                 if video:
                     videos.append(self.video(path, name, tally))
                 else:
-                    image, size = self.image(path, name, tally, room=self.limits.session_bytes - held)
+                    image, size = self.image(path, name, tally, held=held)
                     images.append(image)
                     held += size
                 kept.append(path)
@@ -200,35 +179,21 @@ class Page:
                 problems.append(f"{name}: the file cannot be read ({e.strerror or type(e).__name__})")
         return images, videos, kept, problems
 
-    def image(self, path: str, name: str, tally: Tally, *, room: int) -> tuple[EmbeddedImage, int]:
-        """(the image as the conversation keeps it, what it costs the conversation's `room`) for an upload: its size,
-        signature and header checked, its pixels counted in the request budget (`tally`). It is kept as uploaded when
-        that is no more bytes than its decoded pixels (a photo's JPEG), else decoded here once and kept re-encoded
-        as PNG; it costs its decoded bytes (width x height x 3, checked before decoding), or the bytes kept if more
-        (a tiny PNG's framing), so the bytes a conversation keeps never exceed the room it had."""
+    def image(self, path: str, name: str, tally: Tally, *, held: int) -> tuple[EmbeddedImage, int]:
+        """(the image as the conversation keeps it, what it costs the conversation) for an upload: its size,
+        signature and header checked, its pixels counted in the request budget (`tally`) and, with the `held` bytes
+        of the conversation's images, against the page's `session_bytes`. It costs its decoded bytes (checked before
+        decoding), or the bytes it is kept in if more (`compact_image`: a tiny PNG's framing)."""
         media = self.service.media
         staged = stage_image_file(path, media, name)
         width, height = image_header(staged, media, name)
         tally.image(width, height, param=name)
-        decoded = 3 * width * height
-        self.check_room(decoded, room, width, height)
-        if os.stat(staged).st_size <= decoded:
-            data = staged.read_bytes()
-        else:
-            with self.service.decoding:  # decoding has the API's bound
-                pixels = decode_image(staged, media, name)
-            encoded = io.BytesIO()
-            pixels.save(encoded, format="PNG", compress_level=1)  # lossless: the model sees the same pixels
-            data = encoded.getvalue()
-        cost = max(decoded, len(data))
-        self.check_room(cost, room, width, height)
+        self.limits.check_room(3 * width * height, held, param=name)
+        with self.service.decoding:  # when it decodes: the API's bound
+            data = compact_image(staged, 3 * width * height, media, name)
+        cost = max(3 * width * height, len(data))
+        self.limits.check_room(cost, held, param=name)
         return EmbeddedImage(data, name), cost
-
-    def check_room(self, cost: int, room: int, width: int, height: int) -> None:
-        if cost > room:
-            raise PageMessage(f"its {width} x {height} pixels take {cost} bytes; this conversation has room for "
-                              f"{max(room, 0)} more of the page's {self.limits.session_bytes} bytes of images per "
-                              "conversation (--page-session-bytes): Clear starts a new one")
 
     def video(self, path: str, name: str, tally: Tally) -> str:
         if not self.videos:
@@ -594,7 +559,7 @@ def describe(answer: Answer) -> str:
 
 # ---- mounting ----------------------------------------------------------------------------------------------------
 def mount_page(app: FastAPI, *, src: str | os.PathLike | None = None, path: str = "/ui",
-               examples: str | os.PathLike | None = None, limits: PageLimits = PageLimits()) -> FastAPI:
+               examples: str | os.PathLike | None = None, limits: PageLimits | None = None) -> FastAPI:
     """Add the page at `path` of `app` (an app of `create_app` / `load_app`: the page answers through its model and
     worker). `src`: where the model was loaded from (the model card, the run's example questions); `examples`: a
     LLaVA / messages file whose first single-image questions are the examples (default: the run's data.eval);
