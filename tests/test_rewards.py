@@ -82,6 +82,16 @@ def test_accuracy_is_linear_in_a_megabyte_solution(solution, expected):
     assert time.perf_counter() - start < 1.0  # was quadratic: 36 s for 56 KB of unclosed boxes
 
 
+@pytest.mark.parametrize("completion,expected", [
+    ("<think>" + "</think" * (MB // 7), 0.0), ("<think>" + "<thin" * (MB // 5) + "</think>", 1.0),
+    ("<think>x</think>" + "\n" * MB, 1.0), ("<think>" * (MB // 7), 0.0),
+])
+def test_format_is_linear_in_a_megabyte_completion(completion, expected):
+    start = time.perf_counter()
+    assert Format()([completion]) == [expected]
+    assert time.perf_counter() - start < 1.0
+
+
 # ---- format ----------------------------------------------------------------------------------------------------------
 FORMATS = [
     "<think>\nThis is my reasoning.\n</think>\nThis is my answer.",   # trl's docstring examples
