@@ -10,7 +10,7 @@ Three kinds of URL, each checked before anything is decoded:
   connecting, the headers and the body together, redirects included) and a byte limit, with no proxy, from public
   addresses only: every connection (redirects included) resolves the host once, refuses it if any address is
   loopback, private, link-local or reserved (unless inside `remote_networks`) and connects to the address it checked.
-  Only http(s) is spoken: a redirect to any other scheme (ftp:, file:, data:) is refused. A failed fetch is one
+  Only http(s) is spoken: a redirect to any other scheme (ftp:, file:, data:) is refused. Any other failed fetch is one
   generic message (the cause goes to the server's log, not to the client).
 
 An image goes through three steps, so that a request can be budgeted before it costs memory (`mmadapt.serve.budget`):
