@@ -23,7 +23,7 @@ from PIL import Image
 
 from mmadapt.cli import main
 from mmadapt.data import DataProblem
-from mmadapt.data.stream import SampleLimits, Shard, ShardRecords, StreamingDataset
+from mmadapt.data.stream import Shard, ShardRecords, StreamingDataset
 
 BLOCK = tarfile.BLOCKSIZE
 MiB = 1 << 20
@@ -175,7 +175,7 @@ def test_a_refused_sample_reads_none_of_its_members(tmp_path, monkeypatch):
     opened = []
     real = tarfile.TarFile.extractfile
     monkeypatch.setattr(tarfile.TarFile, "extractfile", lambda self, m: opened.append(m.name) or real(self, m))
-    records = list(Shard(path, SampleLimits.of()).records())
+    records = list(Shard(path).records())
     assert [r["id"] if isinstance(r, dict) else r.reason for r in records] == [
         "sparse.tar:g0", "bad_format", "sparse.tar:g1", "sample_too_large", "sparse.tar:g2"]
     assert not any(name.startswith(("one.", "four.")) for name in opened)  # their .txt neither

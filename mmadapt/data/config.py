@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
+from mmadapt.data.stream import DEFAULT_MAX_SAMPLE_BYTES, DEFAULT_MAX_SAMPLE_MEMBERS
 from mmadapt.data.templates import MODES, TEMPLATES
 from mmadapt.data.video import VideoConfig
 
@@ -22,9 +23,6 @@ DEFAULT_MAX_IMAGES: Final[int] = 64
 DEFAULT_MAX_SAMPLE_PIXELS: Final[int] = 128 * 1024 * 1024
 DEFAULT_MAX_SAMPLE_FRAMES: Final[int] = 1024
 DEFAULT_MAX_VIDEO_BYTES: Final[int] = 1 << 30
-# A WebDataset shard's sample (mmadapt.data.stream), checked from its tar headers before any member is read
-DEFAULT_MAX_SAMPLE_BYTES: Final[int] = 256 * 1024 * 1024
-DEFAULT_MAX_SAMPLE_MEMBERS: Final[int] = 128
 
 PREPROCESSING: Final[tuple[str, ...]] = ("chat_template", "template_kwargs", "chat_template_mismatch", "video")
 """The `DataConfig` fields a model directory records (`DataConfig.preprocessing`); the others (paths, limits, lengths)

@@ -45,7 +45,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -53,6 +53,9 @@ from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem, guarded
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+# A sample's limits from its tar headers (`SampleLimits`; the data settings max_sample_bytes, max_sample_members)
+DEFAULT_MAX_SAMPLE_BYTES: Final[int] = 256 * 1024 * 1024
+DEFAULT_MAX_SAMPLE_MEMBERS: Final[int] = 128
 DEFAULT_BUFFER = 1000
 STREAM_KEYS = ("stream", "buffer")
 
@@ -115,20 +118,18 @@ def _key_and_extension(name: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class SampleLimits:
     """What one shard sample may declare in its tar headers, checked before any of its members is read: images
-    (`max_images`), members (`max_sample_members`) and bytes of all its members (`max_sample_bytes`), the data
-    settings of `mmadapt.data.config`."""
+    (the data setting `max_images`), members (`max_sample_members`) and bytes of all its members together
+    (`max_sample_bytes`)."""
 
-    max_images: int
-    max_members: int
-    max_bytes: int
+    max_images: int | None = None  # None (no data settings given): the record's parse checks it, after the read
+    max_members: int = DEFAULT_MAX_SAMPLE_MEMBERS
+    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
 
     @classmethod
     def of(cls, config: Any = None) -> SampleLimits:
-        """The limits of `config` (a `DataConfig`); None: the defaults."""
+        """The limits of `config` (a `DataConfig`); None: the default members and bytes."""
         if config is None:
-            from mmadapt.data.config import DataConfig  # not at import: config -> templates -> samples -> stream
-
-            config = DataConfig()
+            return cls()
         return cls(config.max_images, config.max_sample_members, config.max_sample_bytes)
 
 
@@ -152,7 +153,7 @@ class Shard:
 
     def __init__(self, path: Path, limits: SampleLimits | None = None) -> None:
         self.path = Path(path)
-        self.limits = limits if limits is not None else SampleLimits.of()
+        self.limits = limits if limits is not None else SampleLimits()
         self._count: int | None = None
 
     def __len__(self) -> int:
@@ -201,7 +202,7 @@ class Shard:
             return problem("sample_too_large", f"its members declare {group.size} bytes, over max_sample_bytes "
                            f"{limits.max_bytes}")
         images = sum(_key_and_extension(m.name)[1].rsplit(".", 1)[-1] in IMAGE_EXTENSIONS for m in group.members)
-        if images > limits.max_images:
+        if limits.max_images is not None and images > limits.max_images:
             return problem("sample_too_large", f"{images} images, over max_images {limits.max_images}")
         for info in group.members:
             if info.issparse():
