@@ -90,6 +90,10 @@ def crafted(root: Path) -> dict[str, tuple[Path, dict[str, str], dict[str, objec
                    {"deep": "bad_format"}, {}),
         "truncated": (shard(root / "truncated.tar", b"".join(cut)[:inside_t2], end=False),
                       {"#2": "unreadable_shard"}, {}),
+        "corrupt": (shard(root / "corrupt.tar", *cut[:2], member("t2.png", png(2)), b"\1" * BLOCK, *cut[3:]),
+                    {"#2": "unreadable_shard"}, {}),
+        "cut_header": (shard(root / "cut_header.tar", (b"".join(cut[:3]) + cut[3][:100]), end=False),
+                       {"#2": "unreadable_shard"}, {}),  # t2 too: whether it had more members is lost
     }
 
 
@@ -97,7 +101,9 @@ DETAILS = {"sparse": ("sparse file declaring 200000000 bytes", "over max_sample_
            "many": ("1000 members, over max_sample_members 128", "70 images, over max_images 64"),
            "budget": ("declare 120001 bytes, over max_sample_bytes 100000",),
            "nested": ("RecursionError",),
-           "truncated": ("cannot be read after sample 't1' (2 read)",)}
+           "truncated": ("cannot be read after sample 't1' (2 read)", "unexpected end of data"),
+           "corrupt": ("cannot be read after sample 't1' (2 read)", "a cut or corrupt tar header at byte"),
+           "cut_header": ("cannot be read after sample 't1' (2 read)", "a cut or corrupt tar header at byte")}
 
 
 def run_file(tmp_path: Path, train: str, **data: object) -> Path:
@@ -127,7 +133,7 @@ def warm(tmp_path_factory):
     assert main(["train", str(run), f"train.out={tmp / 'out'}"]) == 0
 
 
-@pytest.mark.parametrize("name", ["sparse", "many", "budget", "nested", "truncated"])
+@pytest.mark.parametrize("name", ["sparse", "many", "budget", "nested", "truncated", "corrupt", "cut_header"])
 def test_a_hostile_shard_is_counted_problems_and_the_run_trains_on_its_good_samples(name, tmp_path, capsys, warm):
     path, expected, settings = crafted(tmp_path / "shards")[name]
     assert path.stat().st_size < MiB  # a small file ...

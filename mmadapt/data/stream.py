@@ -308,8 +308,18 @@ def _groups(tar: tarfile.TarFile, keep: int) -> Iterator[Group]:
         if len(group.members) < keep:
             group.members.append(info)
         group.count, group.size = group.count + 1, group.size + info.size
+    _check_end(tar)  # before the last sample: a break may have cut it short
     if group is not None:
         yield group
+
+
+def _check_end(tar: tarfile.TarFile) -> None:
+    """Raise `ReadError` unless `tar` ended at its end: tarfile stops quietly at a header past the first that it cannot
+    parse (cut short, a bad checksum), as if the archive ended there. An end is a zero block or the end of the file."""
+    tar.fileobj.seek(tar.offset)
+    block = tar.fileobj.read(tarfile.BLOCKSIZE)
+    if block.strip(b"\0"):
+        raise tarfile.ReadError(f"a cut or corrupt tar header at byte {tar.offset}")
 
 
 def _image_order(extension: str) -> tuple[int, str]:
