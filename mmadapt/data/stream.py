@@ -193,8 +193,9 @@ class Shard:
         of data"), which ends the shard (`_items`) with the sample it belongs to."""
         sample_id, limits = f"{self.path.name}:{group.key}", self.limits
 
-        def problem(reason: str, detail: str) -> DataProblem:
-            return DataProblem(reason, f"{detail}: nothing of it is read", sample_id=sample_id, path=str(self.path))
+        def problem(reason: str, detail: str, fix: str = "") -> DataProblem:
+            return DataProblem(reason, f"{detail}: nothing of it is read{fix}", sample_id=sample_id,
+                               path=str(self.path))
 
         if group.count > limits.max_members:
             return problem("sample_too_large", f"{group.count} members, over max_sample_members {limits.max_members}")
@@ -206,9 +207,9 @@ class Shard:
             return problem("sample_too_large", f"{images} images, over max_images {limits.max_images}")
         for info in group.members:
             if info.issparse():
-                return problem("bad_format", f"member {info.name} is a sparse file declaring {info.size} bytes "
-                               "(sparse members are refused: they expand beyond what the shard holds). Fix: write "
-                               "the shard without tar's --sparse")
+                return problem("bad_format", f"member {info.name} is a sparse file declaring {info.size} bytes, "
+                               "holes the shard does not hold (sparse members are refused)", ". Fix: write the shard "
+                               "without tar's --sparse")
         return None
 
     def record(self, tar: tarfile.TarFile, group: Group) -> dict[str, Any] | DataProblem:
