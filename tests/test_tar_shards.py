@@ -14,10 +14,10 @@ import io
 import json
 import tarfile
 import tracemalloc
-from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_LLAVA, write_run
 from PIL import Image
 
@@ -225,8 +225,35 @@ def test_a_tar_path_trains_as_a_stream_and_reads_each_header_once(tmp_path, monk
     assert len({x.id for x in items}) == n
     assert reads[0] <= 2 * n + 2  # one pass over the headers (2 members a sample); indexed: ~n^2 = 3600
     reads[0] = 0
+    records = ShardRecords(path)  # a mixture source, an evaluation set, `data check --sample`: read by index
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    assert [records[k]["id"] for k in order] == [f"one.tar:s{k:03d}" for k in order]
+    assert reads[0] <= 8 * n  # one pass for the offsets, then a few headers a sample; from the start: ~n^2 / 2
+
+
+@pytest.mark.parametrize("layout", ["pax", "gnu", "global", "broken"])
+def test_a_sample_read_by_index_is_the_sample_read_in_order(layout, tmp_path):
+    """Long names (pax or GNU extended headers before a member's own), a global pax header (which a read starting
+    past it would miss: such a shard is read in order) and a shard broken mid-way read the same by index."""
+    tar_format = tarfile.GNU_FORMAT if layout == "gnu" else tarfile.PAX_FORMAT
+    path = tmp_path / "long.tar"
+    with tarfile.open(path, "w", format=tar_format,
+                      pax_headers={"comment": "a global header"} if layout == "global" else None) as tar:
+        for k in range(6):
+            for extension, data in (("png", png(k)), ("txt", f"caption {k}".encode())):
+                info = tarfile.TarInfo(f"{'d' * 120}/{'key' * 40}{k}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    if layout == "broken":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     records = ShardRecords(path)
-    assert Counter(records[k]["id"] for k in range(n)) == Counter({f"one.tar:s{k:03d}": 1 for k in range(n)})
-    assert reads[0] <= 2 * n + 2  # read in order, a map-style reader (eval, data show) goes on from where it was
-    reads[0] = 0
-    assert records[n - 1]["id"] == f"one.tar:s{n - 1:03d}" and reads[0] > n  # out of order: from the shard's start
+    in_order = list(records)
+    assert len(in_order) == len(records) == (4 if layout == "broken" else 6)
+    by_index = [records[k] for k in reversed(range(len(records)))][::-1]
+    for ours, theirs in zip(by_index, in_order, strict=True):
+        if isinstance(theirs, DataProblem):
+            assert isinstance(ours, DataProblem) and str(ours) == str(theirs)
+        else:
+            assert ours["id"] == theirs["id"] and ours["image"][0].data == theirs["image"][0].data
+    offsets = records.shards[0].offsets()
+    assert len(offsets) == {"global": 0, "broken": 3}.get(layout, 6)

@@ -18,7 +18,8 @@ its images; a sparse member is refused), so a small hostile shard costs header r
 neither record nor caption, or a `.json` that does not parse (nested too deeply included), is a problem; a shard
 that cannot be read on (truncated, a member declared past the end of the file, a corrupt header: `tarfile.TarError`)
 ends with one `unreadable_shard` problem, the samples before the break kept. A plain path of tar shards (`data.train:
-shards/*.tar`) streams as `{stream: ...}` does (`as_stream`).
+shards/*.tar`) streams as `{stream: ...}` does (`as_stream`); read by index (`ShardRecords`: a mixture's source, an
+evaluation set, `data check`) a sample is read from its own first header (`Shard.offsets`).
 
 Splitting: the `world * workers` streams (rank r's worker w is stream `r * workers + w`; a run without workers has
 one per rank) each take every `streams`-th shard of the epoch's seeded shard order, so no two streams read the same
@@ -41,6 +42,7 @@ import io
 import json
 import os
 import tarfile
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -155,6 +157,7 @@ class Shard:
         self.path = Path(path)
         self.limits = limits if limits is not None else SampleLimits()
         self._count: int | None = None
+        self._offsets: array | None = None
 
     def __len__(self) -> int:
         if self._count is None:
@@ -172,6 +175,27 @@ class Shard:
         for position, (tar, item) in enumerate(self._items()):
             if position >= start:
                 yield item if isinstance(item, DataProblem) else self.record(tar, item)
+
+    def record_at(self, position: int) -> dict[str, Any] | DataProblem:
+        """Sample `position`'s record, read from its own first header (`offsets`), never the samples before it."""
+        offsets = self.offsets()
+        if position >= len(offsets):  # the problem that ends a broken shard, or a shard read only in order
+            return next(self.records(position))
+        try:
+            with (open(self.path, "rb") as file,
+                  tarfile.open(fileobj=_From(file, offsets[position]), mode="r:") as tar):
+                return self.record(tar, next(_groups(tar, keep=self.limits.max_members + 1)))
+        except tarfile.TarError as e:  # the shard changed since its offsets were read
+            return DataProblem("unreadable_shard", f"sample {position} cannot be read from byte {offsets[position]}: "
+                               f"{e}", sample_id=f"{self.path.name}:#{position}", path=str(self.path))
+
+    def offsets(self) -> array:
+        """Where each sample's first header starts in the file (its extended headers included), from one pass over
+        the headers, kept (8 bytes a sample). Empty for a shard with global pax headers (they would not apply to a
+        read that starts past them): it is read in order."""
+        if self._offsets is None:
+            self._offsets = _sample_offsets(self.path)
+        return self._offsets
 
     def _items(self) -> Iterator[tuple[tarfile.TarFile | None, Group | DataProblem]]:
         """(the open shard, each sample's group) in file order; a `TarError` ends the shard as one problem."""
@@ -312,6 +336,43 @@ def _groups(tar: tarfile.TarFile, keep: int) -> Iterator[Group]:
     _check_end(tar)  # before the last sample: a break may have cut it short
     if group is not None:
         yield group
+
+
+def _sample_offsets(path: Path) -> array:
+    """`Shard.offsets`: one pass over the headers."""
+    offsets = array("q")
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for group in _groups(tar, keep=1):
+                if tar.pax_headers:  # global headers: they would not apply to a read starting past them
+                    return array("q")
+                offsets.append(group.members[0].offset)  # TarInfo.offset: where its first header starts
+    except tarfile.TarError:
+        pass  # a broken shard: the samples before the break have their offsets
+    return offsets
+
+
+class _From(io.RawIOBase):
+    """A file from byte `start` on, as a file of its own: a tar read from a sample's first header."""
+
+    def __init__(self, file: Any, start: int) -> None:
+        self.file, self.start = file, start
+        file.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self.file.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.file.seek(offset + self.start if whence == io.SEEK_SET else offset, whence) - self.start
+
+    def tell(self) -> int:
+        return self.file.tell() - self.start
 
 
 def _check_end(tar: tarfile.TarFile) -> None:
@@ -480,15 +541,14 @@ def as_stream(value: Any) -> dict[str, Any] | None:
 
 class ShardRecords(Sequence):
     """A stream's shards as records in file order, for `data check` / `data show` / `read_records` (no split, no
-    shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one. Reading
-    `records[i]` right after `records[i - 1]` goes on from there (an evaluation's loop, `data show`: each record costs
-    its own read); any other index reads the headers from the start of the shard it lies in."""
+    shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one: a tar
+    shard's sample from its own first header (`Shard.record_at`), whatever its position, so a mixture's or an
+    evaluation's reads cost what sequential ones do."""
 
     def __init__(self, pattern: str | os.PathLike, columns: dict[str, str] | None = None,
                  limits: SampleLimits | None = None) -> None:
         self.pattern = os.fspath(pattern)
         self.shards = [shard_of(p, columns, limits) for p in shard_files(self.pattern)]
-        self._cursor: tuple[int, int, Iterator[Any]] | None = None  # (process id, next index, its iterator)
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)
@@ -509,14 +569,11 @@ class ShardRecords(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} of {len(self)} in {self.pattern}")
-        if self._cursor is None or self._cursor[:2] != (os.getpid(), index):  # a forked loader opens its own
-            self._cursor = (os.getpid(), index, self.iter_from(index))
-        record = next(self._cursor[2])
-        self._cursor = (os.getpid(), index + 1, self._cursor[2])
-        return record
-
-    def __getstate__(self) -> dict[str, Any]:  # a loader's spawned worker: the shards, not an open reader
-        return {**self.__dict__, "_cursor": None}
+        for shard in self.shards:
+            if index < len(shard):
+                return shard.record_at(index) if isinstance(shard, Shard) else next(shard.records(index))
+            index -= len(shard)
+        raise AssertionError("unreachable: the index was checked against the shards' counts")
 
     def __repr__(self) -> str:
         return f"ShardRecords({self.pattern!r}, {len(self.shards)} shards)"
