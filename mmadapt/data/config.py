@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
-from mmadapt.data.stream import DEFAULT_MAX_SAMPLE_BYTES, DEFAULT_MAX_SAMPLE_MEMBERS
+from mmadapt.data.tar_headers import DEFAULT_MAX_SAMPLE_BYTES, DEFAULT_MAX_SAMPLE_MEMBERS
 from mmadapt.data.templates import MODES, TEMPLATES
 from mmadapt.data.video import VideoConfig
 

@@ -33,8 +33,9 @@ import torch
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
-from mmadapt.data.stream import SampleLimits, ShardRecords, is_shard_source
+from mmadapt.data.stream import ShardRecords, is_shard_source
 from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
+from mmadapt.data.tar_headers import SampleLimits
 from mmadapt.data.video.decode import EmbeddedVideo
 
 IMAGE = "<image>"

@@ -12,10 +12,10 @@ caption as the answer to its images (`<image>` per image: the LLaVA pretraining 
 (`EmbeddedImage`, named `shard.tar:key.jpg`) and checked from their headers before decoding like any image. Nothing is
 extracted to disk: no path from a tar is ever opened.
 
-Bad samples are counted problems naming the shard and the key, never an exception out of a stream. A sample is
-checked from its tar headers before any member is read (`SampleLimits`: its members, their declared bytes together,
-its images; a sparse member is refused), so a small hostile shard costs header reads, not memory. A sample with
-neither record nor caption, or a `.json` that does not parse (nested too deeply included), is a problem; a shard
+Bad samples are counted problems naming the shard and the key, never an exception out of a stream. A sample is checked
+from its tar headers before any member is read (`tar_headers.SampleLimits`: its members, their declared bytes
+together, its images; a sparse member is refused), so a small hostile shard costs header reads, not memory. A sample
+with neither record nor caption, or a `.json` that does not parse (nested too deeply included), is a problem; a shard
 that cannot be read on (truncated, a member declared past the end of the file, a corrupt header: `tarfile.TarError`)
 ends with one `unreadable_shard` problem, the samples before the break kept. A plain path of tar shards (`data.train:
 shards/*.tar`) streams as `{stream: ...}` does (`as_stream`); read by index (`ShardRecords`: a mixture's source, an
@@ -47,17 +47,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem, guarded
+from mmadapt.data.tar_headers import Group, SampleLimits, key_and_extension, open_at, sample_groups, sample_offsets
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
-# A sample's limits from its tar headers (`SampleLimits`; the data settings max_sample_bytes, max_sample_members)
-DEFAULT_MAX_SAMPLE_BYTES: Final[int] = 256 * 1024 * 1024
-DEFAULT_MAX_SAMPLE_MEMBERS: Final[int] = 128
 DEFAULT_BUFFER = 1000
 STREAM_KEYS = ("stream", "buffer")
 
@@ -111,41 +109,6 @@ def shard_of(path: Path, columns: dict[str, str] | None = None,
     return ParquetShard(path, columns) if path.suffix == ".parquet" else Shard(path, limits)
 
 
-def _key_and_extension(name: str) -> tuple[str, str]:
-    directory, _, base = name.rpartition("/")
-    stem, _, extension = base.partition(".")
-    return (f"{directory}/{stem}" if directory else stem), extension.lower()
-
-
-@dataclass(frozen=True)
-class SampleLimits:
-    """What one shard sample may declare in its tar headers, checked before any of its members is read: images
-    (the data setting `max_images`), members (`max_sample_members`) and bytes of all its members together
-    (`max_sample_bytes`)."""
-
-    max_images: int | None = None  # None (no data settings given): the record's parse checks it, after the read
-    max_members: int = DEFAULT_MAX_SAMPLE_MEMBERS
-    max_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
-
-    @classmethod
-    def of(cls, config: Any = None) -> SampleLimits:
-        """The limits of `config` (a `DataConfig`); None: the default members and bytes."""
-        if config is None:
-            return cls()
-        return cls(config.max_images, config.max_sample_members, config.max_sample_bytes)
-
-
-@dataclass
-class Group:
-    """One sample's members as the shard's headers declare them: the first `max_members + 1` kept, `count` and
-    `size` (declared bytes) over all of them."""
-
-    key: str
-    members: list[tarfile.TarInfo]
-    count: int
-    size: int
-
-
 class Shard:
     """One tar shard: its sample count (from its headers, cached by path, size and modification time) and its
     samples as records from any position, each checked against `limits` from its headers before it is read.
@@ -182,9 +145,8 @@ class Shard:
         if position >= len(offsets):  # the problem that ends a broken shard, or a shard read only in order
             return next(self.records(position))
         try:
-            with (open(self.path, "rb") as file,
-                  tarfile.open(fileobj=_From(file, offsets[position]), mode="r:") as tar):
-                return self.record(tar, next(_groups(tar, keep=self.limits.max_members + 1)))
+            with open_at(self.path, offsets[position]) as tar:
+                return self.record(tar, next(sample_groups(tar, keep=self.limits.max_members + 1)))
         except tarfile.TarError as e:  # the shard changed since its offsets were read
             return DataProblem("unreadable_shard", f"sample {position} cannot be read from byte {offsets[position]}: "
                                f"{e}", sample_id=f"{self.path.name}:#{position}", path=str(self.path))
@@ -194,7 +156,7 @@ class Shard:
         the headers, kept (8 bytes a sample). Empty for a shard with global pax headers (they would not apply to a
         read that starts past them): it is read in order."""
         if self._offsets is None:
-            self._offsets = _sample_offsets(self.path)
+            self._offsets = sample_offsets(self.path)
         return self._offsets
 
     def _items(self) -> Iterator[tuple[tarfile.TarFile | None, Group | DataProblem]]:
@@ -202,7 +164,7 @@ class Shard:
         done, key = 0, None
         try:
             with tarfile.open(self.path, "r:") as tar:
-                for group in _groups(tar, keep=self.limits.max_members + 1):
+                for group in sample_groups(tar, keep=self.limits.max_members + 1):
                     yield tar, group
                     done, key = done + 1, group.key
         except tarfile.TarError as e:
@@ -226,7 +188,7 @@ class Shard:
         if group.size > limits.max_bytes:
             return problem("sample_too_large", f"its members declare {group.size} bytes, over max_sample_bytes "
                            f"{limits.max_bytes}")
-        images = sum(_key_and_extension(m.name)[1].rsplit(".", 1)[-1] in IMAGE_EXTENSIONS for m in group.members)
+        images = sum(key_and_extension(m.name)[1].rsplit(".", 1)[-1] in IMAGE_EXTENSIONS for m in group.members)
         if limits.max_images is not None and images > limits.max_images:
             return problem("sample_too_large", f"{images} images, over max_images {limits.max_images}")
         for info in group.members:
@@ -243,7 +205,7 @@ class Shard:
             return refused
         sample_id = f"{self.path.name}:{group.key}"
         try:
-            return self._record(tar, group.key, {_key_and_extension(m.name)[1]: m for m in group.members})
+            return self._record(tar, group.key, {key_and_extension(m.name)[1]: m for m in group.members})
         except tarfile.TarError as e:  # a member's data unreadable though its header was
             return DataProblem("unreadable_shard", f"a member of {group.key} cannot be read: {e}",
                                sample_id=sample_id, path=str(self.path))
@@ -314,74 +276,6 @@ class ParquetShard:
                     if index >= start:
                         yield rows.row_record(row, index)
                 first += batch.num_rows
-
-
-def _groups(tar: tarfile.TarFile, keep: int) -> Iterator[Group]:
-    """Each sample of an open tar: consecutive files sharing a name up to the first dot, at most `keep` of its
-    members kept (the others counted), so a sample of a million members costs no memory."""
-    group: Group | None = None
-    for info in iter(tar.next, None):
-        if not info.isfile():
-            continue
-        key, _ = _key_and_extension(info.name)
-        if group is not None and key != group.key:
-            yield group
-            group = None
-            tar.members.clear()  # TarFile keeps every header it read (~0.5 KB each): keep only this sample's
-        if group is None:
-            group = Group(key, [], 0, 0)
-        if len(group.members) < keep:
-            group.members.append(info)
-        group.count, group.size = group.count + 1, group.size + info.size
-    _check_end(tar)  # before the last sample: a break may have cut it short
-    if group is not None:
-        yield group
-
-
-def _sample_offsets(path: Path) -> array:
-    """`Shard.offsets`: one pass over the headers."""
-    offsets = array("q")
-    try:
-        with tarfile.open(path, "r:") as tar:
-            for group in _groups(tar, keep=1):
-                if tar.pax_headers:  # global headers: they would not apply to a read starting past them
-                    return array("q")
-                offsets.append(group.members[0].offset)  # TarInfo.offset: where its first header starts
-    except tarfile.TarError:
-        pass  # a broken shard: the samples before the break have their offsets
-    return offsets
-
-
-class _From(io.RawIOBase):
-    """A file from byte `start` on, as a file of its own: a tar read from a sample's first header."""
-
-    def __init__(self, file: Any, start: int) -> None:
-        self.file, self.start = file, start
-        file.seek(start)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        return self.file.readinto(buffer)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return self.file.seek(offset + self.start if whence == io.SEEK_SET else offset, whence) - self.start
-
-    def tell(self) -> int:
-        return self.file.tell() - self.start
-
-
-def _check_end(tar: tarfile.TarFile) -> None:
-    """Raise `ReadError` unless `tar` ended at its end: tarfile stops quietly at a header past the first that it cannot
-    parse (cut short, a bad checksum), as if the archive ended there. An end is a zero block or the end of the file."""
-    tar.fileobj.seek(tar.offset)
-    block = tar.fileobj.read(tarfile.BLOCKSIZE)
-    if block.strip(b"\0"):
-        raise tarfile.ReadError(f"a cut or corrupt tar header at byte {tar.offset}")
 
 
 def _image_order(extension: str) -> tuple[int, str]:
