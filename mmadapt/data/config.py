@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
+from mmadapt.data.tar_headers import DEFAULT_MAX_SAMPLE_BYTES, DEFAULT_MAX_SAMPLE_MEMBERS
 from mmadapt.data.templates import MODES, TEMPLATES
 from mmadapt.data.video import VideoConfig
 
@@ -65,6 +66,12 @@ class DataConfig:
     max_video_bytes: int = field(default=DEFAULT_MAX_VIDEO_BYTES, metadata=about(
         "bytes of a sample's decoded video frames together (frames x height x width x 3, from headers, before "
         "decoding); more is a counted sample_too_large problem"))
+    max_sample_bytes: int = field(default=DEFAULT_MAX_SAMPLE_BYTES, metadata=about(
+        "bytes of a tar shard sample's members together (declared in the tar headers, checked before any member is "
+        "read); more is a counted sample_too_large problem"))
+    max_sample_members: int = field(default=DEFAULT_MAX_SAMPLE_MEMBERS, metadata=about(
+        "members (files) of one tar shard sample (checked from the tar headers before any member is read); more is "
+        "a counted sample_too_large problem"))
     chat_template: str = field(default="auto", metadata=about(
         "auto (the tokenizer's own template, else the backbone's built-in), tokenizer (require the tokenizer's), or "
         "a built-in name (mmadapt list shows them)"))
@@ -95,7 +102,8 @@ class DataConfig:
             raise TypeError(f"template_kwargs must be a mapping, got {type(self.template_kwargs).__name__}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        for name in ("max_image_pixels", "max_images", "max_sample_pixels", "max_sample_frames", "max_video_bytes"):
+        for name in ("max_image_pixels", "max_images", "max_sample_pixels", "max_sample_frames", "max_video_bytes",
+                     "max_sample_bytes", "max_sample_members"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -44,11 +44,11 @@ def data_memory(train: Any, *, num_workers: int, columns: dict[str, str] | None 
     the records cache if it is not there yet, as the run would)."""
     from mmadapt.data.mixture import parse_sources
     from mmadapt.data.samples import read_records
-    from mmadapt.data.stream import StreamingDataset, stream_source
+    from mmadapt.data.stream import StreamingDataset, as_stream
 
     readers = max(num_workers, 1)
     memory = DataMemory()
-    stream = stream_source(train)
+    stream = as_stream(train)  # {stream: ...}, or a plain path of tar shards, which the run streams too
     if stream is not None:
         data = StreamingDataset(stream["stream"], None, buffer=stream["buffer"])
         samples = max(len(data), 1)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mmadapt.data.stream import StreamingDataset, hash_seed, stream_source
+from mmadapt.data.stream import StreamingDataset, as_stream, hash_seed, stream_source
 
 SOURCE_KEYS = ("path", "weight", "samples", "name")
 
@@ -162,10 +162,14 @@ class Mixture(torch.utils.data.Dataset):
                          for s, n, size in zip(self.sources, self.counts, self.sizes, strict=True))
 
 
-def training_set(value: Any, make: Callable[[str], Any], seed: int = 0, encoder: Any = None) -> Any:
+def training_set(value: Any, make: Callable[[str], Any], seed: int = 0, encoder: Any = None, *,
+                 stream_shards: bool = True) -> Any:
     """The dataset of `data.train` / `data.eval`: `make(path)` for one path, a `Mixture` of `make(path)`s for a list,
-    a `StreamingDataset` (`mmadapt.data.stream`, samples encoded by `encoder`) for `{stream: SHARDS, buffer: N}`."""
-    stream = stream_source(value)
+    a `StreamingDataset` (`mmadapt.data.stream`, samples encoded by `encoder`) for `{stream: SHARDS, buffer: N}` and,
+    with `stream_shards` (a training set), for a plain path of WebDataset tar shards (`stream.as_stream`: read in
+    order, never indexed, so a sample's cost does not grow with its position in the shard). An evaluation set
+    (`stream_shards=False`) reads such a path in file order (`make(path)`, `stream.ShardRecords`)."""
+    stream = as_stream(value) if stream_shards else stream_source(value)
     if stream is not None:
         return StreamingDataset(stream["stream"], encoder, buffer=stream["buffer"], seed=seed)
     sources = parse_sources(value)

@@ -557,7 +557,7 @@ class VLMDataset(torch.utils.data.Dataset):
     """Map-style: `dataset[i]` is an `EncodedSample`, or the `DataProblem` that stops it (fatal ones raise)."""
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: SampleEncoder) -> None:
-        self.records = (read_records(records, errors="report", columns=encoder.config.columns)
+        self.records = (read_records(records, errors="report", columns=encoder.config.columns, config=encoder.config)
                         if isinstance(records, (str, os.PathLike))
                         else records if isinstance(records, Sequence) else list(records))
         self.encoder = encoder

@@ -38,8 +38,9 @@ REASONS: dict[str, str] = {
     "video_unsupported": "the sample has a video but the model takes none (a fixed-size encoder, or a backbone "
                          "without a video token); fatal: every video sample would be skipped",
     "template_error": "the chat template refuses the conversation (e.g. no user turn, an image in the system turn)",
-    "sample_too_large": "a sample has more images, image pixels, video frames or decoded video bytes than the "
-                        "per-sample limits (header checked)",
+    "sample_too_large": "a sample has more images, image pixels, video frames, decoded video bytes, or tar members "
+                        "or bytes than the per-sample limits (header checked)",
+    "unreadable_shard": "a WebDataset tar shard is truncated or corrupt: the samples from there on are skipped",
     "out_of_memory": "decoding the sample's images or videos could not allocate its memory",
     "bad_pair": "a preference pair without two different answers, or whose answers follow different prompts",
     "unexpected_error": "an exception the pipeline did not foresee (its type and message are in the detail)",

@@ -9,9 +9,17 @@ are grouped into samples by their name up to the first dot (`000017.jpg`, `00001
 becomes a record: its `.json` member (a LLaVA or messages record) with the sample's images (its `.jpg` / `.jpeg` /
 `.png` / `.webp` / `.bmp` members, in the order of their extensions) as its images, or, without a `.json`, its `.txt`
 caption as the answer to its images (`<image>` per image: the LLaVA pretraining layout). Images are kept as bytes
-(`EmbeddedImage`, named `shard.tar:key.jpg`) and checked from their headers before decoding like any image; a member
-over `MAX_MEMBER_BYTES` is not read; a sample with neither record nor caption, or a record that does not parse, is a
-counted problem naming the shard and the key. Nothing is extracted to disk: no path from a tar is ever opened.
+(`EmbeddedImage`, named `shard.tar:key.jpg`) and checked from their headers before decoding like any image. Nothing is
+extracted to disk: no path from a tar is ever opened.
+
+Bad samples are counted problems naming the shard and the key, never an exception out of a stream. A sample is checked
+from its tar headers before any member is read (`tar_headers.SampleLimits`: its members, their declared bytes
+together, its images; a sparse member is refused), so a small hostile shard costs header reads, not memory. A sample
+with neither record nor caption, or a `.json` that does not parse (nested too deeply included), is a problem; a shard
+that cannot be read on (truncated, a member declared past the end of the file, a corrupt header: `tarfile.TarError`)
+ends with one `unreadable_shard` problem, the samples before the break kept. A plain path of tar shards (`data.train:
+shards/*.tar`) streams as `{stream: ...}` does (`as_stream`); read by index (`ShardRecords`: a mixture's source, an
+evaluation set, `data check`) a sample is read from its own first header (`Shard.offsets`).
 
 Splitting: the `world * workers` streams (rank r's worker w is stream `r * workers + w`; a run without workers has
 one per rank) each take every `streams`-th shard of the epoch's seeded shard order, so no two streams read the same
@@ -34,6 +42,7 @@ import io
 import json
 import os
 import tarfile
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -44,9 +53,9 @@ import torch
 
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem, guarded
+from mmadapt.data.tar_headers import Group, SampleLimits, key_and_extension, open_at, sample_groups, sample_offsets
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
-MAX_MEMBER_BYTES = 256 * 1024 * 1024  # a member larger than this is not read (a counted problem)
 DEFAULT_BUFFER = 1000
 STREAM_KEYS = ("stream", "buffer")
 
@@ -95,58 +104,123 @@ def shard_files(pattern: str) -> list[Path]:
     return files
 
 
-def shard_of(path: Path, columns: dict[str, str] | None = None) -> Shard | ParquetShard:
-    return ParquetShard(path, columns) if path.suffix == ".parquet" else Shard(path)
-
-
-def _key_and_extension(name: str) -> tuple[str, str]:
-    directory, _, base = name.rpartition("/")
-    stem, _, extension = base.partition(".")
-    return (f"{directory}/{stem}" if directory else stem), extension.lower()
+def shard_of(path: Path, columns: dict[str, str] | None = None,
+             limits: SampleLimits | None = None) -> Shard | ParquetShard:
+    return ParquetShard(path, columns) if path.suffix == ".parquet" else Shard(path, limits)
 
 
 class Shard:
     """One tar shard: its sample count (from its headers, cached by path, size and modification time) and its
-    samples as records from any position."""
+    samples as records from any position, each checked against `limits` from its headers before it is read.
 
-    def __init__(self, path: Path) -> None:
+    A shard that cannot be read on (truncated, a corrupt header) ends with one `unreadable_shard` problem in the
+    place of the rest: `groups()`, `len()` and `records()` agree on it, so a stream's positions stay exact."""
+
+    def __init__(self, path: Path, limits: SampleLimits | None = None) -> None:
         self.path = Path(path)
+        self.limits = limits if limits is not None else SampleLimits()
         self._count: int | None = None
+        self._offsets: array | None = None
 
     def __len__(self) -> int:
         if self._count is None:
             self._count = _cached_count(self.path)
         return self._count
 
-    def groups(self) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
-        """(key, members) of each sample, in file order, reading headers only."""
-        with tarfile.open(self.path, "r:") as tar:
-            yield from _groups(tar)
+    def groups(self) -> Iterator[Group | DataProblem]:
+        """Each sample's `Group`, in file order, reading headers only; then, where the shard cannot be read on, the
+        `DataProblem` that ends it."""
+        for _, item in self._items():
+            yield item
 
     def records(self, start: int = 0) -> Iterator[dict[str, Any] | DataProblem]:
         """The records from sample `start` on; the samples before it are skipped by their headers."""
-        with tarfile.open(self.path, "r:") as tar:
-            for position, (key, members) in enumerate(_groups(tar)):
-                if position >= start:
-                    yield self.record(tar, key, members)
+        for position, (tar, item) in enumerate(self._items()):
+            if position >= start:
+                yield item if isinstance(item, DataProblem) else self.record(tar, item)
 
-    def record(self, tar: tarfile.TarFile, key: str, members: list[tarfile.TarInfo]) -> dict[str, Any] | DataProblem:
+    def record_at(self, position: int) -> dict[str, Any] | DataProblem:
+        """Sample `position`'s record, read from its own first header (`offsets`), never the samples before it."""
+        offsets = self.offsets()
+        if position >= len(offsets):  # the problem that ends a broken shard, or a shard read only in order
+            return next(self.records(position))
+        try:
+            with open_at(self.path, offsets[position]) as tar:
+                return self.record(tar, next(sample_groups(tar, keep=self.limits.max_members + 1)))
+        except tarfile.TarError as e:  # the shard changed since its offsets were read
+            return DataProblem("unreadable_shard", f"sample {position} cannot be read from byte {offsets[position]}: "
+                               f"{e}", sample_id=f"{self.path.name}:#{position}", path=str(self.path))
+
+    def offsets(self) -> array:
+        """Where each sample's first header starts in the file (its extended headers included), from one pass over
+        the headers, kept (8 bytes a sample). Empty for a shard with global pax headers (they would not apply to a
+        read that starts past them): it is read in order."""
+        if self._offsets is None:
+            self._offsets = sample_offsets(self.path)
+        return self._offsets
+
+    def _items(self) -> Iterator[tuple[tarfile.TarFile | None, Group | DataProblem]]:
+        """(the open shard, each sample's group) in file order; a `TarError` ends the shard as one problem."""
+        done, key = 0, None
+        try:
+            with tarfile.open(self.path, "r:") as tar:
+                for group in sample_groups(tar, keep=self.limits.max_members + 1):
+                    yield tar, group
+                    done, key = done + 1, group.key
+        except tarfile.TarError as e:
+            where = f"after sample {key!r} ({done} read)" if done else "at its start"
+            yield None, DataProblem("unreadable_shard", f"the shard cannot be read {where}: {e}. The rest of it is "
+                                    "skipped. Fix: write or download the shard again (tar -tf lists what it holds)",
+                                    sample_id=f"{self.path.name}:#{done}", path=str(self.path))
+
+    def refusal(self, group: Group) -> DataProblem | None:
+        """Why the sample `group` is not read (its headers over a limit, a sparse member), or None. A member declared
+        past the end of the file never gets here: tarfile refuses it when it reads the next header ("unexpected end
+        of data"), which ends the shard (`_items`) with the sample it belongs to."""
+        sample_id, limits = f"{self.path.name}:{group.key}", self.limits
+
+        def problem(reason: str, detail: str, fix: str = "") -> DataProblem:
+            return DataProblem(reason, f"{detail}: nothing of it is read{fix}", sample_id=sample_id,
+                               path=str(self.path))
+
+        if group.count > limits.max_members:
+            return problem("sample_too_large", f"{group.count} members, over max_sample_members {limits.max_members}")
+        if group.size > limits.max_bytes:
+            return problem("sample_too_large", f"its members declare {group.size} bytes, over max_sample_bytes "
+                           f"{limits.max_bytes}")
+        images = sum(key_and_extension(m.name)[1].rsplit(".", 1)[-1] in IMAGE_EXTENSIONS for m in group.members)
+        if limits.max_images is not None and images > limits.max_images:
+            return problem("sample_too_large", f"{images} images, over max_images {limits.max_images}")
+        for info in group.members:
+            if info.issparse():
+                return problem("bad_format", f"member {info.name} is a sparse file declaring {info.size} bytes, "
+                               "holes the shard does not hold (sparse members are refused)", ". Fix: write the shard "
+                               "without tar's --sparse")
+        return None
+
+    def record(self, tar: tarfile.TarFile, group: Group) -> dict[str, Any] | DataProblem:
+        """Sample `group` as a record, or the problem that refuses it (checked from its headers first)."""
+        refused = self.refusal(group)
+        if refused is not None:
+            return refused
+        sample_id = f"{self.path.name}:{group.key}"
+        try:
+            return self._record(tar, group.key, {key_and_extension(m.name)[1]: m for m in group.members})
+        except tarfile.TarError as e:  # a member's data unreadable though its header was
+            return DataProblem("unreadable_shard", f"a member of {group.key} cannot be read: {e}",
+                               sample_id=sample_id, path=str(self.path))
+
+    def _record(self, tar: tarfile.TarFile, key: str,
+                parts: dict[str, tarfile.TarInfo]) -> dict[str, Any] | DataProblem:
         sample_id = f"{self.path.name}:{key}"
-        parts: dict[str, tarfile.TarInfo] = {}
-        for info in members:
-            parts[_key_and_extension(info.name)[1]] = info
-        for extension, info in parts.items():
-            if info.size > MAX_MEMBER_BYTES:
-                return DataProblem("sample_too_large", f"member {key}.{extension} holds {info.size} bytes, over "
-                                   f"{MAX_MEMBER_BYTES}: not read", sample_id=sample_id, path=str(self.path))
         images = [EmbeddedImage(tar.extractfile(parts[e]).read(), f"{self.path}:{key}.{e}")
                   for e in sorted(parts, key=_image_order) if e.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS]
         if "json" in parts:
             try:
                 record = json.loads(tar.extractfile(parts["json"]).read())
-            except (ValueError, UnicodeDecodeError) as e:
-                return DataProblem("bad_format", f"{key}.json does not parse: {e}", sample_id=sample_id,
-                                   path=str(self.path))
+            except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, a huge integer, nested too deeply
+                return DataProblem("bad_format", f"{key}.json does not parse: {type(e).__name__}: {_clip(e)}",
+                                   sample_id=sample_id, path=str(self.path))
             if not isinstance(record, dict):
                 return DataProblem("bad_format", f"{key}.json holds a {type(record).__name__}, not a record",
                                    sample_id=sample_id, path=str(self.path))
@@ -161,6 +235,11 @@ class Shard:
         return DataProblem("bad_format", f"sample {key} has members {sorted(parts)} but no .json record or .txt "
                            "caption. Fix: give each sample a KEY.json (a LLaVA or messages record) or KEY.txt (a "
                            "caption)", sample_id=sample_id, path=str(self.path))
+
+
+def _clip(error: BaseException, width: int = 200) -> str:
+    text = str(error)
+    return text if len(text) <= width else text[:width] + "..."
 
 
 class ParquetShard:
@@ -197,22 +276,6 @@ class ParquetShard:
                     if index >= start:
                         yield rows.row_record(row, index)
                 first += batch.num_rows
-
-
-def _groups(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tarfile.TarInfo]]]:
-    """(key, members) of each sample of an open tar: consecutive files sharing a name up to the first dot."""
-    key, members = None, []
-    for info in tar:
-        if not info.isfile():
-            continue
-        member_key, _ = _key_and_extension(info.name)
-        if member_key != key and members:
-            yield key, members
-            members = []
-        key = member_key
-        members.append(info)
-    if members:
-        yield key, members
 
 
 def _image_order(extension: str) -> tuple[int, str]:
@@ -271,8 +334,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, pattern: str, encoder: Any, *, buffer: int = DEFAULT_BUFFER, seed: int = 0) -> None:
         self.pattern, self.encoder, self.buffer, self.seed = pattern, encoder, buffer, seed
-        columns = getattr(getattr(encoder, "config", None), "columns", None)
-        self.shards = [shard_of(p, columns) for p in shard_files(pattern)]
+        config = getattr(encoder, "config", None)
+        columns, limits = getattr(config, "columns", None), SampleLimits.of(config)
+        self.shards = [shard_of(p, columns, limits) for p in shard_files(pattern)]
         self.rank, self.layout, self.start_step = 0, StreamLayout(1, 0, 1, 1), 0
 
     def __len__(self) -> int:
@@ -356,13 +420,29 @@ def is_shard_source(path: str | os.PathLike) -> bool:
     return p.is_dir() and any(p.glob("*.tar")) and not any(p.glob("*.parquet")) and not any(p.glob("*.arrow"))
 
 
+def as_stream(value: Any) -> dict[str, Any] | None:
+    """`data.train` as a stream: `{stream: SHARDS, buffer: N}` (`stream_source`), or a plain path of WebDataset tar
+    shards (a `.tar`, a `*.tar` glob, a directory of them), which streams with the default buffer: read in order,
+    its cost per sample never grows with the position. None for anything else."""
+    stream = stream_source(value)
+    if stream is not None or not isinstance(value, str | os.PathLike):
+        return stream
+    text = os.fspath(value)
+    if is_shard_source(text) and not text.endswith(".parquet"):
+        return {"stream": text, "buffer": DEFAULT_BUFFER}
+    return None
+
+
 class ShardRecords(Sequence):
     """A stream's shards as records in file order, for `data check` / `data show` / `read_records` (no split, no
-    shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one."""
+    shuffle): `len` from the shards' counts, `iter_from(i)` reads on from record i, `records[i]` reads one: a tar
+    shard's sample from its own first header (`Shard.record_at`), whatever its position, so a mixture's or an
+    evaluation's reads cost what sequential ones do."""
 
-    def __init__(self, pattern: str | os.PathLike, columns: dict[str, str] | None = None) -> None:
+    def __init__(self, pattern: str | os.PathLike, columns: dict[str, str] | None = None,
+                 limits: SampleLimits | None = None) -> None:
         self.pattern = os.fspath(pattern)
-        self.shards = [shard_of(p, columns) for p in shard_files(self.pattern)]
+        self.shards = [shard_of(p, columns, limits) for p in shard_files(self.pattern)]
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)
@@ -383,7 +463,11 @@ class ShardRecords(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} of {len(self)} in {self.pattern}")
-        return next(self.iter_from(index))
+        for shard in self.shards:
+            if index < len(shard):
+                return shard.record_at(index) if isinstance(shard, Shard) else next(shard.records(index))
+            index -= len(shard)
+        raise AssertionError("unreachable: the index was checked against the shards' counts")
 
     def __repr__(self) -> str:
         return f"ShardRecords({self.pattern!r}, {len(self.shards)} shards)"

@@ -30,7 +30,8 @@ class SupervisedObjective(Objective):
         d, seed = self.config.data, self.config.train.seed
         collate = Collator.for_model(model, encoder.pad_token_id, max_tokens=d.max_tokens if d.packing else None)
         return ObjectiveData(training_set(d.train, lambda path: VLMDataset(path, encoder), seed, encoder),
-                             training_set(d.eval, lambda path: VLMDataset(path, encoder), seed, encoder), collate)
+                             training_set(d.eval, lambda path: VLMDataset(path, encoder), seed, encoder,
+                                          stream_shards=False), collate)
 
     def loss(self, run: Run, batch: dict[str, Any], total_tokens: int) -> torch.Tensor:
         """One micro-batch's loss: its summed token losses / the global batch's supervised tokens."""
