@@ -68,6 +68,16 @@ class RunDirectory:
             return cls(path.parent.parent)
         return None
 
+    @classmethod
+    def saving(cls, config: str | os.PathLike) -> RunDirectory | None:
+        """The run whose saved config `config` is - a run directory given as it is (its `config.yaml`), or that
+        `config.yaml` itself - as the path was given; None for any other file (a user's run file). Where a run's
+        directory is now is the one it is used in: a copied or moved run holds the old place in its saved
+        `train.out`, and `RunConfig.load` takes this one instead."""
+        path = Path(config)
+        run = cls(path) if path.is_dir() else cls(path.parent) if path.name == CONFIG else None
+        return run if run is not None and run.exists() and run.config_file.is_file() else None
+
     def exists(self) -> bool:
         """This directory is a run: it has a `checkpoints/` folder."""
         return self.checkpoints_dir.is_dir()
