@@ -38,8 +38,7 @@ ROOT = Path(__file__).parents[1]
 RUN = "runs/train"
 
 # The pages' placeholders, as this directory has them (a word of a documented command line -> the word run here).
-PLACES = {"runs/colours": RUN, "runs/colours/model": f"{RUN}/model", "d.jsonl": "data/train.jsonl",
-          "llama-tokenizer/": f"{RUN}/model"}
+PLACES = {"runs/colours": RUN, "runs/colours/model": f"{RUN}/model", "llama-tokenizer/": f"{RUN}/model"}
 # Per command, the documented line run here (a placeholder as the page writes it; STEP and PORT are filled in).
 RUNS = {
     "list": "list",
@@ -110,19 +109,22 @@ def free_port() -> int:
 
 
 def write_workspace(folder: Path) -> None:
-    """The pages' files: data/ (train.jsonl, pairs.jsonl, images), data/eval.jsonl, photo.png, and run.yaml: a tiny
-    LLaVA trained two steps into runs/train, a checkpoint each step."""
+    """The pages' files: data/ (train.jsonl, pairs.jsonl, images), data/eval.jsonl (its image paths from its folder,
+    as eval reads them), d.jsonl (from here), photo.png, and run.yaml: a tiny LLaVA trained two steps into runs/train,
+    a checkpoint each step."""
     from PIL import Image
 
     write_inputs(folder)
-    shutil.copy(folder / "data" / "train.jsonl", folder / "data" / "eval.jsonl")
+    records = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
+    for path, root in ((folder / "data" / "eval.jsonl", "images"), (folder / "d.jsonl", "data/images")):
+        path.write_text("".join(json.dumps({**r, "image": f"{root}/{r['image']}"}) + "\n" for r in records))
     Image.new("RGB", (32, 24), (200, 30, 30)).save(folder / "photo.png")
     write_run(folder / "run.yaml", model=TINY_LLAVA,
               data={"train": "data/train.jsonl", "image_root": "data/images", "batch_size": 2},
               train={"steps": 2, "out": RUN, "progress": False}, checkpoint={"every": 1})
 
 
-# ---- every documented command, as a process ----------------------------------------------------------------------------
+# ---- every documented command, as a process --------------------------------------------------------------------------
 def test_every_documented_command_is_run_here_or_by_a_named_test():
     for key, line in RUNS.items():
         assert documented(line), f"{key}: {line!r} is not a command line the pages show"
@@ -217,8 +219,8 @@ def transformers_export_equals_mmadapt(export: Path, model_dir: Path, image_path
                                                   return_dict=True, return_tensors="pt")
     ours_model = VisionLanguageModel.from_pretrained(model_dir).eval()
     processor = Processor.from_pretrained(model_dir)
-    ours = processor([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}],
-                     images=[image])
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+    ours = processor(question, images=[image])
     assert inputs["input_ids"].tolist() == ours["input_ids"].tolist()
     theirs = AutoModelForImageTextToText.from_pretrained(export).eval()
     with torch.no_grad():
@@ -230,7 +232,7 @@ def transformers_export_equals_mmadapt(export: Path, model_dir: Path, image_path
     assert theirs_answer.tolist() == ours_answer[:, -theirs_answer.shape[1]:].tolist()
 
 
-# ---- a run is used where it is ------------------------------------------------------------------------------------------
+# ---- a run is used where it is ---------------------------------------------------------------------------------------
 def listing(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under `folder` with its size and mtime (ns)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
@@ -243,7 +245,7 @@ def logged_losses(run: Path) -> dict[int, float]:
 
 def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkeypatch):
     from mmadapt.cli import main
-    from mmadapt.train import Trainer
+    from mmadapt.train import RunConfig, Trainer
 
     work = tmp_path / "work"
     work.mkdir()
@@ -271,6 +273,7 @@ def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkey
     (tmp_path / "third").mkdir()
     monkeypatch.chdir(tmp_path / "third")
     assert main(["train", str(copy), "--resume"]) == 0
+    assert RunConfig.load(copy / "config.yaml").train.out == str(copy)  # its config file stands for it too
     assert listing(work / "runs" / "cut") == before  # nothing written to, or created in, the original
     assert (copy / "model" / "config.json").is_file() and (copy / "checkpoints" / "step-0000004").is_dir()
     assert Path(yaml.safe_load((copy / "config.yaml").read_text())["train"]["out"]) == copy
@@ -279,8 +282,8 @@ def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkey
     assert not (tmp_path / "third" / "runs").exists()
 
 
-# ---- plan and the code a config names ---------------------------------------------------------------------------------
-def test_plan_imports_no_reward_code_unless_asked(tmp_path):
+# ---- plan and the code a config names --------------------------------------------------------------------------------
+def test_plan_imports_no_reward_code_unless_asked(tmp_path, monkeypatch, capsys):
     """A GRPO run whose train.rewards names `planted_reward:score`, a module that writes a marker when imported:
     `mmadapt plan RUN` leaves it out (one line saying so) and the marker is never written; `--rewards` imports it."""
     marker = tmp_path / "imported"
@@ -294,15 +297,19 @@ def test_plan_imports_no_reward_code_unless_asked(tmp_path):
     write_run(run / "config.yaml", model=TINY_LLAVA, data={"train": tmp_path / "prompts.jsonl", "batch_size": 1},
               train={"objective": "grpo", "rewards": ["accuracy", "planted_reward:score"], "out": run},
               grpo={"num_generations": 2, "max_completion_length": 4})
-    env = environment(tmp_path)
-    env["PYTHONPATH"] += os.pathsep + str(tmp_path / "code")  # importable: only never asked for
-    folder = tmp_path / "fresh"
-    folder.mkdir()
-    plain = mmadapt(folder, f"plan {run} --device cpu --json", env)
-    assert not marker.exists()
-    assert "train.rewards names code ['planted_reward:score'], not imported" in plain.stderr
-    assert "--rewards accuracy,planted_reward:score" in plain.stderr
-    assert json.loads(plain.stdout)["per_gpu"]["total"] > 0
-    asked = mmadapt(folder, f"plan {run} --device cpu --json --rewards accuracy,planted_reward:score", env)
-    assert marker.exists() and "not imported" not in asked.stderr
-    assert json.loads(asked.stdout)["per_gpu"] == json.loads(plain.stdout)["per_gpu"]
+    from mmadapt.cli import main
+
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))  # importable: only never asked for
+    monkeypatch.delitem(sys.modules, "planted_reward", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(run), "--device", "cpu", "--json"]) == 0
+    plain = capsys.readouterr()
+    assert not marker.exists() and "planted_reward" not in sys.modules
+    assert "train.rewards names code ['planted_reward:score'], not imported" in plain.err
+    assert "--rewards accuracy,planted_reward:score" in plain.err
+    assert json.loads(plain.out)["per_gpu"]["total"] > 0
+    assert main(["plan", str(run), "--device", "cpu", "--json", "--rewards", "accuracy,planted_reward:score"]) == 0
+    asked = capsys.readouterr()
+    assert marker.exists() and "not imported" not in asked.err
+    assert json.loads(asked.out)["per_gpu"] == json.loads(plain.out)["per_gpu"]
+    monkeypatch.delitem(sys.modules, "planted_reward")
