@@ -282,6 +282,22 @@ def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkey
     assert not (tmp_path / "third" / "runs").exists()
 
 
+def test_a_run_directory_given_is_the_runs_train_out_and_a_users_config_keeps_its_own(tmp_path):
+    """`RunConfig.load(OUT)` (checkpoints or not yet) and `RunConfig.load(OUT/config.yaml)` of a run take OUT as
+    train.out, whatever the saved config says; a user's config.yaml outside a run keeps the train.out it names."""
+    from mmadapt.train import RunConfig
+
+    elsewhere = str(tmp_path / "where-it-was")
+    for name in ("started", "checkpointed", "user"):
+        (tmp_path / name).mkdir()
+        write_run(tmp_path / name / "config.yaml", train={"out": elsewhere})
+    (tmp_path / "checkpointed" / "checkpoints").mkdir()
+    assert RunConfig.load(tmp_path / "started").train.out == str(tmp_path / "started")
+    assert RunConfig.load(tmp_path / "checkpointed" / "config.yaml").train.out == str(tmp_path / "checkpointed")
+    assert RunConfig.load(tmp_path / "user" / "config.yaml").train.out == elsewhere
+    assert RunConfig.load(tmp_path / "started", [f"train.out={elsewhere}"]).train.out == elsewhere  # asked for
+
+
 # ---- plan and the code a config names --------------------------------------------------------------------------------
 def test_plan_imports_no_reward_code_unless_asked(tmp_path, monkeypatch, capsys):
     """A GRPO run whose train.rewards names `planted_reward:score`, a module that writes a marker when imported:
