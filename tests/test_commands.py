@@ -10,9 +10,10 @@ fresh directory, on a tiny run trained there; and a run directory used where it 
   listed with the test that runs them.
 - `test_a_copied_run_resumes_in_the_copy_and_continues_bitwise`: a stopped run, copied elsewhere and resumed there
   (`mmadapt train COPY --resume`, from a third directory), writes only into the copy and its losses continue those of
-  an uninterrupted run bitwise; the original's files are untouched.
+  an uninterrupted run bitwise; the original's files are untouched, and once it is deleted chat and export read the
+  copy alone. `RunConfig.load` takes a run directory given (or a run's config.yaml) as the run's train.out.
 - `test_plan_imports_no_reward_code_unless_asked`: `mmadapt plan RUN` on a GRPO run whose config names a reward in
-  code leaves it out and says so; `--rewards` imports it.
+  code (a module that writes a marker when imported) leaves it out and says so; `--rewards` imports it.
 """
 
 from __future__ import annotations
@@ -280,6 +281,10 @@ def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkey
     full, resumed = logged_losses(work / "runs" / "full"), logged_losses(copy)
     assert sorted(resumed) == [1, 2, 3, 4] and resumed == full  # bitwise
     assert not (tmp_path / "third" / "runs").exists()
+    shutil.rmtree(work / "runs" / "cut")  # the copy needs nothing of the original: chat and export read it alone
+    assert main(["chat", str(copy), "--image", str(work / "photo.png"), "--max-new-tokens", "2", "Colour?"]) == 0
+    assert main(["export", str(copy), "exported-hf", "--format", "transformers"]) == 0
+    assert (tmp_path / "third" / "exported-hf" / "preprocessor_config.json").is_file()
 
 
 def test_a_run_directory_given_is_the_runs_train_out_and_a_users_config_keeps_its_own(tmp_path):
