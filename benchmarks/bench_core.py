@@ -17,6 +17,7 @@ import time
 import torch
 
 from mmadapt import VisionLanguageModel, contract
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 
 
@@ -90,7 +91,7 @@ def pair(family: str) -> tuple[VisionLanguageModel, torch.nn.Module, dict, dict]
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
     with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp, format="transformers")
+        ours.save_pretrained(tmp, format="transformers", processor_export=export_processor)
         theirs = getattr(transformers, hf_class).from_pretrained(tmp)
     if ours.encoder.dynamic:
         batch = synthetic_batch(ours, (2, 1, 1, 2, 1, 1, 2, 1), image_sides=[64, (64, 96), 96, 64, 32, (96, 64), 64,

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_core import alternating
 
 from mmadapt import VisionLanguageModel
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 
 CONFIGS = {
@@ -186,7 +187,7 @@ def prepare(name: str, quick: bool, directory: str) -> dict:
     config = CONFIGS[name]
     model = build(config, quick)
     batch = sft_batch(model, config, quick)
-    model.save_pretrained(directory, format="transformers")
+    model.save_pretrained(directory, format="transformers", processor_export=export_processor)
     torch.save(batch, f"{directory}/batch.pt")
     return {"name": name, "depth": "tiny" if quick else config["depth"],
             "params": sum(p.numel() for p in model.parameters()), "targets": config["targets"],

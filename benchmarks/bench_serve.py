@@ -4,12 +4,12 @@ exported model - the same prompt, image and greedy tokens, on the CPU.
     python benchmarks/bench_serve.py [--quick] [--reps N] [--tokens N] [--out FILE]
 
 The model: a random Qwen3.5-0.8B-shaped VLM (`qwen3_5_vit` + `qwen_merger` + `qwen3_5`, preset `qwen3.5-0.8b`: text
-hidden 1024, vision hidden 768) at reduced depth (full run: 4 text layers - three Gated DeltaNet and one attention,
-the real 3:1 pattern - and 2 vision blocks; `--quick`: 2 text layers, 1 vision block), with Qwen's real tokenizer
-(vendored in tests/fixtures, 151,669 tokens; the vocabulary follows it) and Qwen3.5's template, in fp32. It is
-exported with `save_pretrained(dir, format="transformers")` and transformers' `AutoModelForImageTextToText` loads the
-export; mmadapt's `generate` and the server (`create_app`) use the model in memory. One prompt: a 256 x 256 image (64
-visual tokens) and a question.
+hidden 1024, vision hidden 768) at reduced depth (full run: 4 text layers - three Gated DeltaNet and one attention, the
+real 3:1 pattern - and 2 vision blocks; `--quick`: 2 text layers, 1 vision block), with Qwen's real tokenizer (vendored
+in tests/fixtures, 151,669 tokens; the vocabulary follows it) and Qwen3.5's template, in fp32. It is exported with
+`save_pretrained(dir, format="transformers", processor_export=export_processor)` and transformers'
+`AutoModelForImageTextToText` loads the export; mmadapt's `generate` and the server (`create_app`) use the model in
+memory. One prompt: a 256 x 256 image (64 visual tokens) and a question.
 
 Timed, alternating, `--reps` times each (medians):
 - transformers: `generate(**inputs, do_sample=False, max_new_tokens=N, min_new_tokens=N)` on the export, the first
@@ -142,7 +142,7 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText
 
     from mmadapt.answering import PromptInputs as Prompt
-    from mmadapt.processor import Processor
+    from mmadapt.processor import Processor, export_processor
     from mmadapt.serve import BackgroundServer, ServeSettings, create_app
 
     transformers.utils.logging.set_verbosity_error()
@@ -156,7 +156,8 @@ def main() -> None:
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}]
     inputs = Prompt.build(model, processor, messages).inputs
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "export", format="transformers", tokenizer=tokenizer)
+        model.save_pretrained(Path(tmp) / "export", format="transformers", tokenizer=tokenizer,
+                              processor_export=export_processor)
         theirs = AutoModelForImageTextToText.from_pretrained(Path(tmp) / "export").eval()
     theirs_inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "pixel_values",
                                                               "image_grid_thw", "mm_token_type_ids")}

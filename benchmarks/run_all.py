@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_core import FAMILIES, alternating, bench_injection, pair, step_fn
 
 from mmadapt import VisionLanguageModel
+from mmadapt.processor import export_processor
 
 
 # ---- 1. training step vs transformers -------------------------------------------------------------
@@ -108,7 +109,7 @@ def bench_memory(families: list[str]) -> list[tuple[str, float, float]]:
     for family in families:
         ours, _, batch, hf_batch = pair(family)
         with tempfile.TemporaryDirectory() as tmp:
-            ours.save_pretrained(tmp, format="transformers")
+            ours.save_pretrained(tmp, format="transformers", processor_export=export_processor)
             torch.save((batch, hf_batch), f"{tmp}/batch.pt")
             peaks = []
             for which in ("mmadapt", "transformers"):

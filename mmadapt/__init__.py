@@ -44,17 +44,9 @@ EXPORTS: dict[str, str] = {
 def __getattr__(name: str) -> Any:
     if name not in EXPORTS:
         raise AttributeError(f"module 'mmadapt' has no attribute {name!r}")
-    _install_hooks()
     value = getattr(importlib.import_module(EXPORTS[name]), name)
     globals()[name] = value  # the next read is a plain attribute
     return value
-
-
-def _install_hooks() -> None:
-    """What the package's names rely on once any is used: `mmadapt.processor` installs the writer of a transformers
-    export's processor (`directory.register_processor_export`), so `mmadapt.build_model(...).save_pretrained(...,
-    format="transformers")` works as it always has. `import mmadapt` alone stays light (the CLI's help)."""
-    importlib.import_module("mmadapt.processor")
 
 
 def __dir__() -> list[str]:
@@ -69,7 +61,6 @@ def build_model(encoder: str | dict | ComponentConfig, projector: str | dict | C
     `deepstack="drop"` builds without an encoder's DeepStack levels (see `ModelConfig`)."""
     from mmadapt.model import VisionLanguageModel
 
-    _install_hooks()
     return VisionLanguageModel.from_names(encoder, projector, backbone, preset=preset, deepstack=deepstack)
 
 

@@ -28,11 +28,11 @@ defaults to them, so chat, eval and serving build inputs as training did. A mode
 `save(..., format="transformers")` writes a directory that transformers' `AutoProcessor` and
 `AutoModelForImageTextToText` load, and that vLLM and SGLang serve as they serve the family's hub checkpoints
 (docs/export.md): the model (`mmadapt.convert.save_transformers`), its processor side (image and video processor
-configs, processor config, the tokenizer with the training chat template: `mmadapt.processor.export_processor`,
-installed here with `register_processor_export` because that layer knows the data pipeline, which this one may not
-import), the weights it carries from its starting checkpoint (shards of their own, `mmadapt.carried`) and
-`mmadapt_export.json`: mmadapt's version, the data settings, the SHA-256 of every file written and of the checkpoint
-the weights were read from, what was carried, and what transformers' processor cannot express.
+configs, processor config, the tokenizer with the training chat template), written by the `processor_export` the caller
+passes (`mmadapt.processor.export_processor`: that layer knows the data pipeline, which this one may not import; nothing
+is installed here by another module's import), the weights it carries from its starting checkpoint (shards of their own,
+`mmadapt.carried`) and `mmadapt_export.json`: mmadapt's version, the data settings, the SHA-256 of every file written
+and of the checkpoint the weights were read from, what was carried, and what transformers' processor cannot express.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def source_record(model: Any) -> dict[str, Any] | None:
     return source.record() if isinstance(source, Source) else None
 
 
-# ---- the processor side of a transformers export, installed by the layer above -------------------------------------
+# ---- the processor side of a transformers export, written by the writer the caller passes -------------------------
 @dataclass(frozen=True)
 class ProcessorExport:
     """What the processor side of a transformers export wrote: its `files`, the ids that end an answer (for the
@@ -153,22 +153,8 @@ class ProcessorExport:
 
 
 ProcessorWriter = Callable[[Any, Any, str, Path], ProcessorExport]
-_processor_writer: list[ProcessorWriter] = []
-
-
-def register_processor_export(writer: ProcessorWriter) -> None:
-    """Install `writer(model, tokenizer or None, architecture, directory)`, which writes a transformers export's
-    processor side. `mmadapt.processor` installs `export_processor` when it is imported, which the `mmadapt`
-    package does when any of its names is first used; a second writer replaces the first."""
-    _processor_writer[:] = [writer]
-
-
-def processor_writer() -> ProcessorWriter:
-    if not _processor_writer:
-        raise RuntimeError("no writer for a transformers export's processor is installed: import mmadapt.processor "
-                           "(it installs export_processor; any name of the mmadapt package imports it) before saving "
-                           "with format='transformers'")
-    return _processor_writer[0]
+"""`writer(model, tokenizer or None, architecture, directory)`: writes a transformers export's processor side
+(`mmadapt.processor.export_processor`)."""
 
 
 def export_record(directory: str | os.PathLike) -> dict[str, Any]:
@@ -233,11 +219,13 @@ def is_model_directory(path: Path) -> bool:
 
 
 def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", tokenizer: Any = None,
-         max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
+         processor_export: ProcessorWriter | None = None, max_shard_size: int | str = "5GB",
+         overwrite: bool = False) -> Path:
     """A complete model directory, written atomically: weights, `config.json` and, given one, the tokenizer's files;
     `format="transformers"` writes the equivalent transformers model with its processor and record (module
-    docstring). An export checks that the combination has a transformers equivalent and that the tokenizer fits the
-    model before it writes anything.
+    docstring), its processor side by `processor_export` (required then: `mmadapt.processor.export_processor`). An
+    export checks that the combination has a transformers equivalent and that the tokenizer fits the model before it
+    writes anything.
 
     Everything goes to a sibling temporary directory that is swapped in whole (`mmadapt.atomic.StagedDirectory`): a
     reader, or a write that fails or is killed, leaves `directory` as it was or as the new model, never a mix. An
@@ -249,7 +237,8 @@ def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", t
     if exporting:
         from mmadapt.convert import export_architecture
 
-        architecture, writer = export_architecture(model), processor_writer()  # before anything is written
+        writer = _required_writer(processor_export)
+        architecture = export_architecture(model)  # before anything is written
     with StagedDirectory(directory, what="model directory", overwrite=overwrite, recognise=is_model_directory,
                          checksums=exporting) as stage:
         if exporting:
@@ -259,6 +248,14 @@ def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", t
             save_weights(model.state_dict(), stage.path, max_shard_size=max_shard_size, on_file=stage.record)
             write_model_files(model, stage.path, tokenizer)
     return Path(directory)
+
+
+def _required_writer(writer: ProcessorWriter | None) -> ProcessorWriter:
+    if writer is None:
+        raise ValueError("format='transformers' writes the processor side too (image / video processor configs, the "
+                         "tokenizer with the training chat template), which this layer cannot: pass "
+                         "processor_export=mmadapt.processor.export_processor")
+    return writer
 
 
 def _save_transformers(model: Any, stage: StagedDirectory, architecture: str, processor: ProcessorExport,

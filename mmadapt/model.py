@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import distributed as dist
@@ -63,6 +63,9 @@ from mmadapt.model_io import ModelInputs, SequenceLogProbs
 from mmadapt.packing import VARLEN, PackedRows, Segments, additive_mask, as_bool_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
+
+if TYPE_CHECKING:
+    from mmadapt.directory import ProcessorWriter
 
 log = logging.getLogger(__name__)
 
@@ -501,9 +504,14 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         return ModelConfig(**parts, check_contract=self.config.check_contract, deepstack=self.config.deepstack)
 
     def save_pretrained(self, directory: str | os.PathLike, format: str = "mmadapt", *, tokenizer: Any = None,
-                        max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
+                        processor_export: ProcessorWriter | None = None, max_shard_size: int | str = "5GB",
+                        overwrite: bool = False) -> None:
         """A model directory: everything inference needs (`mmadapt.directory`). `format="transformers"` writes the
-        equivalent transformers model instead (LLaVA / Qwen3.5-VL / Qwen3-VL combinations only).
+        equivalent transformers model instead (LLaVA / Qwen3.5-VL / Qwen3-VL combinations only), its processor side
+        written by `processor_export` (`mmadapt.processor.export_processor`, which this layer cannot import):
+
+            from mmadapt.processor import export_processor
+            model.save_pretrained("out-hf", format="transformers", tokenizer=tok, processor_export=export_processor)
 
         mmadapt's format: `config.json` (the components with their full options and provenance, the image
         processor's settings, the chat template's name), safetensors weights (sharded above `max_shard_size`)
@@ -513,8 +521,8 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         """
         from mmadapt import directory as model_directory
 
-        model_directory.save(self, directory, format=format, tokenizer=tokenizer, max_shard_size=max_shard_size,
-                             overwrite=overwrite)
+        model_directory.save(self, directory, format=format, tokenizer=tokenizer, processor_export=processor_export,
+                             max_shard_size=max_shard_size, overwrite=overwrite)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, strict: bool = True) -> VisionLanguageModel:

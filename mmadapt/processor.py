@@ -13,12 +13,12 @@ code is the dataset path's (`SampleEncoder.prompt_for` and `Collator`), so infer
 built exactly as training inputs were: same template, same image preprocessing and token counts,
 bool masks, right padding. The data settings default to those the model was trained with (`for_model`).
 
-`export_processor` writes the processor side of a transformers export (`save_pretrained(dir, format="transformers")`,
-`mmadapt export --format transformers`; docs/export.md): what transformers' `AutoProcessor` reads to build the same
-inputs as this processor - the image processor (`Qwen2VLImageProcessor`, or `LlavaImageProcessor` with LLaVA-1.5's
-pad-to-square in the mean colour), Qwen's video processor (`Qwen3VLVideoProcessor` with the training sampling), the
-processor config (`Qwen3VLProcessor`, or `LlavaProcessor` with its token arithmetic) and the tokenizer with the
-training chat template and its `template_kwargs`.
+`export_processor` writes the processor side of a transformers export (`save_pretrained(dir, format="transformers",
+processor_export=export_processor)`, `mmadapt export --format transformers`; docs/export.md): what transformers'
+`AutoProcessor` reads to build the same inputs as this processor - the image processor (`Qwen2VLImageProcessor`, or
+`LlavaImageProcessor` with LLaVA-1.5's pad-to-square in the mean colour), Qwen's video processor
+(`Qwen3VLVideoProcessor` with the training sampling), the processor config (`Qwen3VLProcessor`, or `LlavaProcessor` with
+its token arithmetic) and the tokenizer with the training chat template and its `template_kwargs`.
 
 Videos: mmadapt (as Qwen's reference processor, transformers 4.57) replaces a video's
 `<|vision_start|><|video_pad|><|vision_end|>` whole by its per-frame `<t seconds><|vision_start|>...<|vision_end|>`
@@ -372,5 +372,3 @@ def reading_parts(jinja: str, image_text: str, video_text: str | None) -> str:
                "mmadapt_text.value}] -%}{%- endif -%}{%- endfor -%}{%- set messages = mmadapt_parts.messages -%}")
     return head + prelude + jinja[len(head):]
 
-
-model_directory.register_processor_export(export_processor)

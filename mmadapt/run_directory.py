@@ -68,6 +68,17 @@ class RunDirectory:
             return cls(path.parent.parent)
         return None
 
+    @classmethod
+    def saving(cls, config: str | os.PathLike) -> RunDirectory | None:
+        """The run whose saved config `config` is, as the path was given: a directory holding a `config.yaml` (a run
+        directory given as it is, checkpoints or not yet), or the `config.yaml` of a run (one with `checkpoints/`);
+        None for any other file (a user's run file). Where a run's directory is now is the one it is used in: a copied
+        or moved run holds the old place in its saved `train.out`, and `RunConfig.load` takes this one instead."""
+        path = Path(config)
+        if path.is_dir():
+            return cls(path) if cls(path).config_file.is_file() else None
+        return cls(path.parent) if path.name == CONFIG and cls(path.parent).exists() else None
+
     def exists(self) -> bool:
         """This directory is a run: it has a `checkpoints/` folder."""
         return self.checkpoints_dir.is_dir()

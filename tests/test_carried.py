@@ -21,6 +21,7 @@ from mmadapt.backbones import BACKBONES
 from mmadapt.carried import CARRIED_FILE, RANDOM_INIT, CarriedWeightsError
 from mmadapt.data import Collator
 from mmadapt.encoders import ENCODERS
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import RunConfig, Trainer
 from mmadapt.train.export import export
@@ -132,12 +133,13 @@ def test_a_sharded_source_and_a_sharded_export_keep_names_dtypes_bytes_and_the_i
     (tmp_path / "hub" / "model.safetensors.index.json").write_text(json.dumps(index))
     model = VisionLanguageModel.from_pretrained(tmp_path / "hub")
     assert set(model.carried.names) == set(head)
-    model.save_pretrained(tmp_path / "hf", format="transformers", max_shard_size="100KB")
+    model.save_pretrained(tmp_path / "hf", format="transformers", max_shard_size="100KB",
+                          processor_export=export_processor)
     first = exported_tensors(tmp_path / "hf")
     assert_carried(head, first)
     assert not any(file in {first[k][1] for k in head} for k, (_, file) in first.items() if k not in head)  # own shards
     again = VisionLanguageModel.from_pretrained(tmp_path / "hf")
-    again.save_pretrained(tmp_path / "hf-again", format="transformers")
+    again.save_pretrained(tmp_path / "hf-again", format="transformers", processor_export=export_processor)
     assert_carried(head, exported_tensors(tmp_path / "hf-again"))
 
 
@@ -159,7 +161,7 @@ def test_a_starting_checkpoint_changed_after_the_start_is_an_error_not_a_silent_
     save_file({**load_file(weights), "mtp.fc.weight": torch.zeros_like(head["mtp.fc.weight"])}, weights)
     with pytest.raises(CarriedWeightsError, match=r"carried from .*hub are read from .*hub when the model is saved, "
                                                   r"but its files changed since the model was read.*Fix: restore"):
-        model.save_pretrained(tmp_path / "hf", format="transformers")
+        model.save_pretrained(tmp_path / "hf", format="transformers", processor_export=export_processor)
     assert not (tmp_path / "hf").exists()  # nothing written
 
 
@@ -173,7 +175,7 @@ def test_a_model_that_started_from_no_such_checkpoint_says_it_carries_none(start
                 "no_mtp": f"the starting checkpoint {hf_qwen_dir} had no weights outside the model",
                 "mixed": f"its parts did not all start from one checkpoint (encoder random init, projector random "
                          f"init, backbone {hf_qwen_dir}): it carries none"}[start]
-    model.save_pretrained(tmp_path / "hf", format="transformers")
+    model.save_pretrained(tmp_path / "hf", format="transformers", processor_export=export_processor)
     record = json.loads((tmp_path / "hf" / "mmadapt_export.json").read_text())
     assert record["carried"]["tensors"] == 0 and record["carried"]["note"].startswith(expected)
     assert any(note.startswith(expected) for note in record["notes"])

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import mmadapt
 from mmadapt import VisionLanguageModel
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 
 
@@ -46,7 +47,7 @@ def test_export_without_a_transformers_equivalent_says_so(tmp_path):
     model = mmadapt.build_model("clip", "mlp2x_gelu", "qwen3_5")
     with pytest.raises(ValueError, match=r"no transformers architecture is equivalent to encoder 'clip' \+ "
                                          r"projector 'mlp2x_gelu' \+ backbone 'qwen3_5'.*format='mmadapt'"):
-        model.save_pretrained(tmp_path, format="transformers")
+        model.save_pretrained(tmp_path, format="transformers", processor_export=export_processor)
 
 
 def test_not_a_model_directory(tmp_path):
@@ -63,7 +64,7 @@ def test_tied_embeddings_survive_both_formats(tmp_path):
     model = VisionLanguageModel(config).eval()
     batch = synthetic_batch(model, (1, 1))
     for fmt in ("mmadapt", "transformers"):
-        model.save_pretrained(tmp_path / fmt, format=fmt)
+        model.save_pretrained(tmp_path / fmt, format=fmt, processor_export=export_processor)
         again = VisionLanguageModel.from_pretrained(tmp_path / fmt).eval()
         assert again.backbone.lm_head.weight is again.backbone.model.embed_tokens.weight
         with torch.no_grad():

@@ -36,7 +36,7 @@ RUN_BY = {
     "train": "tests/test_train.py::test_mmadapt_train_writes_out_model_with_the_final_logits",
     "torchrun train": "tests/test_distributed.py::test_fsdp2_and_ddp_equal_one_process",
     "plan": "tests/test_plan.py::test_the_command_prints_a_table_and_json_and_says_whether_it_fits",
-    "export": "tests/test_train.py::test_out_model_loads_alone_with_the_final_logits_and_export_equals_it",
+    "export": "tests/test_commands.py::test_every_documented_command_runs_as_a_process",
     "chat": "tests/test_inference.py::test_chat_one_shot_answer_is_generate_and_the_last_line",
     "eval": "tests/test_evaluate.py::test_eval_reports_three_ways_and_the_trained_model_passes",
     "sees": "tests/test_evaluate.py::test_sees_prints_a_table_and_an_exit_code",

@@ -39,6 +39,7 @@ from mmadapt import Processor, VisionLanguageModel
 from mmadapt import directory as model_directory
 from mmadapt.data import TEMPLATES
 from mmadapt.data.config import DataConfig
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import moving_square, synthetic_batch, write_video
 
 ATOL = 1e-5
@@ -103,7 +104,7 @@ def export(request, tmp_path_factory) -> Export:
     model_directory.set_data_settings(model, DataConfig(**family.settings).preprocessing())
     processor = Processor.for_model(model, tokenizer)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, format="transformers", tokenizer=processor.tokenizer)
+    model.save_pretrained(path, format="transformers", processor_export=export_processor, tokenizer=processor.tokenizer)
     return Export(family, model, processor, path)
 
 
@@ -318,7 +319,8 @@ def test_mmadapt_reads_the_export_back_with_its_settings(export):
     if export.qwen:
         return  # exporting the read-back model again costs the Qwen vocabulary once more; LLaVA shows the record
     target = export.path.parent / f"{export.path.name}-again"
-    again.save_pretrained(target, format="transformers", tokenizer=processor.tokenizer)
+    again.save_pretrained(target, format="transformers", tokenizer=processor.tokenizer,
+                          processor_export=export_processor)
     record = json.loads((target / "mmadapt_export.json").read_text())
     weights = hashlib.sha256((export.path / "model.safetensors").read_bytes()).hexdigest()
     assert record["loaded_from"]["path"] == str(export.path.resolve()) and record["loaded_from"]["sha256"] == weights
@@ -333,7 +335,7 @@ def test_qwen3_vl_moe_experts_are_stored_as_the_hub_stores_them(tmp_path):
 
     torch.manual_seed(0)
     model = mmadapt.build_model("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe").eval()
-    model.save_pretrained(tmp_path, format="transformers")
+    model.save_pretrained(tmp_path, format="transformers", processor_export=export_processor)
     text = model.backbone.config
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k.rsplit(".", 1)[-1]: tuple(f.get_slice(k).get_shape()) for k in f.keys() if ".mlp.experts." in k}
@@ -363,7 +365,8 @@ def test_a_template_that_reads_only_strings_takes_parts_through_a_prelude_and_st
     model = mmadapt.build_model("qwen3_vl_vit", "qwen_merger", "qwen3_vl").eval()
     model_directory.set_data_settings(model, DataConfig(chat_template="chatml", video=QWEN_VIDEO).preprocessing())
     processor = Processor.for_model(model, char_tokenizer())
-    model.save_pretrained(tmp_path, format="transformers", tokenizer=processor.tokenizer)
+    model.save_pretrained(tmp_path, format="transformers", processor_export=export_processor,
+                          tokenizer=processor.tokenizer)
     template = (tmp_path / "chat_template.jinja").read_text()
     assert template.startswith(JINJA_MARK.format(name="chatml") + PARTS_MARK)
     assert processor.tokenizer.chat_template == TEMPLATES.get("chatml").jinja(processor.tokenizer)  # left as it was
@@ -379,7 +382,8 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused_before_anything_is_w
     model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
     with pytest.raises(ValueError, match=r"tokenizer does not fit the model being exported: it lacks \['<image>'\].*"
                                          r"Processor.for_model\(model, tokenizer\)"):
-        model.save_pretrained(tmp_path / "out", format="transformers", tokenizer=real_tokenizer("llama2"))
+        model.save_pretrained(tmp_path / "out", format="transformers", processor_export=export_processor,
+                              tokenizer=real_tokenizer("llama2"))
     assert not (tmp_path / "out").exists()
 
 

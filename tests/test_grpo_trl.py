@@ -2,9 +2,10 @@
 
 The acceptance check of issue 47, a model-level one (tests/test_grpo_loss.py checks the arithmetic on fixed tensors).
 A tiny model (LLaVA-1.5: CLIP + mlp2x_gelu + Llama; Qwen3.5: its ViT + merger + the hybrid backbone) is exported with
-`save_pretrained(format="transformers")` and loaded by `AutoModelForImageTextToText`. The fixed batch: 2 prompts (one
-with two pictures, one text-only, of different lengths) x G = 2 completions of fixed random token ids, ragged (5, 2,
-4, 3 tokens: a completion mask), advantages of both signs, old per-token log-probs = the current ones off by fixed
+`save_pretrained(format="transformers", processor_export=export_processor)` and loaded by `AutoModelForImageTextToText`.
+The fixed batch: 2 prompts (one with two pictures, one text-only, of different lengths) x G = 2 completions of fixed
+random token ids, ragged (5, 2, 4, 3 tokens: a completion mask), advantages of both signs, old per-token log-probs = the
+current ones off by fixed
 noise (ratios outside [1 - 0.2, 1 + 0.28] on both sides, none near a clip boundary), and for beta > 0 fixed reference
 log-probs; sampling temperature 0.9.
 
@@ -37,6 +38,7 @@ import torch
 
 import mmadapt
 from mmadapt.convert import ARCHITECTURES, export_architecture, rename
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, policy_loss
 from mmadapt.train.objectives.rollout import Rollouts, completion_logps, scored_rows
@@ -141,7 +143,7 @@ def setup(request, tmp_path_factory):
     torch.manual_seed(0)
     model = mmadapt.build_model(*FAMILIES[request.param]).train()
     path = tmp_path_factory.mktemp(f"grpo-{request.param}")
-    model.save_pretrained(path, format="transformers")
+    model.save_pretrained(path, format="transformers", processor_export=export_processor)
     export = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).train()
     add_fused_lm_head(export, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     prompts = synthetic_batch(model, (2, 0), text_lengths=[4, 7], seed=1)  # right-padded; prompt 1 has no picture

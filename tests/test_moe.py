@@ -18,6 +18,7 @@ from mmadapt import VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.data import Collator
 from mmadapt.encoders import ENCODERS
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch, synthetic_samples
 
 ATOL = 1e-5
@@ -92,7 +93,7 @@ def test_its_parts_load_alone_and_the_transformers_export_reloads(pair, hf_moe_d
     backbone = mmadapt.build_model(NAMES[0], NAMES[1], {"name": "qwen3_5_moe", "pretrained": str(hf_moe_dir)})
     for k, v in ours.backbone.state_dict().items():
         assert torch.equal(v, backbone.backbone.state_dict()[k]), k
-    ours.save_pretrained(tmp_path / "hf", format="transformers")
+    ours.save_pretrained(tmp_path / "hf", format="transformers", processor_export=export_processor)
     import json
 
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3_5_moe"

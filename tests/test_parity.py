@@ -11,6 +11,7 @@ import torch
 from mmadapt import VisionLanguageModel
 from mmadapt.contract import locate
 from mmadapt.positions import mrope_positions
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 
 ATOL = 1e-5
@@ -104,7 +105,7 @@ def test_transformers_export_reloads_with_same_logits(pair, request, tmp_path):
     import transformers
 
     ours, theirs = request.getfixturevalue(pair)
-    ours.save_pretrained(tmp_path, format="transformers")
+    ours.save_pretrained(tmp_path, format="transformers", processor_export=export_processor)
     reloaded, info = getattr(transformers, type(theirs).__name__).from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     if ours.uses_mrope:  # every span token is the model's own, the video pad included (not transformers' default)

@@ -30,6 +30,7 @@ import mmadapt
 from mmadapt import Processor
 from mmadapt.data import SampleEncoder
 from mmadapt.data.pipeline import ChatTemplateMismatch
+from mmadapt.processor import export_processor
 
 # Llama-2-chat's template as meta-llama/Llama-2-7b-chat-hf ships it (text only: `content.strip()` fails on parts).
 LLAMA2_CHAT = (
@@ -190,7 +191,8 @@ def test_a_port_trains_with_auto_and_serves_the_training_prompt_after_export(por
     expected = expected_ids(encoder, encoder.tokenizer, rec, [ours["input_ids"].eq(encoder.image_token_id).sum()],
                             add_generation_prompt=True)
     assert ours["input_ids"][0].tolist() == expected  # mmadapt's directory: the training prompt
-    trained.save_pretrained(tmp_path / "hf", format="transformers", tokenizer=Processor.from_pretrained(out).tokenizer)
+    trained.save_pretrained(tmp_path / "hf", format="transformers", tokenizer=Processor.from_pretrained(out).tokenizer,
+                            processor_export=export_processor)
     theirs = AutoProcessor.from_pretrained(tmp_path / "hf").apply_chat_template(
         [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Which colour?"}]}],
         add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")

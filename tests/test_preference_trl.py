@@ -25,6 +25,7 @@ from mmadapt import Processor
 from mmadapt.convert import ARCHITECTURES, export_architecture, rename
 from mmadapt.data import TEMPLATES
 from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+from mmadapt.processor import export_processor
 from mmadapt.train.batches import inputs_of
 from mmadapt.train.config import DpoSection
 from mmadapt.train.objectives import PairScorer, ReferenceTable
@@ -48,7 +49,7 @@ def exported(family: str, path: Path):
     if template:
         tokenizer.chat_template = TEMPLATES.get(template).jinja(tokenizer)
     processor = Processor.for_model(model, tokenizer)
-    model.save_pretrained(path, format="transformers", tokenizer=processor.tokenizer)
+    model.save_pretrained(path, format="transformers", processor_export=export_processor, tokenizer=processor.tokenizer)
     return model, processor.tokenizer, kwargs
 
 

@@ -21,6 +21,7 @@ import mmadapt
 from mmadapt import ImageTokenContractError, VisionLanguageModel, deepstack
 from mmadapt.backbones import BACKBONES
 from mmadapt.encoders import ENCODERS
+from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 
 ATOL = 1e-5
@@ -187,7 +188,7 @@ def test_each_part_loads_alone_and_the_transformers_export_reloads(pair, hf_dir,
     assert torch.equal(visual.features, reference.pooler_output)
     assert all(torch.equal(a, b) for a, b in zip(visual.levels, reference.deepstack_features, strict=True))
 
-    ours.save_pretrained(tmp_path / "hf", format="transformers")
+    ours.save_pretrained(tmp_path / "hf", format="transformers", processor_export=export_processor)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == backbone
     again = VisionLanguageModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():

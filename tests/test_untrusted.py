@@ -24,6 +24,7 @@ from mmadapt import Processor
 from mmadapt.contract import ImageTokenContractError
 from mmadapt.data import char_tokenizer
 from mmadapt.generation import next_token, placeholder_ids
+from mmadapt.processor import export_processor
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 LLAVA = ("clip", "mlp2x_gelu", "llama")
@@ -85,7 +86,7 @@ def test_the_exported_generation_config_suppresses_placeholders_in_transformers(
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     model, _ = tiny(names)
-    model.save_pretrained(tmp_path, format="transformers")
+    model.save_pretrained(tmp_path, format="transformers", processor_export=export_processor)
     placeholders = placeholder_ids(model.tokens)
     saved = GenerationConfig.from_pretrained(tmp_path)
     assert set(placeholders) <= set(saved.suppress_tokens)
@@ -238,7 +239,8 @@ def test_no_directory_mmadapt_writes_carries_an_auto_map_and_a_loaded_one_is_war
 
     model, processor = tiny(LLAVA)
     source = tmp_path / "source"
-    model.save_pretrained(source, format="transformers", tokenizer=processor.tokenizer)
+    model.save_pretrained(source, format="transformers", tokenizer=processor.tokenizer,
+                          processor_export=export_processor)
     plant_auto_maps(source)
     with caplog.at_level("WARNING", logger="mmadapt.remote_code"):
         loaded, tokenizer = VisionLanguageModel.from_pretrained(source), saved_tokenizer(source)
@@ -250,7 +252,7 @@ def test_no_directory_mmadapt_writes_carries_an_auto_map_and_a_loaded_one_is_war
     assert raw.init_kwargs.get("auto_map") == AUTO_MAPS["tokenizer_config.json"]
     out = tmp_path / "out"
     loaded.save_pretrained(out / "mmadapt", tokenizer=tokenizer)
-    loaded.save_pretrained(out / "export", format="transformers", tokenizer=raw)
+    loaded.save_pretrained(out / "export", format="transformers", processor_export=export_processor, tokenizer=raw)
     loaded.save_pretrained(out / "raw", tokenizer=raw)
     monkeypatch.setattr("mmadapt.train.trainer.plot_history", lambda *_: None)
     config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=1",

@@ -51,12 +51,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import logging
 
     from mmadapt.train import RunConfig
-    from mmadapt.train.plan import parse_size, predict
+    from mmadapt.train.plan import parse_size, predict, without_reward_code
 
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     memory = parse_size(args.gpu_memory) if args.gpu_memory else None
-    config = RunConfig.load(args.config, args.overrides)
+    named = [name.strip() for name in (args.rewards or "").split(",") if name.strip()]
+    loaded = RunConfig.load(args.config, args.overrides)
+    config, left_out = without_reward_code(loaded, named)
+    if left_out:
+        every = ",".join(str(r.get("name") if isinstance(r, dict) else r) for r in loaded.train.rewards)
+        print(f"plan: train.rewards names code {left_out}, not imported (a reward does not change the memory); to "
+              f"import and check it: --rewards {every}", file=sys.stderr)
     disabled = logging.root.manager.disable
     logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
     try:
@@ -78,6 +84,9 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
                       help="cuda (default): GPU optimizer kernels and a margin for the CUDA context; cpu: the peak "
                            "above an idle process on this machine")
     plan.add_argument("--json", action="store_true", help="print {fits, per_gpu: {parameters, ..., total}} as JSON")
+    plan.add_argument("--rewards", default=None, help="GRPO: the rewards to build, comma-separated (accuracy, format, "
+                      "package.module:function: imported, so run); default: train.rewards without the code it names, "
+                      "which is never imported from a config's say-so")
     plan.set_defaults(func=cmd_plan)
 
 

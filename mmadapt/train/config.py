@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
@@ -25,6 +26,8 @@ from mmadapt.config import DEFAULT_PARTS
 from mmadapt.data.config import DataConfig, about
 from mmadapt.precision import FP32, Precision
 from mmadapt.run_directory import CONFIG, RunDirectory
+
+log = logging.getLogger(__name__)
 
 COMPONENT_MODES = ("frozen", "full", "lora")
 REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
@@ -332,11 +335,14 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
         """A YAML file (or the defaults) plus `section.key=value` overrides (values parsed as YAML). `path` may be a
-        run directory (OUT): the config that run saved. Relative paths stay as written: relative to the working
-        directory."""
+        run directory (OUT): the config that run saved, with OUT as its `train.out`, wherever the run was when it
+        saved it (a run copied or moved elsewhere is resumed, served and exported where it is now: its data paths
+        may stay absolute, its own directory does not); so is the `config.yaml` of a run. Relative paths stay as
+        written: relative to the working directory."""
         import yaml
 
         data: dict[str, Any] = {}
+        run = RunDirectory.saving(path) if path is not None else None
         if path is not None and os.path.isdir(path):
             path = RunDirectory(path).config_file
             if not path.is_file():
@@ -345,6 +351,8 @@ class RunConfig:
         if path is not None:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
+        if run is not None:
+            _located(data, run)
         for override in overrides:
             key, sep, value = override.partition("=")
             if not sep:
@@ -376,6 +384,18 @@ class RunConfig:
         if data["data"]["image_root"] is None and (data["data"]["train"] or data["data"]["eval"]):
             data["data"]["image_root"] = os.getcwd()
         return RunConfig.from_dict(data)
+
+
+def _located(data: dict[str, Any], run: RunDirectory) -> None:
+    """`data` (a run's saved config) with `train.out` = where the run is now (`RunConfig.load`), said when it moved."""
+    train = data.setdefault("train", {})
+    if not isinstance(train, dict):
+        raise ValueError(f"{run.config_file}: its train section is {type(train).__name__}, not a mapping")
+    saved, here = train.get("out"), os.path.abspath(run.path)
+    if saved is not None and os.path.abspath(os.path.expanduser(str(saved))) != here:
+        log.info("%s was saved by the run at %s; this run is %s, and its files are written there", run.config_file,
+                 saved, here)
+    train["out"] = os.fspath(run.path)
 
 
 def absolute(path: Any) -> Any:

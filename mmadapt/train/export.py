@@ -21,6 +21,7 @@ from mmadapt.atomic import TargetExistsError, check_target
 from mmadapt.data.config import DataConfig
 from mmadapt.data.tokenizer import saved_tokenizer
 from mmadapt.model import VisionLanguageModel
+from mmadapt.processor import export_processor
 from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete
 from mmadapt.train.checkpoint import UnverifiedCheckpointError, check_checkpoint, newest_verified, none_verified
 from mmadapt.train.config import RunConfig
@@ -105,6 +106,7 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
                                 "writes a model directory and never replaces a checkpoint. Choose another dst.")
     check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)
     model, tokenizer = load_trained(src, verify=verify)
-    model.save_pretrained(dst, format=format, tokenizer=tokenizer, overwrite=overwrite)
+    model.save_pretrained(dst, format=format, tokenizer=tokenizer, processor_export=export_processor,
+                          overwrite=overwrite)
     log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
     return dst

@@ -35,9 +35,10 @@ from mmadapt.train.plan.predict import predict, suggestions
 from mmadapt.train.plan.probe import cached_probe, cached_probe_or_none, probe_model, run_probe
 from mmadapt.train.plan.report import GIB, Plan, gib, parse_size
 from mmadapt.train.plan.segments import Segment, SegmentKey
-from mmadapt.train.plan.workloads import Workload, workload
+from mmadapt.train.plan.workloads import Workload, without_reward_code, workload
 
 __all__ = [
     "GIB", "LiveBytes", "Plan", "Segment", "SegmentKey", "Workload", "cached_probe", "cached_probe_or_none", "gib",
-    "parse_size", "planning_model", "predict", "probe_model", "run_probe", "suggestions", "workload",
+    "parse_size", "planning_model", "predict", "probe_model", "run_probe", "suggestions", "without_reward_code",
+    "workload",
 ]

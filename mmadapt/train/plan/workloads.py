@@ -3,10 +3,14 @@ one image at the processor's largest size that fits, or, for models that take vi
 largest when that has more visual tokens; each sample is the objective's `rows_per_sample` rows (`train.objective:
 dpo`: `batch_size` pairs, 2 rows each, the pair's image encoded once; the reference's no-grad forward is not counted:
 it is freed before the policy's; `grpo`: `batch_size` prompts, G answer rows each, the prompt's image or video encoded
-once)."""
+once).
+
+A reward does not change the step's memory: `without_reward_code` leaves out, before the objective is built, a reward
+the config names as code (`package.module:function`, which importing would run), unless the caller names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +77,20 @@ def workload(config: RunConfig, model: Any) -> Workload:
     images = per_sample * images if frames and not objective.shares_videos else images  # once; a pair's video per row
     return Workload(rows=rows, tokens=tokens, images=images, patches_per_image=patches, visual_per_image=visual,
                     supervised=supervised, image_side=side, video_frames=frames)
+
+
+def without_reward_code(config: RunConfig, rewards: list[str] | None = None) -> tuple[RunConfig, list[str]]:
+    """(`config` for the plan, the rewards left out): `rewards` given (`mmadapt plan --rewards`), they are the run's
+    rewards, imported when the objective is built; otherwise every `train.rewards` entry naming code is left out
+    (built-ins stay; `accuracy` stands in when none does), so a plan runs no code a config names."""
+    if rewards:
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, rewards=list(rewards))), []
+    named = [(entry.get("name") if isinstance(entry, dict) else entry, entry) for entry in config.train.rewards]
+    code = [str(name) for name, _ in named if isinstance(name, str) and ":" in name]
+    if not code:
+        return config, []
+    kept = [entry for name, entry in named if str(name) not in code] or ["accuracy"]
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, rewards=kept)), code
 
 
 def video_workload(config: RunConfig, model: Any, processor: Any) -> tuple[int, int] | None:
