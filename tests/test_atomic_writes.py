@@ -36,6 +36,7 @@ from mmadapt.atomic import HOST, CheckpointWriteError, StagedDirectory, TargetEx
 from mmadapt.cli import main
 from mmadapt.data import char_tokenizer
 from mmadapt.directory import write_config
+from mmadapt.processor import export_processor
 from mmadapt.train import checkpoint
 from mmadapt.train.checkpoint import OutInUseError, OutLock, latest_checkpoint, load_checkpoint, save_checkpoint
 from mmadapt.train.config import LoraSection, RunConfig, StagesSection
@@ -101,19 +102,19 @@ def test_a_write_killed_after_any_file_leaves_the_old_model_or_the_new_never_a_m
     gives the new model and no leftover."""
     old, new = models
     target, shard = tmp_path / "model", shard_size(old)
-    old.save_pretrained(target, fmt, max_shard_size=shard)
-    new.save_pretrained(tmp_path / "reference", fmt, max_shard_size=shard)
+    old.save_pretrained(target, fmt, processor_export=export_processor, max_shard_size=shard)
+    new.save_pretrained(tmp_path / "reference", fmt, processor_export=export_processor, max_shard_size=shard)
     files = len(list((tmp_path / "reference").iterdir()))
     assert files >= 6  # shards, index, config(s): a kill between shards is possible
     for k in range(files):
         recorded = kill_after(monkeypatch, k)
         with pytest.raises(Killed):
-            new.save_pretrained(target, fmt, max_shard_size=shard, overwrite=True)
+            new.save_pretrained(target, fmt, processor_export=export_processor, max_shard_size=shard, overwrite=True)
         monkeypatch.undo()
         assert len(recorded) == k
         assert len(leftovers(tmp_path)) == 1  # this kill's; the one before it was removed by this write
         assert_is(old, target)
-    new.save_pretrained(target, fmt, max_shard_size=shard, overwrite=True)
+    new.save_pretrained(target, fmt, processor_export=export_processor, max_shard_size=shard, overwrite=True)
     assert_is(new, target)
     assert leftovers(tmp_path) == []
     assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in (tmp_path / "reference").iterdir())
@@ -154,7 +155,7 @@ def test_a_directory_holding_another_model_or_other_files_is_refused(models, tmp
     assert "tokenizer.json" in before
     for fmt in FORMATS:
         with pytest.raises(TargetExistsError, match=r"already holds a model directory.*overwrite=True"):
-            new.save_pretrained(target, fmt)
+            new.save_pretrained(target, fmt, processor_export=export_processor)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     new.save_pretrained(target, overwrite=True)
     assert_is(new, target)
@@ -341,9 +342,9 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(fails_in, small_
 def test_a_full_disk_during_an_export_keeps_the_previous_model(fmt, small_disk, models, tmp_path):
     old, new = models
     shard = shard_size(old)
-    new.save_pretrained(tmp_path / "new", fmt, max_shard_size=shard)
+    new.save_pretrained(tmp_path / "new", fmt, processor_export=export_processor, max_shard_size=shard)
     target = small_disk.root / "model"
-    old.save_pretrained(target, fmt, max_shard_size=shard)
+    old.save_pretrained(target, fmt, processor_export=export_processor, max_shard_size=shard)
     with small_disk.leaving(shard // 2), pytest.raises(CheckpointWriteError) as failure:
         export(tmp_path / "new", target, format=fmt, overwrite=True)
     message = str(failure.value)
