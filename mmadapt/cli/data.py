@@ -140,7 +140,8 @@ def cmd_data_check(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else min(4, os.cpu_count() or 1)
     reports = {}
     for name, path in sources:
-        records = read_records(path, errors="report", columns=encoder.config.columns)
+        records = read_records(path, errors="report", columns=encoder.config.columns,
+                               limits=encoder.config.table_limits)
         reports[name] = check_dataset(records, encoder, progress=sys.stderr.isatty(), workers=workers,
                                       indices=chosen_indices(args, len(records)))
     print(describe_encoder(args, encoder, run_model))
@@ -179,7 +180,8 @@ def cmd_data_show(args: argparse.Namespace) -> int:
           "tokens>")
     shown = 0
     for _, path in sources:
-        records = read_records(path, errors="report", columns=encoder.config.columns)
+        records = read_records(path, errors="report", columns=encoder.config.columns,
+                               limits=encoder.config.table_limits)
         chosen = chosen_indices(args, len(records))
         shown += show_records(encoder, records, chosen if chosen is not None else range(len(records)),
                               args.n - shown, colour)

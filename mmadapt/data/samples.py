@@ -34,7 +34,7 @@ from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
 from mmadapt.data.stream import ShardRecords, is_shard_source
-from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
+from mmadapt.data.tables import HubDataset, TableLimits, TableRecords, is_hub_source, is_table_source
 from mmadapt.data.video.decode import EmbeddedVideo
 
 IMAGE = "<image>"
@@ -100,15 +100,17 @@ class EncodedSample:
         return len(self.tokens_per_video)
 
 
-def read_records(path: str | os.PathLike, errors: str = "raise",
-                 columns: dict[str, str] | None = None) -> Sequence[Any]:
+def read_records(path: str | os.PathLike, errors: str = "raise", columns: dict[str, str] | None = None,
+                 limits: TableLimits | None = None) -> Sequence[Any]:
     """Records of a `.json` (a list) or `.jsonl` file, as a memory-mapped `records.Records` sequence: the file is
     converted once (streamed) to the records cache and `records[i]` is parsed when asked for, so memory does not
     grow with the file (mmadapt.data.records). A Parquet or Arrow file or directory, or a `save_to_disk` directory,
     is read with `datasets` (`tables.TableRecords`, its column layout recognised or mapped by `columns`), and so is a
     hub dataset in the local hub cache, named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`tables.HubDataset`: offline, split
     default `train`, subset default the dataset's default). WebDataset `.tar` shards (a file, a glob, a directory) are
-    read in file order (`stream.ShardRecords`: what `data check` and `data show` see of a stream).
+    read in file order (`stream.ShardRecords`: what `data check` and `data show` see of a stream). Parquet and Arrow
+    sources are checked against `limits` (`tables.TableLimits`, default the data settings' defaults) from their
+    footers before a row group is decoded.
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -120,11 +122,11 @@ def read_records(path: str | os.PathLike, errors: str = "raise",
     if errors not in ("raise", "report"):
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
     if is_hub_source(path):
-        return TableRecords(HubDataset.parse(str(path)), columns)
+        return TableRecords(HubDataset.parse(str(path)), columns, limits)
     if is_shard_source(path):
-        return ShardRecords(path, columns)
+        return ShardRecords(path, columns, limits)
     if is_table_source(path):
-        return TableRecords(path, columns)
+        return TableRecords(path, columns, limits)
     records = open_records(path)
     if errors == "raise" and (problems := records.problems()):
         raise ValueError(problems[0].detail)

@@ -44,10 +44,12 @@ subset.
 
 from __future__ import annotations
 
+import bisect
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mmadapt.data.images import EmbeddedImage
@@ -64,6 +66,33 @@ TABLE_SUFFIXES = (".parquet", ".arrow")
 TABLE_ROWS = 1024  # rows per converted record batch: a row's batch is what reading it maps (images make rows large)
 HUB_SCHEME = "hub:"
 HUB_FORM = "hub:OWNER/NAME[/SUBSET][@SPLIT]"
+
+# Parquet / Arrow limits, checked from the footer (the IPC metadata) before a row group is decoded: real hub datasets
+# pass them (LLaVA-OneVision / FineVision rows carry images of a few MB, datasets writes 100-row groups of images, a
+# few hundred MB decoded; images barely compress, text a few times), a crafted file whose cells decode to gigabytes
+# does not.
+DEFAULT_MAX_CELL_BYTES: int = 256 * 1024 * 1024
+DEFAULT_MAX_ROW_GROUP_BYTES: int = 1 << 30
+DEFAULT_MAX_DECODE_RATIO: float = 100.0
+RATIO_FLOOR: int = 16 * 1024 * 1024
+"""A column chunk decoding to at most this many bytes is not held to `max_decode_ratio` (a small column of repeated
+text may compress a thousand times and still cost nothing)."""
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableLimits:
+    """What a Parquet / Arrow reader checks from a file's footer (IPC metadata) before it decodes a row group, and
+    from the decoded buffers before a row becomes Python objects (the `DataConfig` fields of the same names)."""
+
+    max_cell_bytes: int = DEFAULT_MAX_CELL_BYTES
+    max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES
+    max_decode_ratio: float = DEFAULT_MAX_DECODE_RATIO
+
+    @property
+    def key(self) -> str:
+        """The limits as part of a records-cache name: a conversion depends on them."""
+        return f"{self.max_cell_bytes}-{self.max_row_group_bytes}-{self.max_decode_ratio:g}"
 
 
 @dataclass(frozen=True)
@@ -98,12 +127,19 @@ class HubDataset:
             raise ValueError(f"{self}: {self.repo_id} is a dataset script ({script.name}), and mmadapt never runs a "
                              "dataset's code. Fix: where you trust it, load it with datasets and save its splits "
                              "with to_parquet, then give that directory as the source")
+        readme = snapshot / "README.md"
+        for path in readme_paths(readme):
+            if "://" in path or path.startswith(("/", "~")) or ".." in PurePosixPath(path).parts:
+                raise ValueError(f"{self}: {readme} names the data files {path!r}, not a path inside the dataset "
+                                 "(an absolute path, a URL or '..'); mmadapt reads only the dataset's own files, "
+                                 "offline. Fix: download a dataset whose README names its own files")
         builder = self._builder(snapshot)
         splits = dict(builder.config.data_files or {})
         if self.split not in splits:
             raise ValueError(f"{self}: no split {self.split!r} in subset {builder.config.name!r} of {self.repo_id}; "
                              f"its splits: {list(splits)}. Fix: name one after '@'")
-        files = [Path(f) for f in splits[self.split]]
+        repo = snapshot.parent.parent  # the snapshot's files are links into the repository's blobs/
+        files = [inside(Path(f), repo, f"{self}: {readme}") for f in splits[self.split]]
         odd = [f for f in files if f.suffix not in TABLE_SUFFIXES or not f.is_file()]
         if odd:
             raise ValueError(f"{self}: {odd[0]} is not a Parquet or Arrow file in the snapshot; mmadapt reads a hub "
@@ -143,6 +179,28 @@ class HubDataset:
             raise
 
 
+def readme_paths(readme: Path) -> list[str]:
+    """The data file paths and data directories a dataset card's `configs:` YAML names (none without a card)."""
+    from huggingface_hub.repocard import metadata_load
+
+    configs = (metadata_load(readme) or {}).get("configs") if readme.is_file() else None
+    out: list[str] = []
+    for config in configs if isinstance(configs, list) else []:
+        if isinstance(config, dict):
+            out += _paths(config.get("data_files")) + _paths(config.get("data_dir"))
+    return out
+
+
+def _paths(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [p for v in value for p in _paths(v.get("path") if isinstance(v, dict) else v)]
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _paths(v)]
+    return []
+
+
 def hub_cache() -> Path:
     """The hub cache directory as `huggingface_hub` derives it from the environment, read now (its own constant is
     fixed when it is imported, so a later `HF_HUB_CACHE` or `HF_HOME` would be missed)."""
@@ -179,42 +237,221 @@ def _datasets() -> Any:
     return datasets
 
 
-def _convert(path: Path | HubDataset) -> Path:
-    """The records cache's copy of the dataset at `path` (see the module docstring)."""
-    if isinstance(path, HubDataset):
-        return _convert_files(path.files(), str(path))
-    if path.is_dir() and (path / "state.json").is_file():
-        dataset = _datasets().load_from_disk(str(path))
-        files = [Path(f["filename"]) for f in dataset.cache_files]
-        return cached_arrow(files, ".saved", lambda target: _write_dataset(dataset, target))
-    files = _table_files(path) if path.is_dir() else [path]
+@dataclass(frozen=True)
+class TableSource:
+    """A dataset's files, opened as far as their schema and footers: `names` (its columns, the layout checked from
+    them before anything is converted) and `convert(limits)`, the records cache's copy."""
+
+    name: str
+    kind: str  # .parquet, .arrow-table or .saved: conversions of the same bytes kept apart
+    files: list[Path]
+    names: list[str]
+    dataset: Any = None  # the `datasets.Dataset` of Arrow files and `save_to_disk` directories
+
+    @classmethod
+    def open(cls, path: Path | HubDataset, limits: TableLimits) -> TableSource:
+        if isinstance(path, HubDataset):
+            return cls.of_files(path.files(), str(path), limits)
+        if path.is_dir() and (path / "state.json").is_file():
+            files = saved_files(path)
+            check_arrow_files(files, limits)
+            dataset = _datasets().load_from_disk(str(path))
+            return cls(str(path), ".saved", files, list(dataset.column_names), dataset)
+        files = _table_files(path) if path.is_dir() else [path]
+        if not files:
+            raise ValueError(f"{path}: no .parquet or .arrow files in it")
+        return cls.of_files(files, str(path), limits)
+
+    @classmethod
+    def of_files(cls, files: list[Path], name: str, limits: TableLimits) -> TableSource:
+        if len({f.suffix for f in files}) > 1:
+            raise ValueError(f"{name}: holds both Parquet and Arrow files; give one kind")
+        if files[0].suffix == ".arrow":
+            check_arrow_files(files, limits)
+            datasets = _datasets()
+            parts = [datasets.Dataset.from_file(str(f)) for f in files]
+            dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+            return cls(name, ".arrow-table", files, list(dataset.column_names), dataset)
+        schema = _parquet_schema(files[0])
+        for f in files[1:]:
+            if not _parquet_schema(f).equals(schema, check_metadata=False):
+                raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one "
+                                 "schema")
+        return cls(name, ".parquet", files, list(schema.names))
+
+    def convert(self, limits: TableLimits) -> Path:
+        """The records cache's copy (see the module docstring); a refused or failed conversion leaves nothing."""
+        if self.dataset is not None:
+            return cached_arrow(self.files, self.kind, lambda target: _write_dataset(self.dataset, target))
+        cache_schema = pa_schema_with_problems(_parquet_schema(self.files[0]))
+        return cached_arrow(self.files, f"{self.kind}-{limits.key}",
+                            lambda target: write_batches(target, cache_schema, self._batches(cache_schema, limits)))
+
+    def file_rows(self) -> list[tuple[str, int]]:
+        """(file, its first row in the dataset) of each Parquet file, from the footers (Arrow sources: [])."""
+        import pyarrow.parquet as pq
+
+        if self.dataset is not None:
+            return []
+        out, start = [], 0
+        for f in self.files:
+            out.append((str(f), start))
+            start += pq.ParquetFile(f).metadata.num_rows
+        return out
+
+    def _batches(self, schema: Any, limits: TableLimits) -> Iterator[Any]:
+        """The Parquet files' rows as record batches of `schema` (theirs + `PROBLEM_COLUMN`): a row group refused by
+        the limits, or that cannot be read on, gives null rows holding the problem (`reason<TAB>what`)."""
+        import pyarrow.parquet as pq
+
+        for f in self.files:
+            file = pq.ParquetFile(f)
+            for group in range(file.num_row_groups):
+                rows, done = file.metadata.row_group(group).num_rows, 0
+                refusal = row_group_refusal(file.metadata, group, limits)
+                if refusal is None:
+                    try:
+                        for batch in file.iter_batches(batch_size=batch_rows(file.metadata, group),
+                                                       row_groups=[group]):
+                            yield _with_problems(batch, schema, None)
+                            done += batch.num_rows
+                        continue
+                    except Exception as e:  # a corrupt page: the group's other rows are its problem, not the run's
+                        refusal = f"unreadable_row\trow group {group} cannot be read on ({type(e).__name__}: {e})"
+                else:
+                    refusal = f"table_too_large\t{refusal}"
+                if done < rows:
+                    yield _with_problems(None, schema, refusal, rows - done)
+
+
+PROBLEM_COLUMN = "__mmadapt_problem__"
+"""A converted Parquet source's extra column: null, or why the row could not be read (its row group refused)."""
+BATCH_BYTES = 64 * 1024 * 1024  # decoded bytes a converted / streamed Parquet batch aims at (rows of images are large)
+
+
+def pa_schema_with_problems(schema: Any) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([f.with_nullable(True) for f in schema] + [pa.field(PROBLEM_COLUMN, pa.string())])
+
+
+def _with_problems(batch: Any, schema: Any, problem: str | None, rows: int = 0) -> Any:
+    import pyarrow as pa
+
+    if batch is None:
+        columns = [pa.nulls(rows, f.type) for f in schema][:-1]
+        return pa.record_batch([*columns, pa.array([problem] * rows, pa.string())], schema=schema)
+    return pa.record_batch([*batch.columns, pa.nulls(batch.num_rows, pa.string())], schema=schema)
+
+
+def row_group_refusal(metadata: Any, group: int, limits: TableLimits) -> str | None:
+    """Why row group `group` of a Parquet file must not be decoded, from the footer alone (None: it may be): its
+    decoded bytes over `max_row_group_bytes`, a column chunk decoding over `RATIO_FLOOR` bytes at more than
+    `max_decode_ratio` times its stored bytes, or a column's cells over `max_cell_bytes` on average."""
+    meta = metadata.row_group(group)
+    if meta.total_byte_size > limits.max_row_group_bytes:
+        return (f"row group {group} decodes to {meta.total_byte_size} bytes, over max_row_group_bytes = "
+                f"{limits.max_row_group_bytes}: not decoded")
+    for c in range(meta.num_columns):
+        chunk = meta.column(c)
+        decoded, stored = chunk.total_uncompressed_size, max(chunk.total_compressed_size, 1)
+        if decoded > RATIO_FLOOR and decoded > limits.max_decode_ratio * stored:
+            return (f"column {chunk.path_in_schema} of row group {group} decodes to {decoded} bytes from {stored} "
+                    f"stored ({decoded / stored:.0f}x), over max_decode_ratio = {limits.max_decode_ratio:g}: not "
+                    "decoded")
+        if meta.num_rows and decoded / meta.num_rows > limits.max_cell_bytes:
+            return (f"column {chunk.path_in_schema} of row group {group} holds {decoded // meta.num_rows} bytes a "
+                    f"row on average, over max_cell_bytes = {limits.max_cell_bytes}: not decoded")
+    return None
+
+
+def batch_rows(metadata: Any, group: int) -> int:
+    """Rows per decoded batch of row group `group`: about `BATCH_BYTES` decoded, at most `TABLE_ROWS`."""
+    meta = metadata.row_group(group)
+    per_row = max(1, meta.total_byte_size // max(meta.num_rows, 1))
+    return max(1, min(TABLE_ROWS, BATCH_BYTES // per_row))
+
+
+def check_arrow_files(files: list[Path], limits: TableLimits) -> None:
+    """Arrow IPC files (file or stream format, as `datasets` writes them) checked from their messages' metadata
+    before any record batch is read: a compressed body (its decoded size is not in the metadata) and a record batch
+    over `max_row_group_bytes` are one-line ValueErrors naming the file and the limit."""
+    import pyarrow as pa
+
+    for f in files:
+        with pa.memory_map(str(f)) as source:
+            if source.read(6) == b"ARROW1":
+                source.seek(8)
+            else:
+                source.seek(0)
+            try:
+                reader = pa.ipc.MessageReader.open_stream(source)
+                for k, message in enumerate(reader):
+                    if message.type != "record batch":
+                        continue
+                    if message.body.size > limits.max_row_group_bytes:
+                        raise ValueError(f"{f}: record batch {k} holds {message.body.size} bytes, over "
+                                         f"max_row_group_bytes = {limits.max_row_group_bytes}. Fix: raise the limit "
+                                         "(data.max_row_group_bytes) if the file is trusted, or rewrite it in "
+                                         "smaller batches")
+                    if _ipc_compressed(message.metadata.to_pybytes()):
+                        raise ValueError(f"{f}: record batch {k} is compressed, and its decoded size is not in the "
+                                         "file's metadata; mmadapt reads uncompressed Arrow files, as datasets "
+                                         "writes them. Fix: rewrite it uncompressed or as Parquet")
+            except pa.ArrowInvalid as e:
+                raise ValueError(f"{f}: not a readable Arrow file ({e}). Fix: re-download or rewrite the file") \
+                    from None
+
+
+def _ipc_compressed(metadata: bytes) -> bool:
+    """Whether an IPC `Message` flatbuffer (Arrow's format/Message.fbs) holds a RecordBatch whose `compression`
+    (field 3) is set: its header (field 2) is read through the tables' vtables."""
+
+    def u32(at: int) -> int:
+        return int.from_bytes(metadata[at:at + 4], "little")
+
+    def field(table: int, k: int) -> int | None:  # where field k of the table at `table` is, None when absent
+        vtable = table - int.from_bytes(metadata[table:table + 4], "little", signed=True)
+        entry = vtable + 4 + 2 * k
+        if entry + 2 > vtable + int.from_bytes(metadata[vtable:vtable + 2], "little"):
+            return None
+        offset = int.from_bytes(metadata[entry:entry + 2], "little")
+        return table + offset if offset else None
+
+    header = field(u32(0), 2)
+    return header is not None and field(header + u32(header), 3) is not None
+
+
+def saved_files(directory: Path) -> list[Path]:
+    """The Arrow files a `save_to_disk` directory's `state.json` names, each a file inside the directory (symlinks
+    resolved): a name that is absolute, leaves the directory or is missing is one line naming the file and path."""
+    state = directory / "state.json"
+    try:
+        entries = json.loads(state.read_text())["_data_files"]
+        names = [e["filename"] for e in entries]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{state}: not a save_to_disk state ({type(e).__name__}: {e}). Fix: save the dataset "
+                         "again with save_to_disk") from None
+    files = []
+    for name in names:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"{state}: names the data file {name!r}, which is not a file of the dataset's own "
+                             "directory; mmadapt reads only the dataset's files. Fix: save the dataset again")
+        files.append(inside(directory / name, directory, str(state)))
     if not files:
-        raise ValueError(f"{path}: no .parquet or .arrow files in it")
-    return _convert_files(files, str(path))
+        raise ValueError(f"{state}: names no data files")
+    return files
 
 
-def _convert_files(files: list[Path], source: str) -> Path:
-    """The records cache's copy of these Parquet (or Arrow) files, in order: one dataset."""
-    import pyarrow.parquet as pq
-
-    if len({f.suffix for f in files}) > 1:
-        raise ValueError(f"{source}: holds both Parquet and Arrow files; give one kind")
-    if files[0].suffix == ".arrow":
-        datasets = _datasets()
-        parts = [datasets.Dataset.from_file(str(f)) for f in files]
-        dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-        return cached_arrow(files, ".arrow-table", lambda target: _write_dataset(dataset, target))
-    schemas = [_parquet_schema(f) for f in files]
-    schema = schemas[0]
-    for f, other in zip(files[1:], schemas[1:], strict=True):
-        if not other.equals(schema, check_metadata=False):
-            raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one schema")
-
-    def batches() -> Any:
-        for f in files:
-            yield from pq.ParquetFile(f).iter_batches(batch_size=TABLE_ROWS)
-
-    return cached_arrow(files, ".parquet", lambda target: write_batches(target, schema, batches()))
+def inside(path: Path, root: Path, what: str) -> Path:
+    """`path`, when it (its symlinks resolved) is a file inside `root`; else one line naming `what` and the path."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ValueError(f"{what}: {path} resolves to {resolved}, outside {root}; mmadapt reads only a dataset's own "
+                         "files. Fix: copy the file into the dataset, or give it as a source of its own")
+    if not resolved.is_file():
+        raise ValueError(f"{what}: {path} is not a file")
+    return path
 
 
 def _parquet_schema(path: Path) -> Any:
@@ -254,10 +491,36 @@ class RowLayout:
     (a file) for the problems' where. `TableRecords` reads rows from the records cache; a streamed Parquet shard
     (`mmadapt.data.stream`) from the file."""
 
-    def __init__(self, source: str, names: Sequence[str], columns: Mapping[str, str] | None = None) -> None:
-        self.source = source
+    def __init__(self, source: str, names: Sequence[str], columns: Mapping[str, str] | None = None,
+                 limits: TableLimits | None = None) -> None:
+        self.source, self.limits = source, limits or TableLimits()
         self.columns = dict(columns or {})  # ours -> theirs
         self.layout = layout_of(names, {v: k for k, v in self.columns.items()}, self.source)
+
+    def read_row(self, batch: Any, row: int, index: int) -> Any:
+        """Row `row` of a decoded record batch (row `index` of the source) as a record, or the `DataProblem` that
+        stops it: a cell over `max_cell_bytes` (measured on the buffers, before any Python object is made), a row
+        that does not convert (a text cell that is not UTF-8)."""
+        try:
+            for name, column in zip(batch.schema.names, batch.columns, strict=True):
+                size = column.slice(row, 1).nbytes  # the bytes of the cell's buffers
+                if size > self.limits.max_cell_bytes:
+                    return self.problem(index, "table_too_large", f"column {name!r} holds {size} bytes, over "
+                                        f"max_cell_bytes = {self.limits.max_cell_bytes}: not read")
+            values = batch.slice(row, 1).to_pylist()[0]
+        except Exception as e:  # e.g. UnicodeDecodeError: this row's problem; the others are read
+            return self.problem(index, "unreadable_row", f"cannot be read ({type(e).__name__}: {e})")
+        values.pop(PROBLEM_COLUMN, None)
+        return self.row_record(values, index)
+
+    def problem(self, index: int, reason: str, what: str) -> DataProblem:
+        """Row `index`'s problem, naming its file and its row there (`where`)."""
+        file, row = self.where(index)
+        return DataProblem(reason, f"{file} row {row}: {what}", sample_id=f"row {row}", path=file)
+
+    def where(self, index: int) -> tuple[str, int]:
+        """(the file, the row in it) of row `index`."""
+        return self.source, index
 
     def row_record(self, row: dict[str, Any], index: int) -> Any:
         """Row `index` (its columns by the dataset's names) as a record, or the `DataProblem` that stops it."""
@@ -320,9 +583,14 @@ class TableRecords(RowLayout, Sequence):
     """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
     path."""
 
-    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None) -> None:
-        self._rows = MappedBatches(_convert(path if isinstance(path, HubDataset) else Path(path)))
-        super().__init__(str(path), self._rows.schema.names, columns)
+    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None,
+                 limits: TableLimits | None = None) -> None:
+        limits = limits or TableLimits()
+        source = TableSource.open(path if isinstance(path, HubDataset) else Path(path), limits)
+        super().__init__(str(path), source.names, columns, limits)  # the layout, before anything is converted
+        self._files = source.file_rows()
+        self._rows = MappedBatches(source.convert(limits))
+        self._problems = PROBLEM_COLUMN in self._rows.schema.names
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -334,7 +602,18 @@ class TableRecords(RowLayout, Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of {len(self)} in {self.source}")
-        return self.row_record(self._rows.row(index), index)
+        batch, row = self._rows.batch_of(index)
+        if self._problems and (what := batch.column(PROBLEM_COLUMN)[row].as_py()) is not None:
+            reason, _, what = what.partition("\t")
+            return self.problem(index, reason, what)
+        return self.read_row(batch, row, index)
+
+    def where(self, index: int) -> tuple[str, int]:
+        if not self._files:
+            return self.source, index
+        starts = [start for _, start in self._files]
+        k = bisect.bisect_right(starts, index) - 1
+        return self._files[k][0], index - starts[k]
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
