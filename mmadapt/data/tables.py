@@ -385,10 +385,9 @@ def check_arrow_files(files: list[Path], limits: TableLimits) -> None:
             else:
                 source.seek(0)
             try:
-                reader = pa.ipc.MessageReader.open_stream(source)
-                for k, message in enumerate(reader):
-                    if message.type != "record batch":
-                        continue
+                messages = pa.ipc.MessageReader.open_stream(source)
+                batches = (m for m in messages if m.type == "record batch")
+                for k, message in enumerate(batches):
                     if message.body.size > limits.max_row_group_bytes:
                         raise ValueError(f"{f}: record batch {k} holds {message.body.size} bytes, over "
                                          f"max_row_group_bytes = {limits.max_row_group_bytes}. Fix: raise the limit "

@@ -1,0 +1,195 @@
+"""Crafted Parquet files (issue 54): cells that decode to gigabytes are refused from the footer before anything is
+decoded, and a row that does not convert (a text cell that is not UTF-8) is one counted problem; both map-style and
+streamed, through `mmadapt train` and `mmadapt data check`, the run going on with the good rows, memory growth bounded
+and nothing but the good rows' bytes left in the records cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import TINY_LLAVA, noise_image, write_run
+
+from mmadapt.cli import main
+from mmadapt.data import DataProblem, SampleEncoder, VLMDataset, char_tokenizer, prepare_tokenizer, read_records
+from mmadapt.data.stream import ShardRecords
+from mmadapt.train.checkpoint import latest_checkpoint
+
+CELL = 16 * 1024 * 1024  # one zstd-compressed cell of zeros: a few hundred bytes stored
+SCHEMA = pa.schema([("id", pa.string()), ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                    ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
+                    ("blob", pa.binary())])
+LLAVA = ["--encoder", "clip", "--projector", "mlp2x_gelu", "--backbone", "llama"]
+
+
+def png(tmp_path, k: int) -> bytes:
+    return noise_image(tmp_path / "noise.png", k, size=16).read_bytes()
+
+
+def good_rows(tmp_path, n: int) -> pa.Table:
+    turns = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Noise."}]
+    return pa.Table.from_pylist([{"id": f"good{k}", "image": {"bytes": png(tmp_path, k), "path": None},
+                                  "conversations": turns, "blob": b""} for k in range(n)], schema=SCHEMA)
+
+
+def bomb_rows(n: int) -> pa.Table:
+    """n rows whose `blob` cells are each CELL zero bytes: one array, referenced n times (allocated once)."""
+    cell = pa.array([bytes(CELL)], pa.binary())
+    return pa.table({"id": [f"bomb{k}" for k in range(n)], "image": pa.nulls(n, SCHEMA.field("image").type),
+                     "conversations": pa.nulls(n, SCHEMA.field("conversations").type),
+                     "blob": pa.chunked_array([cell] * n)}, schema=SCHEMA)
+
+
+def write_crafted(path, tmp_path, good: int, bombs: int):
+    """`good` rows in row group 0, then `bombs` rows of CELL bytes each in row group 1: zstd, no dictionary."""
+    with pq.ParquetWriter(path, SCHEMA, compression="zstd", use_dictionary=False) as writer:
+        writer.write_table(good_rows(tmp_path, good))
+        writer.write_table(bomb_rows(bombs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crafted")
+    files = {"issue": write_crafted(root / "issue.parquet", root, 4, 32),  # the issue's 512 MiB in 32 cells
+             "big": write_crafted(root / "big.parquet", root, 4, 96),  # 1.5 GiB declared in one row group
+             "train": write_crafted(root / "train.parquet", root, 30, 2)}  # 32 MiB declared, 2 rows of 32
+    bad = good_rows(root, 600)
+    ids = pa.array([f"good{k}".encode() if k != 300 else b"\xff\xfe not UTF-8" for k in range(600)], pa.binary())
+    bad = bad.set_column(0, "id", ids.view(pa.string()))  # a string cell Arrow does not check, as a crafted file
+    pq.write_table(bad, root / "utf8.parquet", row_group_size=600)
+    files["utf8"] = root / "utf8.parquet"
+    return root, files
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    import mmadapt
+
+    model = mmadapt.build_model("clip", "mlp2x_gelu", "llama", preset="tiny")
+    return SampleEncoder.for_model(model, prepare_tokenizer(model, char_tokenizer()))
+
+
+def test_the_footer_says_how_large_a_row_group_decodes_and_its_declared_size_is_what_the_test_claims(crafted):
+    _, files = crafted
+    meta = pq.ParquetFile(files["big"]).metadata
+    assert meta.num_row_groups == 2 and meta.row_group(1).total_byte_size > 1.5 * 2**30
+    assert files["big"].stat().st_size < 512 * 1024  # 1.5 GiB of cells in a file of a few hundred kB
+
+
+@pytest.mark.parametrize(("name", "limit"), [("issue", "max_decode_ratio"), ("big", "max_row_group_bytes")])
+def test_cells_that_decode_to_gigabytes_are_counted_problems_from_the_footer_map_style_and_streamed(
+        crafted, encoder, name, limit, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
+    _, files = crafted
+    bombs = 32 if name == "issue" else 96
+    for records in (read_records(files[name]), ShardRecords(files[name])):  # converted; streamed from the file
+        items = list(records)
+        assert len(items) == 4 + bombs and all(isinstance(r, dict) for r in items[:4])
+        problems = items[4:]
+        assert all(isinstance(p, DataProblem) and p.reason == "table_too_large" for p in problems)
+        assert f"{files[name]} row 4: " in str(problems[0]) and limit in str(problems[0])
+        assert f"{files[name]} row {3 + bombs}: " in str(problems[-1])
+    dataset = VLMDataset(files[name], encoder)
+    assert [isinstance(dataset[k], DataProblem) for k in (0, 3, 4, 3 + bombs)] == [False, False, True, True]
+    cached = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+    assert cached < 1024 * 1024, cached  # the good rows and the problems, not the decoded cells
+
+
+def test_a_limit_is_a_data_setting_and_flag_and_a_lower_one_refuses_more(crafted, encoder, capsys):
+    _, files = crafted
+    assert main(["data", "check", str(files["train"]), *LLAVA]) == 1  # 2 of 32 rows: over 5%
+    out = capsys.readouterr().out
+    assert "samples: 32   usable: 30   problems: 2" in out and "max_decode_ratio = 100" in out
+    assert main(["data", "check", str(files["train"]), *LLAVA, "--max-decode-ratio", "1e9",
+                 "--max-row-group-bytes", str(16 * 2**20), "--max-bad-fraction", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "problems: 2" in out and "over max_row_group_bytes = 16777216" in out
+
+
+_MEASURE = """
+import resource, sys
+import pyarrow.parquet, datasets, torch  # imported before the baseline: their code is not the data's memory
+from mmadapt.data import read_records
+from mmadapt.data.stream import ShardRecords
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for records in (read_records(sys.argv[1]), ShardRecords(sys.argv[1])):
+    kinds = [type(r).__name__ for r in records]
+assert kinds.count("DataProblem") == 96, kinds
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_reading_cells_declared_at_one_and_a_half_gib_grows_memory_by_tens_of_mib_at_most(crafted, tmp_path):
+    """In a process of its own (the peak resident set is a process's): the conversion to the records cache and the
+    streamed reader, over the 1.5 GiB row group. Decoding it would grow memory by gigabytes."""
+    _, files = crafted
+    env = {**__import__("os").environ, "MMADAPT_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_MEASURE), str(files["big"])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth_mib = int(out.stdout.split()[-1])
+    assert growth_mib < 48, f"peak memory grew by {growth_mib} MiB"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["map-style", "streamed"])
+def test_mmadapt_train_goes_on_with_the_good_rows_of_a_bomb_and_of_a_bad_utf8_cell(crafted, tmp_path, streamed):
+    _, files = crafted
+    for name in ("train", "utf8"):
+        source = {"stream": str(files[name]), "buffer": 8} if streamed else str(files[name])
+        out = tmp_path / name
+        write_run(tmp_path / "run.yaml", model=TINY_LLAVA, data={"train": source, "batch_size": 4},
+                  train={"steps": 2, "out": out, "progress": False})
+        assert main(["train", str(tmp_path / "run.yaml")]) == 0
+        state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
+        assert state["samples_seen"] == 8 and state["bad_samples"] <= 2
+
+
+def test_a_text_cell_that_is_not_utf8_is_one_counted_problem_naming_the_file_and_row(crafted, encoder, capsys):
+    _, files = crafted
+    path = files["utf8"]
+    streamed = list(ShardRecords(path))  # the old reader's stream ended at the batch holding row 300
+    problems = [r for r in streamed if isinstance(r, DataProblem)]
+    assert len(streamed) == 600 and len(problems) == 1 and problems[0].reason == "unreadable_row"
+    assert f"{path} row 300: cannot be read (UnicodeDecodeError" in str(problems[0])
+    dataset = VLMDataset(path, encoder)
+    assert isinstance(dataset[300], DataProblem) and dataset[300].reason == "unreadable_row"
+    assert not isinstance(dataset[299], DataProblem) and not isinstance(dataset[301], DataProblem)
+    for source in (str(path), str(path.parent / "utf8*.parquet")):  # map-style, and the file as a stream
+        assert main(["data", "check", source, *LLAVA]) == 0
+        out = capsys.readouterr().out
+        assert "samples: 600   usable: 599   problems: 1" in out and "unreadable_row" in out
+
+
+def test_a_refused_layout_leaves_nothing_in_the_records_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
+    pq.write_table(pa.table({"question": ["a"] * 10, "blob": [bytes(1 << 20)] * 10}), tmp_path / "odd.parquet")
+    with pytest.raises(ValueError, match="no known column layout"):
+        read_records(tmp_path / "odd.parquet")
+    assert [f for f in (tmp_path / "cache").rglob("*.arrow")] == []
+
+
+def test_arrow_files_are_checked_from_their_ipc_metadata_before_any_batch_is_read(tmp_path):
+    from mmadapt.data.tables import TableLimits
+
+    table = pa.table({"conversations": [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]] * 4,
+                      "blob": [bytes(1 << 20)] * 4})
+    compressed = tmp_path / "zstd.arrow"
+    with pa.OSFile(str(compressed), "wb") as sink, pa.ipc.new_stream(
+            sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    with pytest.raises(ValueError, match=r"zstd\.arrow: record batch 0 is compressed") as error:
+        read_records(compressed)
+    assert "\n" not in str(error.value)
+    plain = tmp_path / "plain.arrow"
+    with pa.OSFile(str(plain), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(ValueError, match=r"record batch 0 holds \d+ bytes, over max_row_group_bytes = 1048576"):
+        read_records(plain, limits=TableLimits(max_row_group_bytes=1 << 20))
+    assert len(read_records(plain)) == 4
