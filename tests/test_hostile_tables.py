@@ -176,7 +176,7 @@ def test_a_refused_layout_leaves_nothing_in_the_records_cache(tmp_path, monkeypa
 
 
 def test_arrow_files_are_checked_from_their_ipc_metadata_before_any_batch_is_read(tmp_path):
-    from mmadapt.data.tables import TableLimits
+    from mmadapt.data.table_limits import TableLimits
 
     table = pa.table({"conversations": [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]] * 4,
                       "blob": [bytes(1 << 20)] * 4})

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
-from mmadapt.data.tables import (
+from mmadapt.data.table_limits import (
     DEFAULT_MAX_CELL_BYTES,
     DEFAULT_MAX_DECODE_RATIO,
     DEFAULT_MAX_ROW_GROUP_BYTES,

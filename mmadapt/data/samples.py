@@ -34,7 +34,8 @@ from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
 from mmadapt.data.stream import ShardRecords, is_shard_source
-from mmadapt.data.tables import HubDataset, TableLimits, TableRecords, is_hub_source, is_table_source
+from mmadapt.data.table_limits import TableLimits
+from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
 from mmadapt.data.video.decode import EmbeddedVideo
 
 IMAGE = "<image>"

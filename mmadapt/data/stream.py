@@ -171,7 +171,7 @@ class ParquetShard:
     counted problems naming the shard and the row, so the stream keeps its positions and goes on."""
 
     def __init__(self, path: Path, columns: dict[str, str] | None = None, limits: Any = None) -> None:
-        from mmadapt.data.tables import TableLimits
+        from mmadapt.data.table_limits import TableLimits
 
         self.path, self.columns, self.limits = Path(path), dict(columns or {}), limits or TableLimits()
         self._count: int | None = None
@@ -205,7 +205,7 @@ class ParquetShard:
 
     def _group(self, file: Any, rows: Any, group: int, first: int, start: int) -> Iterator[Any]:
         """Row group `group`'s records (rows `first`... of the shard) from row `start` on."""
-        from mmadapt.data.tables import batch_rows, row_group_refusal
+        from mmadapt.data.table_limits import batch_rows, row_group_refusal
 
         index, end = first, first + file.metadata.row_group(group).num_rows
         refusal, reason = row_group_refusal(file.metadata, group, self.limits), "table_too_large"

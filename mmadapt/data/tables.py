@@ -55,6 +55,7 @@ from typing import Any
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
+from mmadapt.data.table_limits import TABLE_ROWS, TableLimits, batch_rows, check_arrow_files, row_group_refusal
 from mmadapt.data.video.decode import EmbeddedVideo
 
 LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",),
@@ -63,37 +64,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": 
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
 TABLE_SUFFIXES = (".parquet", ".arrow")
-TABLE_ROWS = 1024  # rows per converted record batch: a row's batch is what reading it maps (images make rows large)
 HUB_SCHEME = "hub:"
 HUB_FORM = "hub:OWNER/NAME[/SUBSET][@SPLIT]"
-
-# Parquet / Arrow limits, checked from the footer (the IPC metadata) before a row group is decoded: real hub datasets
-# pass them (LLaVA-OneVision / FineVision rows carry images of a few MB, datasets writes 100-row groups of images, a
-# few hundred MB decoded; images barely compress, text a few times), a crafted file whose cells decode to gigabytes
-# does not.
-DEFAULT_MAX_CELL_BYTES: int = 256 * 1024 * 1024
-DEFAULT_MAX_ROW_GROUP_BYTES: int = 1 << 30
-DEFAULT_MAX_DECODE_RATIO: float = 100.0
-RATIO_FLOOR: int = 16 * 1024 * 1024
-"""A column chunk decoding to at most this many bytes is not held to `max_decode_ratio` (a small column of repeated
-text may compress a thousand times and still cost nothing)."""
-
-
-
-@dataclass(frozen=True, kw_only=True)
-class TableLimits:
-    """What a Parquet / Arrow reader checks from a file's footer (IPC metadata) before it decodes a row group, and
-    from the decoded buffers before a row becomes Python objects (the `DataConfig` fields of the same names)."""
-
-    max_cell_bytes: int = DEFAULT_MAX_CELL_BYTES
-    max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES
-    max_decode_ratio: float = DEFAULT_MAX_DECODE_RATIO
-
-    @property
-    def key(self) -> str:
-        """The limits as part of a records-cache name: a conversion depends on them."""
-        return f"{self.max_cell_bytes}-{self.max_row_group_bytes}-{self.max_decode_ratio:g}"
-
 
 @dataclass(frozen=True)
 class HubDataset:
@@ -326,7 +298,6 @@ class TableSource:
 
 PROBLEM_COLUMN = "__mmadapt_problem__"
 """A converted Parquet source's extra column: null, or why the row could not be read (its row group refused)."""
-BATCH_BYTES = 64 * 1024 * 1024  # decoded bytes a converted / streamed Parquet batch aims at (rows of images are large)
 
 
 def pa_schema_with_problems(schema: Any) -> Any:
@@ -342,83 +313,6 @@ def _with_problems(batch: Any, schema: Any, problem: str | None, rows: int = 0) 
         columns = [pa.nulls(rows, f.type) for f in schema][:-1]
         return pa.record_batch([*columns, pa.array([problem] * rows, pa.string())], schema=schema)
     return pa.record_batch([*batch.columns, pa.nulls(batch.num_rows, pa.string())], schema=schema)
-
-
-def row_group_refusal(metadata: Any, group: int, limits: TableLimits) -> str | None:
-    """Why row group `group` of a Parquet file must not be decoded, from the footer alone (None: it may be): its
-    decoded bytes over `max_row_group_bytes`, a column chunk decoding over `RATIO_FLOOR` bytes at more than
-    `max_decode_ratio` times its stored bytes, or a column's cells over `max_cell_bytes` on average."""
-    meta = metadata.row_group(group)
-    if meta.total_byte_size > limits.max_row_group_bytes:
-        return (f"row group {group} decodes to {meta.total_byte_size} bytes, over max_row_group_bytes = "
-                f"{limits.max_row_group_bytes}: not decoded")
-    for c in range(meta.num_columns):
-        chunk = meta.column(c)
-        decoded, stored = chunk.total_uncompressed_size, max(chunk.total_compressed_size, 1)
-        if decoded > RATIO_FLOOR and decoded > limits.max_decode_ratio * stored:
-            return (f"column {chunk.path_in_schema} of row group {group} decodes to {decoded} bytes from {stored} "
-                    f"stored ({decoded / stored:.0f}x), over max_decode_ratio = {limits.max_decode_ratio:g}: not "
-                    "decoded")
-        if meta.num_rows and decoded / meta.num_rows > limits.max_cell_bytes:
-            return (f"column {chunk.path_in_schema} of row group {group} holds {decoded // meta.num_rows} bytes a "
-                    f"row on average, over max_cell_bytes = {limits.max_cell_bytes}: not decoded")
-    return None
-
-
-def batch_rows(metadata: Any, group: int) -> int:
-    """Rows per decoded batch of row group `group`: about `BATCH_BYTES` decoded, at most `TABLE_ROWS`."""
-    meta = metadata.row_group(group)
-    per_row = max(1, meta.total_byte_size // max(meta.num_rows, 1))
-    return max(1, min(TABLE_ROWS, BATCH_BYTES // per_row))
-
-
-def check_arrow_files(files: list[Path], limits: TableLimits) -> None:
-    """Arrow IPC files (file or stream format, as `datasets` writes them) checked from their messages' metadata
-    before any record batch is read: a compressed body (its decoded size is not in the metadata) and a record batch
-    over `max_row_group_bytes` are one-line ValueErrors naming the file and the limit."""
-    import pyarrow as pa
-
-    for f in files:
-        with pa.memory_map(str(f)) as source:
-            if source.read(6) == b"ARROW1":
-                source.seek(8)
-            else:
-                source.seek(0)
-            try:
-                messages = pa.ipc.MessageReader.open_stream(source)
-                batches = (m for m in messages if m.type == "record batch")
-                for k, message in enumerate(batches):
-                    if message.body.size > limits.max_row_group_bytes:
-                        raise ValueError(f"{f}: record batch {k} holds {message.body.size} bytes, over "
-                                         f"max_row_group_bytes = {limits.max_row_group_bytes}. Fix: raise the limit "
-                                         "(data.max_row_group_bytes) if the file is trusted, or rewrite it in "
-                                         "smaller batches")
-                    if _ipc_compressed(message.metadata.to_pybytes()):
-                        raise ValueError(f"{f}: record batch {k} is compressed, and its decoded size is not in the "
-                                         "file's metadata; mmadapt reads uncompressed Arrow files, as datasets "
-                                         "writes them. Fix: rewrite it uncompressed or as Parquet")
-            except pa.ArrowInvalid as e:
-                raise ValueError(f"{f}: not a readable Arrow file ({e}). Fix: re-download or rewrite the file") \
-                    from None
-
-
-def _ipc_compressed(metadata: bytes) -> bool:
-    """Whether an IPC `Message` flatbuffer (Arrow's format/Message.fbs) holds a RecordBatch whose `compression`
-    (field 3) is set: its header (field 2) is read through the tables' vtables."""
-
-    def u32(at: int) -> int:
-        return int.from_bytes(metadata[at:at + 4], "little")
-
-    def field(table: int, k: int) -> int | None:  # where field k of the table at `table` is, None when absent
-        vtable = table - int.from_bytes(metadata[table:table + 4], "little", signed=True)
-        entry = vtable + 4 + 2 * k
-        if entry + 2 > vtable + int.from_bytes(metadata[vtable:vtable + 2], "little"):
-            return None
-        offset = int.from_bytes(metadata[entry:entry + 2], "little")
-        return table + offset if offset else None
-
-    header = field(u32(0), 2)
-    return header is not None and field(header + u32(header), 3) is not None
 
 
 def saved_files(directory: Path) -> list[Path]:
