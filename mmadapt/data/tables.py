@@ -3,7 +3,7 @@ in the local hub cache, each row given as a LLaVA or messages record when it is 
 `EmbeddedImage`s and its embedded videos as `EmbeddedVideo`s.
 
 A source is converted once into the records cache (`mmadapt.data.records`: an Arrow IPC file named by the checksum
-of the source's bytes, found again by path, size and modification time), in record batches of `TABLE_ROWS` rows:
+of the source's bytes, found again by the files' `records.stat_key`), in record batches of up to `TABLE_ROWS` rows:
 Parquet is read with pyarrow, Arrow files and `save_to_disk` directories with `datasets` (its row order and any
 indices applied). The converted file is memory-mapped and read a batch at a time, so that opening it touches no
 row's data. (`datasets`' own cache is Arrow's stream format, which it opens by reading every record batch: the
@@ -31,13 +31,24 @@ root, confined to it like any path in a record. A video cell is the same (the `V
 video container, opened from memory and checked from its header against the video limits before any frame is
 decoded, exactly as a file is (`mmadapt.data.video.decode`).
 
+Sizes are checked before anything is decoded (`mmadapt.data.table_limits`): the layout from the schema before any
+conversion, each Parquet row group from the footer before it is decoded (a refused group's rows, and the rest of a
+group that cannot be read on, are kept in the conversion as null rows holding their problem, `PROBLEM_COLUMN`), each
+Arrow file from its IPC metadata before any batch is read; a row that does not convert (a text cell that is not
+UTF-8) or holds a cell over `max_cell_bytes` is that row's problem, naming the file and the row. A refused or failed
+conversion leaves nothing in the cache. A `save_to_disk` directory is read only through the files its `state.json`
+names inside it (`saved_files`).
+
 A hub dataset is named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`HubDataset`; split default `train`, subset default the
 dataset's default config) and read from the local hub cache only, never the network: `huggingface_hub` finds the
 snapshot of `refs/main` in the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read
 when the source is opened), and `datasets` says which of its files are the subset's split, as the hub does (the
 README's `configs:` YAML, else the `data/{split}-*` and `{subset}/{split}-*` file-name conventions). Those Parquet or
 Arrow shards, in `datasets`' order, are one source, converted like a local directory of them. A snapshot holding a
-dataset script (`NAME.py`) is refused: mmadapt never runs a dataset's code (`datasets` >= 4 refuses it too). Not
+dataset script (`NAME.py`) is refused: mmadapt never runs a dataset's code (`datasets` >= 4 refuses it too). The
+README's `configs:` paths are checked before `datasets` resolves them (a URL or `hf://` path would make it connect;
+an absolute path or `..` would read files of no dataset), and every file found must resolve, links followed, inside
+the dataset's `datasets--OWNER--NAME` folder (the snapshot's files are links into its `blobs/`). Not
 `hf://datasets/...`: that is an fsspec path into the repository's files, where a third part is a folder, not a
 subset.
 """
