@@ -193,3 +193,49 @@ def test_arrow_files_are_checked_from_their_ipc_metadata_before_any_batch_is_rea
     with pytest.raises(ValueError, match=r"record batch 0 holds \d+ bytes, over max_row_group_bytes = 1048576"):
         read_records(plain, limits=TableLimits(max_row_group_bytes=1 << 20))
     assert len(read_records(plain)) == 4
+
+
+def test_every_map_style_dataset_counts_the_unreadable_row_and_reads_the_others(crafted, encoder):
+    from mmadapt.data import Mixture, parse_sources
+    from mmadapt.data.preference import PreferenceDataset
+    from mmadapt.data.prompts import PromptDataset, PromptEncoder
+
+    _, files = crafted
+    path = files["utf8"]
+    sft, prompts = VLMDataset(path, encoder), PromptDataset(path, PromptEncoder(encoder, completion_tokens=8))
+    pairs = PreferenceDataset(path, encoder)  # conversations, not pairs: each row a bad_format, row 300 unreadable
+    for dataset in (sft, prompts, pairs):
+        assert dataset[300].reason == "unreadable_row" and f"{path} row 300" in str(dataset[300])
+    assert not isinstance(sft[301], DataProblem)
+    # the neighbours are read and parsed: SFT rows, not prompts or pairs, so their problems are their format's
+    assert "the prompt must end with a user turn" in str(prompts[299]) and pairs[299].reason == "bad_format"
+
+    class Unreadable(list):  # a source whose item 1 raises as a bad row would, under any dataset
+        def __getitem__(self, index):
+            if index == 1:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return super().__getitem__(index)
+
+    from types import SimpleNamespace
+
+    mixture = Mixture(parse_sources([{"path": "a", "weight": 1}]), [Unreadable(SimpleNamespace() for _ in range(3))])
+    items = [mixture[k] for k in range(3)]
+    bad = [i for i in items if isinstance(i, DataProblem)]
+    assert len(bad) == 1 and bad[0].reason == "unexpected_error" and "UnicodeDecodeError" in str(bad[0])
+
+
+def test_a_row_group_that_cannot_be_read_on_ends_as_counted_problems_naming_the_shard(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
+    turns = [[{"from": "human", "value": f"q{k} " * 50}, {"from": "gpt", "value": "a"}] for k in range(40)]
+    path = tmp_path / "corrupt.parquet"
+    pq.write_table(pa.table({"id": [f"r{k}" for k in range(40)], "conversations": turns}), path, row_group_size=20,
+                   compression="zstd")
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(1)
+    data = bytearray(path.read_bytes())
+    data[chunk.data_page_offset + 40 : chunk.data_page_offset + 70] = bytes(30)  # inside row group 1's zstd frame
+    path.write_bytes(bytes(data))
+    for records in (ShardRecords(path), read_records(path)):  # streamed; converted
+        items = list(records)
+        assert len(items) == 40 and [r["id"] for r in items[:20]] == [f"r{k}" for k in range(20)]
+        assert all(isinstance(p, DataProblem) and p.reason == "unreadable_row" for p in items[20:])
+        assert f"{path} row 20: " in str(items[20]) and "cannot be read on" in str(items[20])
