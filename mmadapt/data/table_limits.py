@@ -95,7 +95,7 @@ def check_arrow_files(files: list[Path], limits: TableLimits) -> None:
                         raise ValueError(f"{f}: record batch {k} is compressed, and its decoded size is not in the "
                                          "file's metadata; mmadapt reads uncompressed Arrow files, as datasets "
                                          "writes them. Fix: rewrite it uncompressed or as Parquet")
-            except pa.ArrowInvalid as e:
+            except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"{f}: not a readable Arrow file ({e}). Fix: re-download or rewrite the file") \
                     from None
 

@@ -166,7 +166,11 @@ def readme_paths(readme: Path) -> list[str]:
     """The data file paths and data directories a dataset card's `configs:` YAML names (none without a card)."""
     from huggingface_hub.repocard import metadata_load
 
-    configs = (metadata_load(readme) or {}).get("configs") if readme.is_file() else None
+    try:
+        configs = (metadata_load(readme) or {}).get("configs") if readme.is_file() else None
+    except Exception as e:  # YAML that does not parse: the card is not read by guessing
+        raise ValueError(f"{readme}: its YAML header does not parse ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())}). Fix: download the dataset again") from None
     out: list[str] = []
     for config in configs if isinstance(configs, list) else []:
         if isinstance(config, dict):
