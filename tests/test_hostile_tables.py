@@ -239,3 +239,27 @@ def test_a_row_group_that_cannot_be_read_on_ends_as_counted_problems_naming_the_
         assert len(items) == 40 and [r["id"] for r in items[:20]] == [f"r{k}" for k in range(20)]
         assert all(isinstance(p, DataProblem) and p.reason == "unreadable_row" for p in items[20:])
         assert f"{path} row 20: " in str(items[20]) and "cannot be read on" in str(items[20])
+
+
+def test_a_dictionary_page_every_row_repeats_is_counted_as_decoded_not_as_the_footer_says(tmp_path, monkeypatch):
+    """pyarrow's writer gives the column 52 bytes in the footer; it decodes to 600 MiB: the decoded batches are
+    counted against max_row_group_bytes, and the group's rows are problems, not rows in the cache."""
+    import os
+
+    from mmadapt.data.table_limits import TableLimits
+
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path / "cache"))
+    value = pa.array([os.urandom(1 << 20)], pa.binary())
+    blob = pa.DictionaryArray.from_arrays(pa.array([0] * 600, pa.int32()), value)
+    turns = pa.array([[{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Yes."}]] * 600)
+    path = tmp_path / "dictionary.parquet"
+    pq.write_table(pa.table({"conversations": turns, "blob": blob}), path, store_schema=False,
+                   dictionary_pagesize_limit=8 << 20, compression="zstd")
+    assert pq.ParquetFile(path).metadata.row_group(0).total_byte_size < 2 << 20
+    limits = TableLimits(max_row_group_bytes=64 << 20)
+    for records in (ShardRecords(path, limits=limits), read_records(path, limits=limits)):
+        items = list(records)
+        assert len(items) == 600 and all(isinstance(p, DataProblem) for p in items)
+        assert items[0].reason == "table_too_large" and "more than its footer says" in str(items[0])
+    cached = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file())
+    assert cached < 1 << 20, cached

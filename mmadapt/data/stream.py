@@ -205,18 +205,20 @@ class ParquetShard:
 
     def _group(self, file: Any, rows: Any, group: int, first: int, start: int) -> Iterator[Any]:
         """Row group `group`'s records (rows `first`... of the shard) from row `start` on."""
-        from mmadapt.data.table_limits import batch_rows, row_group_refusal
+        from mmadapt.data.table_limits import RowGroupRefused, decoded_batches, row_group_refusal
 
         index, end = first, first + file.metadata.row_group(group).num_rows
         refusal, reason = row_group_refusal(file.metadata, group, self.limits), "table_too_large"
         if refusal is None:
             try:
-                for batch in file.iter_batches(batch_size=batch_rows(file.metadata, group), row_groups=[group]):
+                for batch in decoded_batches(file, group, self.limits):
                     for row in range(batch.num_rows):
                         if index >= start:
                             yield rows.read_row(batch, row, index)
                         index += 1
                 return
+            except RowGroupRefused as e:
+                refusal = str(e)
             except Exception as e:  # a corrupt page: the group's other rows are counted, the stream goes on
                 refusal = f"the shard cannot be read on from row group {group} ({type(e).__name__}: {e})"
                 reason = "unreadable_row"

@@ -9,6 +9,7 @@ compressed body). A crafted file whose cells decode to gigabytes costs its foote
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,25 @@ def batch_rows(metadata: Any, group: int) -> int:
     meta = metadata.row_group(group)
     per_row = max(1, meta.total_byte_size // max(meta.num_rows, 1))
     return max(1, min(TABLE_ROWS, BATCH_BYTES // per_row))
+
+
+class RowGroupRefused(ValueError):
+    """A row group whose decoded batches add up to more than `max_row_group_bytes`: its other rows are not decoded."""
+
+
+def decoded_batches(file: Any, group: int, limits: TableLimits) -> Iterator[Any]:
+    """Row group `group` of a `pyarrow.parquet.ParquetFile` as record batches of about `BATCH_BYTES` (`batch_rows`),
+    counting what they decode to: past `max_row_group_bytes` it raises `RowGroupRefused`. The footer's sizes are what
+    the writer said: a dictionary page that every row repeats decodes to more than its bytes (pyarrow's writer says
+    52 bytes for a column decoding to 600 MiB), so the decoded bytes are counted too."""
+    decoded = 0
+    for batch in file.iter_batches(batch_size=batch_rows(file.metadata, group), row_groups=[group]):
+        decoded += batch.nbytes
+        if decoded > limits.max_row_group_bytes:
+            raise RowGroupRefused(f"row group {group} decodes to over {decoded} bytes, more than its footer says "
+                                  f"({file.metadata.row_group(group).total_byte_size}) and over max_row_group_bytes "
+                                  f"= {limits.max_row_group_bytes}: its other rows not decoded")
+        yield batch
 
 
 def check_arrow_files(files: list[Path], limits: TableLimits) -> None:

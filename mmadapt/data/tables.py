@@ -66,7 +66,14 @@ from typing import Any
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
-from mmadapt.data.table_limits import TABLE_ROWS, TableLimits, batch_rows, check_arrow_files, row_group_refusal
+from mmadapt.data.table_limits import (
+    TABLE_ROWS,
+    RowGroupRefused,
+    TableLimits,
+    check_arrow_files,
+    decoded_batches,
+    row_group_refusal,
+)
 from mmadapt.data.video.decode import EmbeddedVideo
 
 LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",),
@@ -298,11 +305,12 @@ class TableSource:
                 refusal = row_group_refusal(file.metadata, group, limits)
                 if refusal is None:
                     try:
-                        for batch in file.iter_batches(batch_size=batch_rows(file.metadata, group),
-                                                       row_groups=[group]):
+                        for batch in decoded_batches(file, group, limits):
                             yield _with_problems(batch, schema, None)
                             done += batch.num_rows
                         continue
+                    except RowGroupRefused as e:
+                        refusal = f"table_too_large\t{e}"
                     except Exception as e:  # a corrupt page: the group's other rows are its problem, not the run's
                         refusal = f"unreadable_row\trow group {group} cannot be read on ({type(e).__name__}: {e})"
                 else:
