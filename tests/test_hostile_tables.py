@@ -45,11 +45,12 @@ def bomb_rows(n: int) -> pa.Table:
                      "blob": pa.chunked_array([cell] * n)}, schema=SCHEMA)
 
 
-def write_crafted(path, tmp_path, good: int, bombs: int):
-    """`good` rows in row group 0, then `bombs` rows of CELL bytes each in row group 1: zstd, no dictionary."""
+def write_crafted(path, tmp_path, good: int, bombs: int, bombs_first: bool = False):
+    """`good` rows in a row group, then `bombs` rows of CELL bytes each in another (or first): zstd, no dictionary."""
+    tables = [good_rows(tmp_path, good), bomb_rows(bombs)]
     with pq.ParquetWriter(path, SCHEMA, compression="zstd", use_dictionary=False) as writer:
-        writer.write_table(good_rows(tmp_path, good))
-        writer.write_table(bomb_rows(bombs))
+        for table in reversed(tables) if bombs_first else tables:
+            writer.write_table(table)
     return path
 
 
@@ -58,12 +59,17 @@ def crafted(tmp_path_factory):
     root = tmp_path_factory.mktemp("crafted")
     files = {"issue": write_crafted(root / "issue.parquet", root, 4, 32),  # the issue's 512 MiB in 32 cells
              "big": write_crafted(root / "big.parquet", root, 4, 96),  # 1.5 GiB declared in one row group
-             "train": write_crafted(root / "train.parquet", root, 30, 2)}  # 32 MiB declared, 2 rows of 32
+             "train": write_crafted(root / "train.parquet", root, 30, 2),  # 32 MiB declared, 2 rows of 32
+             # 1.5 GiB in 96 rows of 696, first: a stream meets them at once
+             "gigabytes": write_crafted(root / "gigabytes.parquet", root, 600, 96, bombs_first=True)}
     bad = good_rows(root, 600)
     ids = pa.array([f"good{k}".encode() if k != 300 else b"\xff\xfe not UTF-8" for k in range(600)], pa.binary())
     bad = bad.set_column(0, "id", ids.view(pa.string()))  # a string cell Arrow does not check, as a crafted file
     pq.write_table(bad, root / "utf8.parquet", row_group_size=600)
     files["utf8"] = root / "utf8.parquet"
+    ids = pa.array([f"good{k}".encode() if k % 4 else b"\xff bad" for k in range(120)], pa.binary())
+    pq.write_table(bad.slice(0, 120).set_column(0, "id", ids.view(pa.string())), root / "utf8_train.parquet")
+    files["utf8_train"] = root / "utf8_train.parquet"  # every fourth row: a training run meets them
     return root, files
 
 
@@ -103,6 +109,9 @@ def test_cells_that_decode_to_gigabytes_are_counted_problems_from_the_footer_map
 
 def test_a_limit_is_a_data_setting_and_flag_and_a_lower_one_refuses_more(crafted, encoder, capsys):
     _, files = crafted
+    assert main(["data", "check", str(files["gigabytes"]), *LLAVA]) == 1  # 96 of 696: over 5%, each counted
+    out = capsys.readouterr().out
+    assert "samples: 696   usable: 600   problems: 96" in out and "table_too_large" in out
     assert main(["data", "check", str(files["train"]), *LLAVA]) == 1  # 2 of 32 rows: over 5%
     out = capsys.readouterr().out
     assert "samples: 32   usable: 30   problems: 2" in out and "max_decode_ratio = 100" in out
@@ -141,14 +150,16 @@ def test_reading_cells_declared_at_one_and_a_half_gib_grows_memory_by_tens_of_mi
 @pytest.mark.parametrize("streamed", [False, True], ids=["map-style", "streamed"])
 def test_mmadapt_train_goes_on_with_the_good_rows_of_a_bomb_and_of_a_bad_utf8_cell(crafted, tmp_path, streamed):
     _, files = crafted
-    for name in ("train", "utf8"):
-        source = {"stream": str(files[name]), "buffer": 8} if streamed else str(files[name])
+    for name in ("gigabytes", "utf8_train"):
+        source = {"stream": str(files[name]), "buffer": 200} if streamed else str(files[name])
         out = tmp_path / name
-        write_run(tmp_path / "run.yaml", model=TINY_LLAVA, data={"train": source, "batch_size": 4},
-                  train={"steps": 2, "out": out, "progress": False})
+        write_run(tmp_path / "run.yaml", model=TINY_LLAVA,
+                  data={"train": source, "batch_size": 4, "max_bad_fraction": 0.5},
+                  train={"steps": 3, "out": out, "progress": False})
         assert main(["train", str(tmp_path / "run.yaml")]) == 0
         state = json.loads((latest_checkpoint(out) / "trainer_state.json").read_text())
-        assert state["samples_seen"] == 8 and state["bad_samples"] <= 2
+        assert state["samples_seen"] == 12 and 0 < state["bad_samples"] < 12, (name, state)  # met and counted
+        assert set(state["bad_counts"]) == {"table_too_large" if name == "gigabytes" else "unreadable_row"}
 
 
 def test_a_text_cell_that_is_not_utf8_is_one_counted_problem_naming_the_file_and_row(crafted, encoder, capsys):
