@@ -85,6 +85,7 @@ TABLE_SUFFIXES = (".parquet", ".arrow")
 HUB_SCHEME = "hub:"
 HUB_FORM = "hub:OWNER/NAME[/SUBSET][@SPLIT]"
 
+
 @dataclass(frozen=True)
 class HubDataset:
     """A dataset of the hub, read from the local hub cache (see the module docstring): `repo_id` OWNER/NAME, `subset`
