@@ -40,6 +40,9 @@ configs:
 """
 SHARDS = {("ai2d", "train"): [2, 1], ("ai2d", "test"): [1], ("chart", "train"): [1], ("chart", "test"): [2]}
 """(subset, split) -> rows per shard: ai2d's train split is two shards of different lengths."""
+OUTSIDE = {"absolute": "{outside}", "up": "../../../../elsewhere/*.parquet", "remote": "hf://datasets/acme/other/x.parquet",
+           "url": "https://example.com/train.parquet", "link": "data/*.parquet"}
+"""Datasets whose README names files outside the dataset: each refused (the link: a data file linking outside)."""
 
 
 def png(image: Image.Image) -> bytes:
@@ -83,6 +86,16 @@ def cache(tmp_path_factory):
     scripted = snapshot_of(cache, "acme/scripted")
     (scripted / "scripted.py").write_text("import datasets  # a loader mmadapt must never run\n")
     write_shard(scripted / "data" / "train-00000-of-00001.parquet", "scripted", "train", 0, 1)
+    outside = root / "elsewhere" / "train-00000-of-00001.parquet"  # a file of no dataset, that none may read
+    write_shard(outside, "outside", "train", 0, 1)
+    for name, path in OUTSIDE.items():
+        snapshot = snapshot_of(cache, f"acme/{name}")
+        write_shard(snapshot / "data" / "train-00000-of-00001.parquet", name, "train", 0, 1)
+        if name == "link":
+            (snapshot / "data" / "train-00001-of-00001.parquet").symlink_to(outside)
+        path = path.format(outside=outside)
+        (snapshot / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                            f"  - split: train\n    path: {path}\n---\n")
     return root
 
 
@@ -197,3 +210,41 @@ def test_the_cache_is_read_from_the_environment_when_used(tmp_path, monkeypatch)
     assert hub_cache() == tmp_path / "home" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
     assert hub_cache() == tmp_path / "elsewhere"
+
+
+@pytest.mark.parametrize("name", OUTSIDE)
+def test_a_readme_naming_files_outside_the_dataset_is_refused_in_one_line_offline(hub, name, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # not relied on: the reader resolves nothing remote (hub asserts no socket)
+    with pytest.raises(ValueError, match=r"README\.md") as error:
+        read_records(f"hub:acme/{name}")
+    text = one_line(error)
+    assert ("outside" in text or "not a path inside the dataset" in text) and "mmadapt reads only" in text
+    if name == "link":
+        assert "elsewhere" in text
+
+
+def test_the_hub_reader_opens_no_socket_without_the_offline_switches(hub, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    assert len(read_records("hub:acme/cauldron/ai2d@train")) == 3  # the `hub` fixture fails on any connection
+
+
+def test_a_save_to_disk_state_naming_files_outside_the_directory_is_refused(tmp_path):
+    import json
+    import shutil
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"texts": [{"user": "Hi?", "assistant": "Yes."}]}]).save_to_disk(str(saved))
+    assert len(read_records(saved)) == 1
+    data = next(saved.glob("*.arrow"))
+    shutil.copy(data, tmp_path / "other.arrow")
+    state = json.loads((saved / "state.json").read_text())
+    for name in ("../other.arrow", str(tmp_path / "other.arrow"), "link.arrow"):
+        (saved / "link.arrow").unlink(missing_ok=True)
+        (saved / "link.arrow").symlink_to(tmp_path / "other.arrow")
+        state["_data_files"] = [{"filename": name}]
+        (saved / "state.json").write_text(json.dumps(state))
+        with pytest.raises(ValueError, match=r"state\.json") as error:
+            read_records(saved)
+        text = one_line(error)
+        assert "mmadapt reads only" in text and (name in text or "resolves to" in text)

@@ -92,3 +92,74 @@ def test_opening_converted_records_allocates_nothing_that_grows_with_the_file(tm
         tracemalloc.stop()
     # Python objects allocated to open the file and read its last record: a few kB either way, against 9 MB of text
     assert peaks[1] < peaks[0] + 64 * 1024 and peaks[1] < 256 * 1024, peaks
+
+
+def test_a_change_that_keeps_the_size_and_mtime_is_noticed(tmp_path):
+    """`cp -p` and `tar x` give a changed file its old modification time: the cache must not give the old records
+    (records) or the old sample count (a tar shard's)."""
+    import os
+    import time
+
+    from mmadapt.data.stream import _cached_count, write_shards
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"a{i}"}) for i in range(10)))
+    stat = path.stat()
+    assert [r["id"] for r in read_records(path)][:2] == ["a0", "a1"]
+    time.sleep(0.05)  # past the clock tick of the first write (the kernel's timestamps are coarse)
+    path.write_text("\n".join(json.dumps({"id": f"b{i}"}) for i in range(10)))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert [r["id"] for r in read_records(path)][:2] == ["b0", "b1"]
+
+    one, two = ({"__key__": k, "txt": b"caption"} for k in ("a", "b"))
+    shard = write_shards(tmp_path / "one", [one, two], per_shard=2)[0]  # two samples
+    stat = shard.stat()
+    assert _cached_count(shard) == 2
+    time.sleep(0.05)
+    other = write_shards(tmp_path / "two", [one, {**two, "__key__": "a"}], per_shard=2)[0]  # one sample, same size
+    assert other.stat().st_size == stat.st_size
+    shard.write_bytes(other.read_bytes())
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _cached_count(shard) == 1
+
+
+def test_a_truncated_large_json_is_named_without_parsing_it_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(records_module, "BATCH_ROWS", 64)
+    text = json.dumps(llava_records(60_000), indent=1)  # about 15 MB
+    whole, cut = tmp_path / "whole.json", tmp_path / "cut.json"
+    whole.write_text(json.dumps(llava_records(30_000), indent=1))
+    cut.write_text(text[: len(text) // 2])  # as large, cut in the middle of an item
+    (tmp_path / "small.json").write_text(json.dumps(llava_records(3)))
+    read_records(tmp_path / "small.json")  # the modules a conversion imports, imported before measuring
+    peaks = []
+    for path in (whole, cut):
+        tracemalloc.start()
+        try:
+            read_records(path)
+        except ValueError as e:
+            error = str(e)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    line = text[: len(text) // 2].count("\n") + 1
+    assert error.startswith(f"{cut}:{line}:") and "not valid JSON (Unterminated string" in error and "\n" not in error
+    # naming the error costs nothing beyond converting a whole file (a chunk, the checksum's reads); parsing the file
+    # again held 7.7x the file
+    assert peaks[1] < peaks[0] + (1 << 20), peaks
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_record_nested_100000_deep_is_a_counted_problem_or_one_line(tmp_path, suffix):
+    deep = "[" * 100_000 + "]" * 100_000
+    good = json.dumps(llava_records(1)[0])
+    path = tmp_path / f"deep{suffix}"
+    if suffix == ".jsonl":
+        path.write_text(f"{good}\n{{\"id\": \"deep\", \"x\": {deep}}}\n{good}\n")
+        records = read_records(path, errors="report")
+        assert len(records) == 3 and isinstance(records[1], DataProblem)
+        assert "nested too deeply" in str(records[1]) and f"{path}:2:" in str(records[1])
+    else:
+        path.write_text(f"[{good},\n{deep}]")
+        with pytest.raises(ValueError, match=f"^{path}:2:1: nested too deeply") as error:
+            read_records(path)
+        assert "\n" not in str(error.value)

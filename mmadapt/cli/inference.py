@@ -69,7 +69,8 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     settings = {**trained_settings(model), **data_settings(args)}  # as trained, but for what the flags give
     settings["image_root"] = settings.get("image_root") or str(Path(args.data).parent)
     encoder = SampleEncoder.for_model(model, tokenizer, **settings)
-    records = read_records(args.data, errors="report", columns=encoder.config.columns)  # a bad line: counted
+    records = read_records(args.data, errors="report", columns=encoder.config.columns,
+                           config=encoder.config)  # a bad line: counted
     if not records:
         raise ValueError(f"{args.data} holds no records")
     return model, encoder, Collator.for_model(model, encoder.pad_token_id), records

@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
 from mmadapt.data.images import DEFAULT_MAX_PIXELS
+from mmadapt.data.table_limits import (
+    DEFAULT_MAX_CELL_BYTES,
+    DEFAULT_MAX_DECODE_RATIO,
+    DEFAULT_MAX_ROW_GROUP_BYTES,
+    TableLimits,
+)
 from mmadapt.data.tar_headers import DEFAULT_MAX_SAMPLE_BYTES, DEFAULT_MAX_SAMPLE_MEMBERS
 from mmadapt.data.templates import MODES, TEMPLATES
 from mmadapt.data.video import VideoConfig
@@ -23,7 +29,6 @@ DEFAULT_MAX_IMAGES: Final[int] = 64
 DEFAULT_MAX_SAMPLE_PIXELS: Final[int] = 128 * 1024 * 1024
 DEFAULT_MAX_SAMPLE_FRAMES: Final[int] = 1024
 DEFAULT_MAX_VIDEO_BYTES: Final[int] = 1 << 30
-
 PREPROCESSING: Final[tuple[str, ...]] = ("chat_template", "template_kwargs", "chat_template_mismatch", "video")
 """The `DataConfig` fields a model directory records (`DataConfig.preprocessing`); the others (paths, limits, lengths)
 belong to a dataset, not to the model."""
@@ -72,6 +77,16 @@ class DataConfig:
     max_sample_members: int = field(default=DEFAULT_MAX_SAMPLE_MEMBERS, metadata=about(
         "members (files) of one tar shard sample (checked from the tar headers before any member is read); more is "
         "a counted sample_too_large problem"))
+    max_cell_bytes: int = field(default=DEFAULT_MAX_CELL_BYTES, metadata=about(
+        "bytes of one Parquet / Arrow cell (a row's value in one column, e.g. its list of images); a row group whose "
+        "column decodes to more than this a row on average is refused from the footer, a larger cell is a counted "
+        "table_too_large problem before the row is read into Python"))
+    max_row_group_bytes: int = field(default=DEFAULT_MAX_ROW_GROUP_BYTES, metadata=about(
+        "decoded bytes of one Parquet row group (its footer's total_byte_size) or Arrow record batch (its IPC "
+        "metadata); larger: its rows are counted table_too_large problems, never decoded"))
+    max_decode_ratio: float = field(default=DEFAULT_MAX_DECODE_RATIO, metadata=about(
+        "decoded / stored bytes of a Parquet column chunk that decodes to over 16 MiB (from the footer); more: the "
+        "row group's rows are counted table_too_large problems, never decoded (a compression bomb)"))
     chat_template: str = field(default="auto", metadata=about(
         "auto (the tokenizer's own template, else the backbone's built-in), tokenizer (require the tokenizer's), or "
         "a built-in name (mmadapt list shows them)"))
@@ -103,10 +118,19 @@ class DataConfig:
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         for name in ("max_image_pixels", "max_images", "max_sample_pixels", "max_sample_frames", "max_video_bytes",
-                     "max_sample_bytes", "max_sample_members"):
+                     "max_sample_bytes", "max_sample_members", "max_cell_bytes", "max_row_group_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        ratio = self.max_decode_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
+            raise ValueError(f"max_decode_ratio must be a number >= 1, got {ratio!r}")
+
+    @property
+    def table_limits(self) -> TableLimits:
+        """The Parquet / Arrow limits of these settings."""
+        return TableLimits(max_cell_bytes=self.max_cell_bytes, max_row_group_bytes=self.max_row_group_bytes,
+                           max_decode_ratio=float(self.max_decode_ratio))
 
     @classmethod
     def of(cls, config: DataConfig | None = None, **changes: Any) -> DataConfig:

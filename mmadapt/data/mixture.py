@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.data.problems import read_guarded
 from mmadapt.data.stream import StreamingDataset, as_stream, hash_seed, stream_source
 
 SOURCE_KEYS = ("path", "weight", "samples", "name")
@@ -152,7 +153,7 @@ class Mixture(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> Any:
         k, inner = self.locate(index)
-        item = self.datasets[k][inner]
+        item = read_guarded(self.datasets[k], inner)  # a source that cannot give one item costs that item
         item.source = self.sources[k].name
         return item
 

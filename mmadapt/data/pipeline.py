@@ -49,7 +49,7 @@ import torch
 
 from mmadapt.data.config import DataConfig
 from mmadapt.data.images import image_size, load_image
-from mmadapt.data.problems import DataProblem, guarded, per_sample
+from mmadapt.data.problems import DataProblem, guarded, per_sample, read_guarded
 from mmadapt.data.processors import ProcessedImages
 from mmadapt.data.samples import (
     IMAGE,
@@ -568,7 +568,7 @@ class VLMDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> EncodedSample | DataProblem:
         """The encoded sample, or its `DataProblem` (any exception while encoding it becomes one, its type and
         message kept in the detail; fatal problems, Ctrl-C and exit raise)."""
-        record = self.records[index]  # `SampleEncoder.encode` converts errors itself; this guards any other encoder
+        record = read_guarded(self.records, index)  # a row that cannot be read is its problem, as a bad sample is
         return guarded(lambda: self.encoder.encode(record, index), lambda: record_id(record, index))
 
     def lengths(self) -> list[int]:

@@ -35,7 +35,7 @@ import torch
 
 from mmadapt.data.collate import Collator
 from mmadapt.data.pipeline import SampleEncoder, check_answers
-from mmadapt.data.problems import DataProblem, per_sample, problem_of
+from mmadapt.data.problems import DataProblem, per_sample, problem_of, read_guarded
 from mmadapt.data.samples import (
     IMAGE,
     VIDEO,
@@ -312,7 +312,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
     """Map-style: `dataset[i]` is an `EncodedPair`, or the `DataProblem` that stops it (fatal ones raise)."""
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: PairEncoder | SampleEncoder) -> None:
-        self.records = (read_records(records, errors="report") if isinstance(records, (str, os.PathLike))
+        config = (encoder.encoder if isinstance(encoder, PairEncoder) else encoder).config
+        self.records = (read_records(records, errors="report", columns=config.columns, config=config)
+                        if isinstance(records, (str, os.PathLike))
                         else records if isinstance(records, Sequence) else list(records))
         self.encoder = encoder if isinstance(encoder, PairEncoder) else PairEncoder(encoder)
 
@@ -320,7 +322,7 @@ class PreferenceDataset(torch.utils.data.Dataset):
         return len(self.records)
 
     def __getitem__(self, index: int) -> EncodedPair | DataProblem:
-        record = self.records[index]
+        record = read_guarded(self.records, index)
         try:
             pair = self.encoder.encode(record, index)
             pair.index = index

@@ -42,6 +42,10 @@ REASONS: dict[str, str] = {
                         "or bytes than the per-sample limits (header checked)",
     "unreadable_shard": "a WebDataset tar shard is truncated or corrupt: the samples from there on are skipped",
     "out_of_memory": "decoding the sample's images or videos could not allocate its memory",
+    "table_too_large": "a Parquet / Arrow row group or cell over the table limits (max_row_group_bytes, "
+                       "max_cell_bytes, max_decode_ratio): checked from the footer, never decoded",
+    "unreadable_row": "a row of a Parquet / Arrow file or shard that cannot be read (e.g. a text cell that is not "
+                      "UTF-8, a corrupt page); the source's other rows are read",
     "bad_pair": "a preference pair without two different answers, or whose answers follow different prompts",
     "unexpected_error": "an exception the pipeline did not foresee (its type and message are in the detail)",
 }
@@ -112,6 +116,21 @@ def problem_of(error: Exception, sample_id: str | None = None) -> DataProblem:
 def is_allocation_error(error: BaseException) -> bool:
     """Whether `error` is an allocation failure: a `MemoryError`, or torch's `RuntimeError` "can't allocate memory"."""
     return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "allocate" in str(error))
+
+
+def read_guarded(records: Any, index: int) -> Any:
+    """`records[index]`, or the `DataProblem` that stops it: a source that cannot give one record (a row that does not
+    decode) costs that record, never the run (fatal problems, Ctrl-C and exit raise)."""
+    try:
+        return records[index]
+    except DataProblem as problem:
+        if problem.fatal:
+            raise
+        return problem
+    except IndexError:  # out of range: the caller's mistake, not the record's
+        raise
+    except Exception as e:
+        return problem_of(e, str(index))
 
 
 def guarded(encode: Callable[[], Any], sample_id: Callable[[], str]) -> Any:

@@ -29,7 +29,7 @@ import torch
 
 from mmadapt.data.images import load_image
 from mmadapt.data.pipeline import SampleEncoder
-from mmadapt.data.problems import DataProblem, guarded, per_sample
+from mmadapt.data.problems import DataProblem, guarded, per_sample, read_guarded
 from mmadapt.data.samples import (
     IMAGE,
     EncodedSample,
@@ -190,7 +190,8 @@ class PromptDataset(torch.utils.data.Dataset):
     (counted and skipped by the collator and the trainer, as `VLMDataset`'s)."""
 
     def __init__(self, records: Sequence[Any] | str | os.PathLike, encoder: PromptEncoder) -> None:
-        self.records = (read_records(records, errors="report", columns=encoder.config.columns)
+        self.records = (read_records(records, errors="report", columns=encoder.config.columns,
+                                     config=encoder.config)
                         if isinstance(records, str | os.PathLike)
                         else records if isinstance(records, Sequence) else list(records))
         self.encoder = encoder
@@ -199,7 +200,7 @@ class PromptDataset(torch.utils.data.Dataset):
         return len(self.records)
 
     def __getitem__(self, index: int) -> EncodedPrompt | DataProblem:
-        record = self.records[index]
+        record = read_guarded(self.records, index)
         return guarded(lambda: self.encoder.encode(record, index), lambda: record_id(record, index))
 
     def ids(self) -> list[str]:

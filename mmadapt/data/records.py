@@ -7,9 +7,10 @@ read (another run, every rank, every loader worker) maps that file: the pages ar
 by every process, and `records[i]` parses record i when it is asked for. Memory does not grow with the file.
 
 The cache is `$MMADAPT_CACHE/records` (default `~/.cache/mmadapt/records`). A file seen before is found by its
-path, size and modification time without reading it again (a small stat entry pointing at the checksum); a changed
-file has another checksum and is converted again. Conversions are written to a temporary file and renamed (atomic),
-under a lock so that ranks starting together convert a file once.
+stat (`stat_key`: path, size, modification time, change time, inode and device) without reading it again (a small
+stat entry pointing at the checksum); a changed file has another stat, then another checksum, and is converted
+again. Conversions are written to a temporary file and renamed (atomic), under a lock so that ranks starting
+together convert a file once.
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ def open_records(path: str | os.PathLike) -> Records:
 
 
 def cached_arrow(files: list[Path], kind: str, write: Any) -> Path:
-    """The records cache's Arrow IPC file for `files` (in order): found by their paths, sizes and modification times
-    without reading them, else named by the SHA-256 of their bytes and written by `write(target)` (to a temporary
+    """The records cache's Arrow IPC file for `files` (in order): found by their `stat_key`s without reading them,
+    else named by the SHA-256 of their bytes and written by `write(target)` (to a temporary
     file renamed when complete) under the cache's lock. `kind` keeps conversions of the same bytes apart."""
-    stats = [(str(f.resolve()), f.stat()) for f in files]  # FileNotFoundError names the path
+    names = [str(f.resolve()) for f in files]
+    key = "|".join(stat_key(f) for f in files)  # FileNotFoundError names the path
     root = cache_root()
     (root / "stat").mkdir(parents=True, exist_ok=True)
-    key = "|".join(f"{name}|{st.st_size}|{st.st_mtime_ns}" for name, st in stats)
     seen = root / "stat" / (_digest(f"{FORMAT}|{kind}|{key}") + ".json")
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
         target = root / json.loads(seen.read_text())["arrow"]
@@ -112,8 +113,21 @@ def cached_arrow(files: list[Path], kind: str, write: Any) -> Path:
         target = root / f"{checksum}-{FORMAT}{kind}.arrow"
         if not target.is_file():
             write(target)
-        write_text_atomic(seen, json.dumps({"arrow": target.name, "sources": [name for name, _ in stats]}))
+        write_text_atomic(seen, json.dumps({"arrow": target.name, "sources": names}))
     return target
+
+
+def stat_key(path: Path) -> str:
+    """What says, without reading it, that a file is the one converted before: its resolved path, size, modification
+    time, change time (ctime), inode and device. A file whose content changed has another key even when its size and
+    modification time were kept (`cp -p`, `tar x`, `touch -r` set the modification time, not the bytes' identity):
+    the kernel sets ctime to the clock on every write and on every metadata change, and no call (utime, chmod, cp,
+    tar) can set it back; a file replaced by another (a rename, `tar x` unlinking first) has another inode or device.
+    Enough, then, short of a change within the same clock tick (a few ms) as the previous one before the file was
+    first read. A changed key costs a checksum of the file only: the conversion is named by the SHA-256 of the bytes,
+    so a file whose ctime changed without its bytes (chmod) finds its conversion again."""
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
 
 
 def write_batches(target: Path, schema: Any, batches: Iterator[Any]) -> None:
@@ -180,21 +194,6 @@ class MappedBatches:
 # What parsing one JSON text may raise: JSONDecodeError and UnicodeDecodeError are ValueErrors, so is the refusal of
 # an integer of more than `sys.get_int_max_str_digits()` digits; RecursionError for nesting deeper than the parser's.
 JSON_ERRORS = (ValueError, RecursionError)
-
-
-def json_document(path: Path) -> Any:
-    raw = path.read_bytes()
-    try:
-        return json.loads(raw.decode("utf-8-sig"))
-    except json.JSONDecodeError as e:
-        message = f"{path}:{e.lineno}:{e.colno}: {json_error(e, raw)}"
-    except UnicodeDecodeError as e:
-        line, line_start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
-        message = f"{path}:{line}: {json_error(e, raw[line_start:], line_start)}"
-    except JSON_ERRORS as e:
-        message = f"{path}: {json_error(e, raw)}"
-    raise ValueError(f"{message}. Fix the file (a .json file is one list that must parse whole; a .jsonl file is read "
-                     "line by line, a bad line counted and skipped)")
 
 
 def json_error(error: BaseException, raw: bytes, offset: int = 0) -> str:
@@ -282,65 +281,93 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, str | None]]:
 
 def _json_list_rows(path: Path) -> Iterator[tuple[str, None]]:
     """The items of a JSON list, read in chunks: each item is decoded from the buffer and kept as its text. A file
-    that is not one list that parses is the one ValueError `read_records` gives for it (the file is parsed
-    whole only then, to name the line and column)."""
+    that is not one list that parses is one ValueError naming its line and column, found by the reader where it
+    stopped: the file is never parsed whole, not even to name its error."""
     decoder = json.JSONDecoder()
     with path.open("rb") as f:
-        raw = f.read(READ_BYTES)
-        utf8 = _Utf8(first=True)
-        buffer, eof = utf8.decode(raw, final=not raw), not raw
-        pos = _skip_space(buffer, 0)
-
-        def more() -> bool:
-            nonlocal buffer, pos, eof
-            if eof:
-                return False
-            chunk = f.read(READ_BYTES)
-            eof = not chunk
-            buffer = buffer[pos:] + utf8.decode(chunk, final=eof)
-            pos = 0
-            return True
-
-        def skip(at: int) -> int:  # past white space, reading on when the buffer ends there
-            nonlocal pos
-            pos = _skip_space(buffer, at)
-            while pos >= len(buffer) and more():
-                pos = _skip_space(buffer, pos)
-            return pos
-
-        try:
-            skip(pos)
-            if buffer[pos:pos + 1] != "[":
-                raise ValueError("not a list")
-            skip(pos + 1)
-            if buffer[pos:pos + 1] == "]":
+        text = _Chunks(f, path)
+        if text.skip(0) >= len(text.buffer) or text.buffer[text.pos] != "[":
+            raise text.error(text.pos, "expected a JSON list of samples (or use .jsonl), got "
+                             f"{_KINDS.get(text.buffer[text.pos:text.pos + 1], 'no list')}")
+        text.skip(text.pos + 1)
+        if text.buffer[text.pos:text.pos + 1] == "]":
+            return
+        while True:
+            while True:  # the item starts at `text.pos` (reading on moves the buffer, not the item)
+                try:
+                    _, end = decoder.raw_decode(text.buffer, text.pos)
+                    if end < len(text.buffer) or text.eof:
+                        break
+                except json.JSONDecodeError as e:
+                    if text.eof:
+                        raise text.error(e.pos, f"not valid JSON ({e.msg}, column {text.column_of(e.pos)})") from None
+                except JSON_ERRORS as e:
+                    raise text.error(text.pos, json_error(e, b"")) from None
+                text.more()
+            yield text.buffer[text.pos:end], None
+            text.skip(end)
+            separator = text.buffer[text.pos:text.pos + 1]
+            if separator == "]":
+                if text.skip(text.pos + 1) < len(text.buffer):
+                    raise text.error(text.pos, "not valid JSON (Extra data after the list)")
                 return
-            while True:
-                while True:
-                    try:
-                        _, end = decoder.raw_decode(buffer, pos)
-                        if end < len(buffer) or eof:
-                            break
-                    except json.JSONDecodeError:
-                        pass
-                    if not more():
-                        raise ValueError("item does not parse")
-                yield buffer[pos:end], None
-                skip(end)
-                if buffer[pos:pos + 1] == "]":
-                    skip(pos + 1)
-                    if pos < len(buffer):
-                        raise ValueError("data after the list")
-                    return
-                if buffer[pos:pos + 1] != ",":
-                    raise ValueError("expected , or ]")
-                skip(pos + 1)
-        except (ValueError, RecursionError):
-            data = json_document(path)  # raises the precise error for a file that does not parse
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: expected a JSON list of samples (or use .jsonl), got "
-                                 f"{type(data).__name__}") from None
-            raise  # parses whole but not item by item: not expected; keep the reader's own error
+            if separator != ",":
+                raise text.error(text.pos, "not valid JSON (Expecting ',' delimiter or ']' after an item)")
+            text.skip(text.pos + 1)
+
+
+_KINDS = {"{": "dict", '"': "str", "t": "bool", "f": "bool", "n": "None", **dict.fromkeys("-0123456789", "a number")}
+FIX_JSON = ("Fix the file (a .json file is one list that must parse whole; a .jsonl file is read line by line, a bad "
+            "line counted and skipped)")
+
+
+class _Chunks:
+    """A UTF-8 file read in chunks of `READ_BYTES`: the text not yet consumed is `buffer[pos:]`; the line and column
+    of any buffer position are known from the newlines of the text already dropped (for errors)."""
+
+    def __init__(self, f: Any, path: Path) -> None:
+        self.f, self.path, self.utf8 = f, path, _Utf8(first=True)
+        self.buffer, self.pos, self.eof, self.started = "", 0, False, False
+        self.lines, self.column = 0, 0  # newlines in the dropped text, characters after its last newline
+        self.more()
+
+    def more(self) -> bool:
+        """Read the next chunk onto the buffer (dropping what is before `pos`); False at the end of the file."""
+        if self.eof:
+            return False
+        chunk = self.f.read(READ_BYTES)
+        self.eof = not chunk
+        dropped, self.buffer, self.pos = self.buffer[:self.pos], self.buffer[self.pos:], 0
+        newlines = dropped.count("\n")
+        self.lines += newlines
+        self.column = len(dropped) - dropped.rfind("\n") - 1 if newlines else self.column + len(dropped)
+        try:
+            self.buffer += self.utf8.decode(chunk, final=self.eof)
+        except UnicodeDecodeError as e:
+            if not self.started and chunk.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise self.error(0, json_error(e, chunk)) from None
+            good = e.object[:e.start].decode("utf-8", errors="replace")  # the chunk's text before the bad byte
+            at = len(self.buffer) + len(good)
+            self.buffer += good
+            raise self.error(at, f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {self.column_of(at)} is not "
+                             "valid UTF-8; save the file as UTF-8") from None
+        self.started = True
+        return True
+
+    def skip(self, at: int) -> int:
+        """`pos` past the white space from `at`, reading on when the buffer ends there."""
+        self.pos = _skip_space(self.buffer, at)
+        while self.pos >= len(self.buffer) and self.more():
+            self.pos = _skip_space(self.buffer, self.pos)
+        return self.pos
+
+    def column_of(self, at: int) -> int:
+        last = self.buffer.rfind("\n", 0, at)
+        return at - last if last >= 0 else self.column + at + 1
+
+    def error(self, at: int, what: str) -> ValueError:
+        line = self.lines + self.buffer.count("\n", 0, at) + 1
+        return ValueError(f"{self.path}:{line}:{self.column_of(at)}: {what}. {FIX_JSON}")
 
 
 def _skip_space(buffer: str, pos: int) -> int:

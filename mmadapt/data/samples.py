@@ -35,7 +35,6 @@ from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
 from mmadapt.data.stream import ShardRecords, is_shard_source
 from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
-from mmadapt.data.tar_headers import SampleLimits
 from mmadapt.data.video.decode import EmbeddedVideo
 
 IMAGE = "<image>"
@@ -111,6 +110,8 @@ def read_records(path: str | os.PathLike, errors: str = "raise", columns: dict[s
     default `train`, subset default the dataset's default). WebDataset `.tar` shards (a file, a glob, a directory) are
     read in file order (`stream.ShardRecords`: what `data check` and `data show` see of a stream), each sample checked
     from its tar headers against the limits of `config` (a `DataConfig`; None: the defaults) before it is read.
+    Parquet and Arrow sources are checked against `config`'s table limits (`table_limits.TableLimits`) from their
+    footers before a row group is decoded.
 
     A `.jsonl` file is read line by line (bytes, decoded per line; a UTF-8 byte-order mark on line 1 is allowed): a
     line that is not UTF-8, not JSON, nested too deeply for the parser or holding a number Python refuses (an integer
@@ -121,12 +122,13 @@ def read_records(path: str | os.PathLike, errors: str = "raise", columns: dict[s
     """
     if errors not in ("raise", "report"):
         raise ValueError(f"errors must be 'raise' or 'report', got {errors!r}")
+    table_limits = getattr(config, "table_limits", None)
     if is_hub_source(path):
-        return TableRecords(HubDataset.parse(str(path)), columns)
+        return TableRecords(HubDataset.parse(str(path)), columns, table_limits)
     if is_shard_source(path):
-        return ShardRecords(path, columns, SampleLimits.of(config))
+        return ShardRecords(path, columns, config)
     if is_table_source(path):
-        return TableRecords(path, columns)
+        return TableRecords(path, columns, table_limits)
     records = open_records(path)
     if errors == "raise" and (problems := records.problems()):
         raise ValueError(problems[0].detail)

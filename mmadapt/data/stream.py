@@ -104,9 +104,11 @@ def shard_files(pattern: str) -> list[Path]:
     return files
 
 
-def shard_of(path: Path, columns: dict[str, str] | None = None,
-             limits: SampleLimits | None = None) -> Shard | ParquetShard:
-    return ParquetShard(path, columns) if path.suffix == ".parquet" else Shard(path, limits)
+def shard_of(path: Path, columns: dict[str, str] | None = None, config: Any = None) -> Shard | ParquetShard:
+    """The shard at `path`, checked against the limits of `config` (a `DataConfig`; None: the defaults)."""
+    if path.suffix == ".parquet":
+        return ParquetShard(path, columns, getattr(config, "table_limits", None))
+    return Shard(path, SampleLimits.of(config))
 
 
 class Shard:
@@ -244,38 +246,65 @@ def _clip(error: BaseException, width: int = 200) -> str:
 
 class ParquetShard:
     """One Parquet shard of a stream: its row count from the file's footer, its rows as records (the hub's column
-    layouts, `mmadapt.data.tables.RowLayout`) from any position, whole row groups before it skipped unread."""
+    layouts, `mmadapt.data.tables.RowLayout`) from any position, whole row groups before it skipped unread. Each row
+    group is checked from the footer against `limits` before it is decoded (`tables.row_group_refusal`); a refused
+    group's rows, a row that does not convert, and the rows after a read error (the shard cannot be read on) are
+    counted problems naming the shard and the row, so the stream keeps its positions and goes on."""
 
-    def __init__(self, path: Path, columns: dict[str, str] | None = None) -> None:
-        self.path, self.columns = Path(path), dict(columns or {})
+    def __init__(self, path: Path, columns: dict[str, str] | None = None, limits: Any = None) -> None:
+        from mmadapt.data.table_limits import TableLimits
+
+        self.path, self.columns, self.limits = Path(path), dict(columns or {}), limits or TableLimits()
         self._count: int | None = None
 
     def __len__(self) -> int:
         if self._count is None:
-            import pyarrow.parquet as pq
-
-            self._count = pq.ParquetFile(self.path).metadata.num_rows
+            self._count = self._file().metadata.num_rows
         return self._count
 
-    def records(self, start: int = 0) -> Iterator[Any]:
+    def _file(self) -> Any:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
+        try:
+            return pq.ParquetFile(self.path)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{self.path}: not a readable Parquet shard ({e}). Fix: re-download or rewrite it, or "
+                             "remove it from the stream") from None
+
+    def records(self, start: int = 0) -> Iterator[Any]:
         from mmadapt.data.tables import RowLayout
 
-        file = pq.ParquetFile(self.path)
-        rows = RowLayout(str(self.path), file.schema_arrow.names, self.columns)
+        file = self._file()
+        rows = RowLayout(str(self.path), file.schema_arrow.names, self.columns, self.limits)
         first = 0
         for group in range(file.num_row_groups):
             size = file.metadata.row_group(group).num_rows
-            if first + size <= start:
-                first += size
-                continue
-            for batch in file.iter_batches(batch_size=256, row_groups=[group]):
-                for offset, row in enumerate(batch.to_pylist()):
-                    index = first + offset
-                    if index >= start:
-                        yield rows.row_record(row, index)
-                first += batch.num_rows
+            if first + size > start:
+                yield from self._group(file, rows, group, first, start)
+            first += size
+
+    def _group(self, file: Any, rows: Any, group: int, first: int, start: int) -> Iterator[Any]:
+        """Row group `group`'s records (rows `first`... of the shard) from row `start` on."""
+        from mmadapt.data.table_limits import RowGroupRefused, decoded_batches, row_group_refusal
+
+        index, end = first, first + file.metadata.row_group(group).num_rows
+        refusal, reason = row_group_refusal(file.metadata, group, self.limits), "table_too_large"
+        if refusal is None:
+            try:
+                for batch in decoded_batches(file, group, self.limits):
+                    for row in range(batch.num_rows):
+                        if index >= start:
+                            yield rows.read_row(batch, row, index)
+                        index += 1
+                return
+            except RowGroupRefused as e:
+                refusal = str(e)
+            except Exception as e:  # a corrupt page: the group's other rows are counted, the stream goes on
+                refusal = f"the shard cannot be read on from row group {group} ({type(e).__name__}: {e})"
+                reason = "unreadable_row"
+        for k in range(max(index, start), end):
+            yield rows.problem(k, reason, refusal)
 
 
 def _image_order(extension: str) -> tuple[int, str]:
@@ -285,14 +314,13 @@ def _image_order(extension: str) -> tuple[int, str]:
 
 
 def _cached_count(path: Path) -> int:
-    """The shard's sample count, from its headers once, then from the records cache (keyed by path, size, mtime)."""
+    """The shard's sample count, from its headers once, then from the records cache, keyed by the shard's
+    `records.stat_key` (a shard changed with its size and mtime kept, by `cp -p` or `tar x`, is counted again)."""
     import hashlib
 
-    from mmadapt.data.records import cache_root, write_text_atomic
+    from mmadapt.data.records import cache_root, stat_key, write_text_atomic
 
-    stat = path.stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-    index = cache_root() / "shards" / f"{hashlib.sha256(key).hexdigest()}.json"
+    index = cache_root() / "shards" / f"{hashlib.sha256(stat_key(path).encode()).hexdigest()}.json"
     if index.is_file():
         try:
             return int(json.loads(index.read_text())["samples"])
@@ -335,8 +363,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def __init__(self, pattern: str, encoder: Any, *, buffer: int = DEFAULT_BUFFER, seed: int = 0) -> None:
         self.pattern, self.encoder, self.buffer, self.seed = pattern, encoder, buffer, seed
         config = getattr(encoder, "config", None)
-        columns, limits = getattr(config, "columns", None), SampleLimits.of(config)
-        self.shards = [shard_of(p, columns, limits) for p in shard_files(pattern)]
+        columns = getattr(config, "columns", None)
+        self.shards = [shard_of(p, columns, config) for p in shard_files(pattern)]
         self.rank, self.layout, self.start_step = 0, StreamLayout(1, 0, 1, 1), 0
 
     def __len__(self) -> int:
@@ -440,9 +468,9 @@ class ShardRecords(Sequence):
     evaluation's reads cost what sequential ones do."""
 
     def __init__(self, pattern: str | os.PathLike, columns: dict[str, str] | None = None,
-                 limits: SampleLimits | None = None) -> None:
+                 config: Any = None) -> None:
         self.pattern = os.fspath(pattern)
-        self.shards = [shard_of(p, columns, limits) for p in shard_files(self.pattern)]
+        self.shards = [shard_of(p, columns, config) for p in shard_files(self.pattern)]
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)

@@ -3,7 +3,7 @@ in the local hub cache, each row given as a LLaVA or messages record when it is 
 `EmbeddedImage`s and its embedded videos as `EmbeddedVideo`s.
 
 A source is converted once into the records cache (`mmadapt.data.records`: an Arrow IPC file named by the checksum
-of the source's bytes, found again by path, size and modification time), in record batches of `TABLE_ROWS` rows:
+of the source's bytes, found again by the files' `records.stat_key`), in record batches of up to `TABLE_ROWS` rows:
 Parquet is read with pyarrow, Arrow files and `save_to_disk` directories with `datasets` (its row order and any
 indices applied). The converted file is memory-mapped and read a batch at a time, so that opening it touches no
 row's data. (`datasets`' own cache is Arrow's stream format, which it opens by reading every record batch: the
@@ -31,28 +31,49 @@ root, confined to it like any path in a record. A video cell is the same (the `V
 video container, opened from memory and checked from its header against the video limits before any frame is
 decoded, exactly as a file is (`mmadapt.data.video.decode`).
 
+Sizes are checked before anything is decoded (`mmadapt.data.table_limits`): the layout from the schema before any
+conversion, each Parquet row group from the footer before it is decoded (a refused group's rows, and the rest of a
+group that cannot be read on, are kept in the conversion as null rows holding their problem, `PROBLEM_COLUMN`), each
+Arrow file from its IPC metadata before any batch is read; a row that does not convert (a text cell that is not
+UTF-8) or holds a cell over `max_cell_bytes` is that row's problem, naming the file and the row. A refused or failed
+conversion leaves nothing in the cache. A `save_to_disk` directory is read only through the files its `state.json`
+names inside it (`saved_files`).
+
 A hub dataset is named `hub:OWNER/NAME[/SUBSET][@SPLIT]` (`HubDataset`; split default `train`, subset default the
 dataset's default config) and read from the local hub cache only, never the network: `huggingface_hub` finds the
 snapshot of `refs/main` in the cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read
 when the source is opened), and `datasets` says which of its files are the subset's split, as the hub does (the
 README's `configs:` YAML, else the `data/{split}-*` and `{subset}/{split}-*` file-name conventions). Those Parquet or
 Arrow shards, in `datasets`' order, are one source, converted like a local directory of them. A snapshot holding a
-dataset script (`NAME.py`) is refused: mmadapt never runs a dataset's code (`datasets` >= 4 refuses it too). Not
+dataset script (`NAME.py`) is refused: mmadapt never runs a dataset's code (`datasets` >= 4 refuses it too). The
+README's `configs:` paths are checked before `datasets` resolves them (a URL or `hf://` path would make it connect;
+an absolute path or `..` would read files of no dataset), and every file found must resolve, links followed, inside
+the dataset's `datasets--OWNER--NAME` folder (the snapshot's files are links into its `blobs/`). Not
 `hf://datasets/...`: that is an fsspec path into the repository's files, where a third part is a folder, not a
 subset.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mmadapt.data.images import EmbeddedImage
 from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import MappedBatches, cached_arrow, write_batches
+from mmadapt.data.table_limits import (
+    TABLE_ROWS,
+    RowGroupRefused,
+    TableLimits,
+    check_arrow_files,
+    decoded_batches,
+    row_group_refusal,
+)
 from mmadapt.data.video.decode import EmbeddedVideo
 
 LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": ("messages",), "texts": ("texts",),
@@ -61,7 +82,6 @@ LAYOUTS: dict[str, tuple[str, ...]] = {"llava": ("conversations",), "messages": 
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
 TABLE_SUFFIXES = (".parquet", ".arrow")
-TABLE_ROWS = 1024  # rows per converted record batch: a row's batch is what reading it maps (images make rows large)
 HUB_SCHEME = "hub:"
 HUB_FORM = "hub:OWNER/NAME[/SUBSET][@SPLIT]"
 
@@ -98,12 +118,19 @@ class HubDataset:
             raise ValueError(f"{self}: {self.repo_id} is a dataset script ({script.name}), and mmadapt never runs a "
                              "dataset's code. Fix: where you trust it, load it with datasets and save its splits "
                              "with to_parquet, then give that directory as the source")
+        readme = snapshot / "README.md"
+        for path in readme_paths(readme):
+            if "://" in path or path.startswith(("/", "~")) or ".." in PurePosixPath(path).parts:
+                raise ValueError(f"{self}: {readme} names the data files {path!r}, not a path inside the dataset "
+                                 "(an absolute path, a URL or '..'); mmadapt reads only the dataset's own files, "
+                                 "offline. Fix: download a dataset whose README names its own files")
         builder = self._builder(snapshot)
         splits = dict(builder.config.data_files or {})
         if self.split not in splits:
             raise ValueError(f"{self}: no split {self.split!r} in subset {builder.config.name!r} of {self.repo_id}; "
                              f"its splits: {list(splits)}. Fix: name one after '@'")
-        files = [Path(f) for f in splits[self.split]]
+        repo = snapshot.parent.parent  # the snapshot's files are links into the repository's blobs/
+        files = [inside(Path(f), repo, f"{self}: {readme}") for f in splits[self.split]]
         odd = [f for f in files if f.suffix not in TABLE_SUFFIXES or not f.is_file()]
         if odd:
             raise ValueError(f"{self}: {odd[0]} is not a Parquet or Arrow file in the snapshot; mmadapt reads a hub "
@@ -143,6 +170,32 @@ class HubDataset:
             raise
 
 
+def readme_paths(readme: Path) -> list[str]:
+    """The data file paths and data directories a dataset card's `configs:` YAML names (none without a card)."""
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        configs = (metadata_load(readme) or {}).get("configs") if readme.is_file() else None
+    except Exception as e:  # YAML that does not parse: the card is not read by guessing
+        raise ValueError(f"{readme}: its YAML header does not parse ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())}). Fix: download the dataset again") from None
+    out: list[str] = []
+    for config in configs if isinstance(configs, list) else []:
+        if isinstance(config, dict):
+            out += _paths(config.get("data_files")) + _paths(config.get("data_dir"))
+    return out
+
+
+def _paths(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [p for v in value for p in _paths(v.get("path") if isinstance(v, dict) else v)]
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _paths(v)]
+    return []
+
+
 def hub_cache() -> Path:
     """The hub cache directory as `huggingface_hub` derives it from the environment, read now (its own constant is
     fixed when it is imported, so a later `HF_HUB_CACHE` or `HF_HOME` would be missed)."""
@@ -179,42 +232,143 @@ def _datasets() -> Any:
     return datasets
 
 
-def _convert(path: Path | HubDataset) -> Path:
-    """The records cache's copy of the dataset at `path` (see the module docstring)."""
-    if isinstance(path, HubDataset):
-        return _convert_files(path.files(), str(path))
-    if path.is_dir() and (path / "state.json").is_file():
-        dataset = _datasets().load_from_disk(str(path))
-        files = [Path(f["filename"]) for f in dataset.cache_files]
-        return cached_arrow(files, ".saved", lambda target: _write_dataset(dataset, target))
-    files = _table_files(path) if path.is_dir() else [path]
+@dataclass(frozen=True)
+class TableSource:
+    """A dataset's files, opened as far as their schema and footers: `names` (its columns, the layout checked from
+    them before anything is converted) and `convert(limits)`, the records cache's copy."""
+
+    name: str
+    kind: str  # .parquet, .arrow-table or .saved: conversions of the same bytes kept apart
+    files: list[Path]
+    names: list[str]
+    dataset: Any = None  # the `datasets.Dataset` of Arrow files and `save_to_disk` directories
+
+    @classmethod
+    def open(cls, path: Path | HubDataset, limits: TableLimits) -> TableSource:
+        if isinstance(path, HubDataset):
+            return cls.of_files(path.files(), str(path), limits)
+        if path.is_dir() and (path / "state.json").is_file():
+            files = saved_files(path)
+            check_arrow_files(files, limits)
+            dataset = _datasets().load_from_disk(str(path))
+            return cls(str(path), ".saved", files, list(dataset.column_names), dataset)
+        files = _table_files(path) if path.is_dir() else [path]
+        if not files:
+            raise ValueError(f"{path}: no .parquet or .arrow files in it")
+        return cls.of_files(files, str(path), limits)
+
+    @classmethod
+    def of_files(cls, files: list[Path], name: str, limits: TableLimits) -> TableSource:
+        if len({f.suffix for f in files}) > 1:
+            raise ValueError(f"{name}: holds both Parquet and Arrow files; give one kind")
+        if files[0].suffix == ".arrow":
+            check_arrow_files(files, limits)
+            datasets = _datasets()
+            parts = [datasets.Dataset.from_file(str(f)) for f in files]
+            dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+            return cls(name, ".arrow-table", files, list(dataset.column_names), dataset)
+        schema = _parquet_schema(files[0])
+        for f in files[1:]:
+            if not _parquet_schema(f).equals(schema, check_metadata=False):
+                raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one "
+                                 "schema")
+        return cls(name, ".parquet", files, list(schema.names))
+
+    def convert(self, limits: TableLimits) -> Path:
+        """The records cache's copy (see the module docstring); a refused or failed conversion leaves nothing."""
+        if self.dataset is not None:
+            return cached_arrow(self.files, self.kind, lambda target: _write_dataset(self.dataset, target))
+        cache_schema = pa_schema_with_problems(_parquet_schema(self.files[0]))
+        return cached_arrow(self.files, f"{self.kind}-{limits.key}",
+                            lambda target: write_batches(target, cache_schema, self._batches(cache_schema, limits)))
+
+    def file_rows(self) -> list[tuple[str, int]]:
+        """(file, its first row in the dataset) of each Parquet file, from the footers (Arrow sources: [])."""
+        import pyarrow.parquet as pq
+
+        if self.dataset is not None:
+            return []
+        out, start = [], 0
+        for f in self.files:
+            out.append((str(f), start))
+            start += pq.ParquetFile(f).metadata.num_rows
+        return out
+
+    def _batches(self, schema: Any, limits: TableLimits) -> Iterator[Any]:
+        """The Parquet files' rows as record batches of `schema` (theirs + `PROBLEM_COLUMN`): a row group refused by
+        the limits, or that cannot be read on, gives null rows holding the problem (`reason<TAB>what`)."""
+        import pyarrow.parquet as pq
+
+        for f in self.files:
+            file = pq.ParquetFile(f)
+            for group in range(file.num_row_groups):
+                rows, done = file.metadata.row_group(group).num_rows, 0
+                refusal = row_group_refusal(file.metadata, group, limits)
+                if refusal is None:
+                    try:
+                        for batch in decoded_batches(file, group, limits):
+                            yield _with_problems(batch, schema, None)
+                            done += batch.num_rows
+                        continue
+                    except RowGroupRefused as e:
+                        refusal = f"table_too_large\t{e}"
+                    except Exception as e:  # a corrupt page: the group's other rows are its problem, not the run's
+                        refusal = f"unreadable_row\trow group {group} cannot be read on ({type(e).__name__}: {e})"
+                else:
+                    refusal = f"table_too_large\t{refusal}"
+                if done < rows:
+                    yield _with_problems(None, schema, refusal, rows - done)
+
+
+PROBLEM_COLUMN = "__mmadapt_problem__"
+"""A converted Parquet source's extra column: null, or why the row could not be read (its row group refused)."""
+
+
+def pa_schema_with_problems(schema: Any) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([f.with_nullable(True) for f in schema] + [pa.field(PROBLEM_COLUMN, pa.string())])
+
+
+def _with_problems(batch: Any, schema: Any, problem: str | None, rows: int = 0) -> Any:
+    import pyarrow as pa
+
+    if batch is None:
+        columns = [pa.nulls(rows, f.type) for f in schema][:-1]
+        return pa.record_batch([*columns, pa.array([problem] * rows, pa.string())], schema=schema)
+    return pa.record_batch([*batch.columns, pa.nulls(batch.num_rows, pa.string())], schema=schema)
+
+
+def saved_files(directory: Path) -> list[Path]:
+    """The Arrow files a `save_to_disk` directory's `state.json` names, each a file inside the directory (symlinks
+    resolved): a name that is absolute, leaves the directory or is missing is one line naming the file and path."""
+    state = directory / "state.json"
+    try:
+        entries = json.loads(state.read_text())["_data_files"]
+        names = [e["filename"] for e in entries]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{state}: not a save_to_disk state ({type(e).__name__}: {e}). Fix: save the dataset "
+                         "again with save_to_disk") from None
+    files = []
+    for name in names:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"{state}: names the data file {name!r}, which is not a file of the dataset's own "
+                             "directory; mmadapt reads only the dataset's files. Fix: save the dataset again")
+        files.append(inside(directory / name, directory, str(state)))
     if not files:
-        raise ValueError(f"{path}: no .parquet or .arrow files in it")
-    return _convert_files(files, str(path))
+        raise ValueError(f"{state}: names no data files")
+    return files
 
 
-def _convert_files(files: list[Path], source: str) -> Path:
-    """The records cache's copy of these Parquet (or Arrow) files, in order: one dataset."""
-    import pyarrow.parquet as pq
-
-    if len({f.suffix for f in files}) > 1:
-        raise ValueError(f"{source}: holds both Parquet and Arrow files; give one kind")
-    if files[0].suffix == ".arrow":
-        datasets = _datasets()
-        parts = [datasets.Dataset.from_file(str(f)) for f in files]
-        dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-        return cached_arrow(files, ".arrow-table", lambda target: _write_dataset(dataset, target))
-    schemas = [_parquet_schema(f) for f in files]
-    schema = schemas[0]
-    for f, other in zip(files[1:], schemas[1:], strict=True):
-        if not other.equals(schema, check_metadata=False):
-            raise ValueError(f"{f}: its columns differ from {files[0]}'s; a dataset's Parquet files share one schema")
-
-    def batches() -> Any:
-        for f in files:
-            yield from pq.ParquetFile(f).iter_batches(batch_size=TABLE_ROWS)
-
-    return cached_arrow(files, ".parquet", lambda target: write_batches(target, schema, batches()))
+def inside(path: Path, root: Path, what: str) -> Path:
+    """`path`, when it (its symlinks resolved) is a file inside `root`; else one line naming `what` and the path."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ValueError(f"{what}: {path} resolves to {resolved}, outside {root}; mmadapt reads only a dataset's own "
+                         "files. Fix: copy the file into the dataset, or give it as a source of its own")
+    if not resolved.is_file():
+        raise ValueError(f"{what}: {path} is not a file")
+    return path
 
 
 def _parquet_schema(path: Path) -> Any:
@@ -254,10 +408,36 @@ class RowLayout:
     (a file) for the problems' where. `TableRecords` reads rows from the records cache; a streamed Parquet shard
     (`mmadapt.data.stream`) from the file."""
 
-    def __init__(self, source: str, names: Sequence[str], columns: Mapping[str, str] | None = None) -> None:
-        self.source = source
+    def __init__(self, source: str, names: Sequence[str], columns: Mapping[str, str] | None = None,
+                 limits: TableLimits | None = None) -> None:
+        self.source, self.limits = source, limits or TableLimits()
         self.columns = dict(columns or {})  # ours -> theirs
         self.layout = layout_of(names, {v: k for k, v in self.columns.items()}, self.source)
+
+    def read_row(self, batch: Any, row: int, index: int) -> Any:
+        """Row `row` of a decoded record batch (row `index` of the source) as a record, or the `DataProblem` that
+        stops it: a cell over `max_cell_bytes` (measured on the buffers, before any Python object is made), a row
+        that does not convert (a text cell that is not UTF-8)."""
+        try:
+            for name, column in zip(batch.schema.names, batch.columns, strict=True):
+                size = column.slice(row, 1).nbytes  # the bytes of the cell's buffers
+                if size > self.limits.max_cell_bytes:
+                    return self.problem(index, "table_too_large", f"column {name!r} holds {size} bytes, over "
+                                        f"max_cell_bytes = {self.limits.max_cell_bytes}: not read")
+            values = batch.slice(row, 1).to_pylist()[0]
+        except Exception as e:  # e.g. UnicodeDecodeError: this row's problem; the others are read
+            return self.problem(index, "unreadable_row", f"cannot be read ({type(e).__name__}: {e})")
+        values.pop(PROBLEM_COLUMN, None)
+        return self.row_record(values, index)
+
+    def problem(self, index: int, reason: str, what: str) -> DataProblem:
+        """Row `index`'s problem, naming its file and its row there (`where`)."""
+        file, row = self.where(index)
+        return DataProblem(reason, f"{file} row {row}: {what}", sample_id=f"row {row}", path=file)
+
+    def where(self, index: int) -> tuple[str, int]:
+        """(the file, the row in it) of row `index`."""
+        return self.source, index
 
     def row_record(self, row: dict[str, Any], index: int) -> Any:
         """Row `index` (its columns by the dataset's names) as a record, or the `DataProblem` that stops it."""
@@ -320,9 +500,14 @@ class TableRecords(RowLayout, Sequence):
     """A dataset's rows as records (see the module docstring); `records[i]` reads row i only. Pickles as its cache
     path."""
 
-    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None) -> None:
-        self._rows = MappedBatches(_convert(path if isinstance(path, HubDataset) else Path(path)))
-        super().__init__(str(path), self._rows.schema.names, columns)
+    def __init__(self, path: str | os.PathLike | HubDataset, columns: Mapping[str, str] | None = None,
+                 limits: TableLimits | None = None) -> None:
+        limits = limits or TableLimits()
+        source = TableSource.open(path if isinstance(path, HubDataset) else Path(path), limits)
+        super().__init__(str(path), source.names, columns, limits)  # the layout, before anything is converted
+        self._files = source.file_rows()
+        self._rows = MappedBatches(source.convert(limits))
+        self._problems = PROBLEM_COLUMN in self._rows.schema.names
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -334,7 +519,18 @@ class TableRecords(RowLayout, Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of {len(self)} in {self.source}")
-        return self.row_record(self._rows.row(index), index)
+        batch, row = self._rows.batch_of(index)
+        if self._problems and (what := batch.column(PROBLEM_COLUMN)[row].as_py()) is not None:
+            reason, _, what = what.partition("\t")
+            return self.problem(index, reason, what)
+        return self.read_row(batch, row, index)
+
+    def where(self, index: int) -> tuple[str, int]:
+        if not self._files:
+            return self.source, index
+        starts = [start for _, start in self._files]
+        k = bisect.bisect_right(starts, index) - 1
+        return self._files[k][0], index - starts[k]
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
