@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.batches import eval_rounds, inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
@@ -272,7 +272,7 @@ class GrpoObjective(Objective):
                 else:
                     terms = self.terms(run, batch, steps, total_tokens, iteration)
                     loss, stats = terms.loss, stats + terms.stats
-                    loss_sum += terms.policy_loss.detach() / steps
+                    loss_sum += terms.loss.detach()  # its share of the step (dapo: over the step's tokens)
             (loss * run.dist.world).backward()
             if clock is not None:
                 clock.backward_done()
@@ -363,15 +363,23 @@ class GrpoObjective(Objective):
         """Does the reward rest on the image? The mean reward of one greedy answer per eval prompt with its real
         images (`eval_reward`), blanked (`eval_reward_blanked`: the processor's mean colour) and shuffled among the
         batch's prompts (`eval_reward_shuffled`: another prompt's image of the same size): every rank its every
-        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts)."""
+        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts), in as many
+        rounds as the others (`eval_rounds`). Under FSDP2 a round in which a rank has no prompt to answer answers a
+        stand-in (the eval set's first good prompt, its rewards dropped), so that its `generate` calls pair with the
+        other ranks' (each gathers parameters with them)."""
         from mmadapt.controls import IMAGE_CONTROLS
 
         data, size = run.eval_data, run.cfg.data.batch_size
         totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
+        stand_in: list[Any] | None = None
         run.model.eval()
         with run.precision_context(), gathered(run.wrapped):
-            for start in list(range(0, len(data), size))[run.dist.rank::run.dist.world]:
-                items = [data[i] for i in range(start, min(start + size, len(data)))]
+            for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
+                items = [data[i] for i in index]
+                if is_sharded(run.wrapped) and not any(map(answerable, items)):
+                    stand_in = first_answerable(data) if stand_in is None else stand_in
+                    control_rewards(run.model, self.scorer, stand_in, run.collate_fn, device=run.device)
+                    continue
                 for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn,
                                                     device=run.device).items():
                     totals[name] += values
@@ -381,3 +389,15 @@ class GrpoObjective(Objective):
             key = "eval_reward" if control.name == "real" else f"eval_reward_{control.name}"
             out[key] = sum(everyone) / len(everyone) if everyone else math.nan
         return out
+
+
+def answerable(item: Any) -> bool:
+    """Whether an eval item is a prompt to answer (a bad record is a counted `DataProblem`)."""
+    from mmadapt.data.prompts import EncodedPrompt
+
+    return isinstance(item, EncodedPrompt)
+
+
+def first_answerable(data: Any) -> list[Any]:
+    """[the first prompt of `data` that can be answered], or [] when none can (then no rank answers any)."""
+    return next(([item] for item in (data[i] for i in range(len(data))) if answerable(item)), [])

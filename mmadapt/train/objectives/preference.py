@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import inputs_of, placeholder_batch, supervised_tokens, to_device
+from mmadapt.train.batches import eval_rounds, inputs_of, placeholder_batch, supervised_tokens, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
@@ -321,11 +321,7 @@ class PreferenceObjective(Objective):
         sums, pairs = dict.fromkeys(STATS, 0.0), 0
         size, data = run.cfg.data.batch_size, run.eval_data
         run.wrapped.eval()
-        starts = list(range(0, len(data), size))
-        rounds = -(-len(starts) // run.dist.world)
-        for r in range(rounds):
-            k = r * run.dist.world + run.dist.rank
-            index = range(starts[k], min(starts[k] + size, len(data))) if k < len(starts) else []
+        for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
             batch = run.collate_fn([data[i] for i in index])
             with run.precision_context():
                 if not batch.get("pairs"):

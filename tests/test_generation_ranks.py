@@ -1,0 +1,142 @@
+"""Generation under torchrun (CPU, gloo) with uneven work: ranks whose answers end at different steps, and an eval
+with more batches on one rank than the other. Under FSDP2 every decoding step gathers parameters with the other ranks,
+so the ranks agree on when decoding ends (`mmadapt.generation.any_rank_decoding`) and on the number of eval rounds
+(`mmadapt.train.batches.eval_rounds`); the runs finish and equal one process.
+
+The model is a tiny Qwen3.5 made to answer by construction (`chooser`): every block's output projection is zero, so the
+hidden state at a position is its token's embedding and the model is a table of next tokens. After the prompt it
+samples the end (0.2), "A" (0.3) or "B" (0.5); "A" is followed by the end, "B" by "B" for ever. Each answer samples
+from its own seed (the run's seed, the step, the prompt's id, its place in its group), so the prompt ids below were
+chosen for what their answers are at steps 1 and 2: both answers to SHORT end within 2 tokens, both answers to LONG
+run to `max_completion_length` (24). Each rank holds one of the two prompts per step: one rank is done after 1-2
+steps while the other decodes 24.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+SHORT, LONG = "q19", "q7"  # found by sampling each id's two answers at steps 1 and 2 (module docstring)
+MAX_TOKENS = 24
+
+
+@torch.no_grad()
+def chooser(model, start: int, end: int, a: int, b: int) -> None:
+    """`model` (a tiny Qwen3.5) as a table of next tokens: after `start` the end, "A" or "B" (0.2, 0.3, 0.5), after
+    `a` the end, after `b` `b`. Every block adds nothing to the residual stream (output projections zero), so the
+    last hidden state is the final norm of the current token's embedding; the three tokens' embeddings are orthogonal
+    and the head maps their normed states to the wanted logits (the rest of the vocabulary 20 below)."""
+    lm = model.backbone
+    for layer in lm.model.layers:
+        for name, module in layer.named_modules():
+            if name.endswith(("out_proj", "o_proj", "down_proj")):
+                module.weight.zero_()
+    embeddings = lm.get_input_embeddings().weight
+    width = embeddings.shape[1]
+    basis = torch.linalg.qr(torch.randn(width, 3, generator=torch.Generator().manual_seed(0)))[0].T * width ** 0.5
+    embeddings[[start, a, b]] = basis
+    states = lm.model.norm(basis[None])[0]  # (3, D)
+    logits = torch.zeros(embeddings.shape[0], 3)
+    logits[[end, a, b], 0] = 20 + torch.tensor([0.2, 0.3, 0.5]).log()
+    logits[end, 1] = logits[b, 2] = 20
+    lm.lm_head.weight.copy_(logits @ torch.linalg.pinv(states.T))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The constructed model's directory, its prompts (SHORT, LONG) and eval prompts (3: more batches on rank 0 than
+    on rank 1 at one per batch), and the run's base config."""
+    from mmadapt.train import RunConfig
+    from mmadapt.train.objectives.reward_view import AnswerScorer
+    from mmadapt.train.rewards import reward_specs
+    from mmadapt.train.run import build_run
+
+    root = tmp_path_factory.mktemp("generation-ranks")
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(root / "0.png")
+
+    def prompts(name, ids):
+        path = root / name
+        path.write_text("\n".join(json.dumps({"id": i, "problem": "<image>Go?", "answer": "A", "images": ["0.png"]})
+                                  for i in ids))
+        return path
+
+    train, held = prompts("train.jsonl", [SHORT, LONG]), prompts("eval.jsonl", [SHORT, LONG, "q3"])
+    cfg = RunConfig.load(None, [f"train.out={root / 'build'}", "train.objective=grpo", "train.rewards=[accuracy]",
+                                f"data.train={train}", f"data.image_root={root}", "data.max_length=128",
+                                f"grpo.max_completion_length={MAX_TOKENS}"])
+    torch.manual_seed(0)
+    parts = build_run(cfg)
+    ends = AnswerScorer.for_encoder(parts.encoder, reward_specs(["accuracy"]), MAX_TOKENS).eos_token_ids
+    start = int(parts.train_data[0].sample.input_ids[-1])  # the template's last prompt token
+    chooser(parts.model, start, ends[-1], *parts.tokenizer.convert_tokens_to_ids(["A", "B"]))
+    parts.model.save_pretrained(root / "model", tokenizer=parts.tokenizer)
+    (root / "base.yaml").write_text(
+        f"model: {{pretrained: {root / 'model'}}}\n"
+        f"data: {{train: {train}, eval: {held}, image_root: {root}, max_length: 128}}\n"
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo, "
+        "rewards: [accuracy, 'test_grpo:length']}\n"
+        f"grpo: {{num_generations: 2, max_completion_length: {MAX_TOKENS}}}\n")
+    return root
+
+
+def launch(root, out, *overrides, procs=1, timeout=300):
+    """`mmadapt train` (under torchrun with `procs` > 1) in its own process group, killed whole at `timeout` seconds:
+    a hang fails the test instead of holding CI."""
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                    str(procs)] if procs > 1 else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"), f"train.out={root / out}",
+                                *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        pytest.fail(f"{out}: no end after {timeout} s (ranks out of step?)")
+    assert process.returncode == 0, stderr[-3000:]
+    return [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a launch that hangs, its workers included: torchrun's workers run in sessions of their own (a signal to
+    the launcher's group misses them), and on SIGTERM the launcher ends its workers itself (SIGTERM, then SIGKILL
+    after its grace period); SIGKILL to the launcher's group after 60 s otherwise."""
+    process.terminate()
+    try:
+        process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+
+
+def test_grpo_with_answers_ending_at_different_steps_on_each_rank_equals_one_process(root):
+    """2 processes (FSDP2, DDP), one prompt each: SHORT's answers end within 2 tokens, LONG's run to 24, so at every
+    step one rank is done after 1-2 decoding steps while the other decodes 24; and each eval (every step) answers 3
+    prompts one per batch, 2 batches on rank 0, 1 on rank 1. Both finish, and their losses, rewards, answer lengths
+    and evals equal one process's within 1e-5 (the gradient norm relative), as the torchrun GRPO test in
+    tests/test_grpo.py compares them."""
+    one = launch(root, "one", "data.batch_size=2")
+    for record in one:  # the work is uneven as meant: one group ends at once, the other is cut at 24 tokens
+        assert record["completion_length/max"] == MAX_TOKENS and record["completion_length/truncated"] == 0.5, record
+        assert record["completion_length/mean"] <= (2 * 2 + 2 * MAX_TOKENS) / 4, record
+        assert math.isfinite(record["eval_reward"]), record
+    for strategy in ("fsdp", "ddp"):
+        two = launch(root, strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
+        assert len(one) == len(two) == 2
+        for a, b in zip(one, two, strict=True):
+            for key in ("loss", "reward", "rewards/test_grpo:length/mean", "reward_std", "completion_length/mean",
+                        "completion_length/max", "eval_reward", "eval_reward_blanked"):
+                assert abs(a[key] - b[key]) <= 1e-5, (strategy, key, a[key], b[key])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (strategy, a, b)
