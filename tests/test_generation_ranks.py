@@ -3,13 +3,13 @@ with more batches on one rank than the other. Under FSDP2 every decoding step ga
 so the ranks agree on when decoding ends (`mmadapt.generation.any_rank_decoding`) and on the number of eval rounds
 (`mmadapt.train.batches.eval_rounds`); the runs finish and equal one process.
 
-The model is a tiny Qwen3.5 made to answer by construction (`chooser`): every block's output projection is zero, so the
-hidden state at a position is its token's embedding and the model is a table of next tokens. After the prompt it
-samples the end (0.2), "A" (0.3) or "B" (0.5); "A" is followed by the end, "B" by "B" for ever. Each answer samples
-from its own seed (the run's seed, the step, the prompt's id, its place in its group), so the prompt ids below were
-chosen for what their answers are at steps 1 and 2: both answers to SHORT end within 2 tokens, both answers to LONG
-run to `max_completion_length` (24). Each rank holds one of the two prompts per step: one rank is done after 1-2
-steps while the other decodes 24.
+The model is a tiny Qwen3.5 made to answer by construction (`helpers.answer_table`): every block's output projection
+is zero, so the hidden state at a position is its token's embedding and the model is a table of next tokens. After
+the prompt it samples the end (0.2), "A" (0.3) or "B" (0.5); "A" is followed by the end, "B" by "B" for ever. Each
+answer samples from its own seed (the run's seed, the step, the prompt's id, its place in its group), so the prompt
+ids below were chosen for what their answers are at steps 1 and 2: both answers to SHORT end within 2 tokens, both
+answers to LONG run to `max_completion_length` (24). Each rank holds one of the two prompts per step: one rank is
+done after 1-2 steps while the other decodes 24.
 """
 
 from __future__ import annotations
@@ -24,33 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import answer_table
 from PIL import Image
 
 pytestmark = pytest.mark.slow
 SHORT, LONG = "q19", "q7"  # found by sampling each id's two answers at steps 1 and 2 (module docstring)
 MAX_TOKENS = 24
-
-
-@torch.no_grad()
-def chooser(model, start: int, end: int, a: int, b: int) -> None:
-    """`model` (a tiny Qwen3.5) as a table of next tokens: after `start` the end, "A" or "B" (0.2, 0.3, 0.5), after
-    `a` the end, after `b` `b`. Every block adds nothing to the residual stream (output projections zero), so the
-    last hidden state is the final norm of the current token's embedding; the three tokens' embeddings are orthogonal
-    and the head maps their normed states to the wanted logits (the rest of the vocabulary 20 below)."""
-    lm = model.backbone
-    for layer in lm.model.layers:
-        for name, module in layer.named_modules():
-            if name.endswith(("out_proj", "o_proj", "down_proj")):
-                module.weight.zero_()
-    embeddings = lm.get_input_embeddings().weight
-    width = embeddings.shape[1]
-    basis = torch.linalg.qr(torch.randn(width, 3, generator=torch.Generator().manual_seed(0)))[0].T * width ** 0.5
-    embeddings[[start, a, b]] = basis
-    states = lm.model.norm(basis[None])[0]  # (3, D)
-    logits = torch.zeros(embeddings.shape[0], 3)
-    logits[[end, a, b], 0] = 20 + torch.tensor([0.2, 0.3, 0.5]).log()
-    logits[end, 1] = logits[b, 2] = 20
-    lm.lm_head.weight.copy_(logits @ torch.linalg.pinv(states.T))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +58,7 @@ def root(tmp_path_factory):
     parts = build_run(cfg)
     ends = AnswerScorer.for_encoder(parts.encoder, reward_specs(["accuracy"]), MAX_TOKENS).eos_token_ids
     start = int(parts.train_data[0].sample.input_ids[-1])  # the template's last prompt token
-    chooser(parts.model, start, ends[-1], *parts.tokenizer.convert_tokens_to_ids(["A", "B"]))
+    answer_table(parts.model, start, ends[-1], *parts.tokenizer.convert_tokens_to_ids(["A", "B"]))
     parts.model.save_pretrained(root / "model", tokenizer=parts.tokenizer)
     (root / "base.yaml").write_text(
         f"model: {{pretrained: {root / 'model'}}}\n"
@@ -140,3 +119,57 @@ def test_grpo_with_answers_ending_at_different_steps_on_each_rank_equals_one_pro
                         "completion_length/max", "eval_reward", "eval_reward_blanked"):
                 assert abs(a[key] - b[key]) <= 1e-5, (strategy, key, a[key], b[key])
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (strategy, a, b)
+
+
+GENERATE_SCRIPT = '''
+import json, sys
+import torch
+import mmadapt
+from mmadapt.generation import ranks_step_together
+from mmadapt.train import distributed as dist_utils
+
+ctx = dist_utils.init()
+torch.manual_seed(0)
+model = mmadapt.build_model("clip", "mlp2x_gelu", "llama").eval()  # the same weights on both ranks
+prompt = torch.tensor([[5 + ctx.rank, 6, 7, 8]])
+max_new = 2 if ctx.rank == 0 else 12  # rank 0 is done after 2 tokens, rank 1 decodes 12
+scores = []
+
+
+def answer(on_step=None):
+    return model.generate(prompt, max_new_tokens=max_new, temperature=1.0, row_seeds=torch.tensor([ctx.rank]),
+                          logprobs=0, on_step=on_step)
+
+
+alone = answer()
+dist_utils.wrap(model, ctx, "fsdp", "fp32")
+with torch.no_grad():  # FSDP2 sets itself up in the root's first forward (as a run does); each block then gathers
+    model(input_ids=prompt)  # its parameters in every forward and frees them after
+model.unshard()  # the root's own parameters (embeddings, head): generate is not the root's forward
+sharded = answer(lambda step: scores.append(step.logprobs))
+with open(sys.argv[1].format(rank=ctx.rank), "w") as f:
+    json.dump({"agrees": ranks_step_together(model), "alone": alone.tolist(), "sharded": sharded.tolist(),
+               "steps": len(scores)}, f)
+'''
+
+
+def test_generate_on_fsdp2_ranks_whose_answers_end_at_different_steps_answers_as_one_process(tmp_path):
+    """`generate` itself, as any caller runs it on a model sharded by FSDP2: rank 0 answers 2 tokens, rank 1 answers
+    12; both finish, each rank's answer is token for token the unsharded model's, and its `on_step` saw its own steps
+    only (the extra steps that keep rank 0 in step with rank 1 add nothing)."""
+    script = tmp_path / "generate.py"
+    script.write_text(GENERATE_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                str(script), str(tmp_path / "rank-{rank}.json")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        pytest.fail("generate under FSDP2: no end after 180 s (ranks out of step?)")
+    assert process.returncode == 0, stderr[-3000:]
+    for rank, tokens in ((0, 2), (1, 12)):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert result["agrees"] and result["sharded"] == result["alone"], result
+        assert len(result["sharded"][0]) == result["steps"] == tokens, result
