@@ -51,6 +51,8 @@ def root(tmp_path_factory):
         return path
 
     train, held = prompts("train.jsonl", [SHORT, LONG]), prompts("eval.jsonl", [SHORT, LONG, "q3"])
+    bad = json.dumps({"id": "bad", "problem": "<image>Go?", "answer": "A", "images": ["missing.png"]})
+    (root / "with-bad.jsonl").write_text(train.read_text().splitlines()[0] + "\n" + bad)  # SHORT, a counted problem
     cfg = RunConfig.load(None, [f"train.out={root / 'build'}", "train.objective=grpo", "train.rewards=[accuracy]",
                                 f"data.train={train}", f"data.image_root={root}", "data.max_length=128",
                                 f"grpo.max_completion_length={MAX_TOKENS}"])
@@ -86,6 +88,23 @@ def launch(root, out, *overrides, procs=1, timeout=300):
         pytest.fail(f"{out}: no end after {timeout} s (ranks out of step?)")
     assert process.returncode == 0, stderr[-3000:]
     return [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
+
+
+def test_a_rank_whose_micro_batch_holds_only_bad_records_answers_a_stand_in_and_equals_one_process(root):
+    """Under FSDP2 the other rank's encoding, rollout and forward gather parameters with this one's, so a rank whose
+    micro-batch is all counted problems answers a stand-in (the first good prompt) whose rows count for nothing.
+    Prompts SHORT and one with a missing image, one per rank: both strategies finish (FSDP2 waited for ever before)
+    and equal one process (1e-5; the gradient norm relative), the problem counted once per step."""
+    one = launch(root, "bad-one", "data.batch_size=2", f"data.train={root / 'with-bad.jsonl'}")
+    assert all(record["problems"] == 1 and record["completion_length/max"] <= 2 for record in one), one
+    for strategy in ("fsdp", "ddp"):
+        two = launch(root, f"bad-{strategy}", "data.batch_size=1", f"distributed.strategy={strategy}",
+                     f"data.train={root / 'with-bad.jsonl'}", procs=2)
+        assert len(one) == len(two) == 2
+        for a, b in zip(one, two, strict=True):
+            for key in ("loss", "reward", "tokens", "problems", "completion_length/mean", "eval_reward"):
+                assert abs(a[key] - b[key]) <= 1e-5, (strategy, key, a[key], b[key])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(a["grad_norm"], 1e-8), (strategy, a, b)
 
 
 def stop(process: subprocess.Popen) -> None:
