@@ -72,6 +72,19 @@ def eval_rounds(count: int, batch_size: int, rank: int, world: int) -> list[rang
     return [range(starts[k], min(starts[k] + batch_size, count)) if k < len(starts) else range(0) for k in mine]
 
 
+def usable(item: Any) -> bool:
+    """Whether a dataset's item is a sample to use (a bad record is a counted `DataProblem`)."""
+    from mmadapt.data.problems import DataProblem
+
+    return not isinstance(item, DataProblem)
+
+
+def first_usable(data: Any) -> list[Any]:
+    """[the first usable item of map-style `data`] (a stand-in for a rank with nothing of its own to run under FSDP2,
+    its results dropped), or [] when none is (then no rank has anything to run)."""
+    return next(([item] for item in (data[i] for i in range(len(data))) if usable(item)), [])
+
+
 def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Tokens that carry loss after the causal shift (transformers drops the first label of each row)."""
     return (labels[..., 1:] != -100).sum()

@@ -59,11 +59,11 @@ from typing import Any
 import torch
 
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import eval_rounds, inputs_of, to_device
+from mmadapt.train.batches import eval_rounds, first_usable, inputs_of, to_device, usable
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
-from mmadapt.train.objectives.reward_view import AnswerScorer, answerable, control_rewards, first_answerable
+from mmadapt.train.objectives.reward_view import AnswerScorer, control_rewards
 from mmadapt.train.objectives.rollout import (
     Encoded,
     Rollouts,
@@ -246,7 +246,7 @@ class GrpoObjective(Objective):
         encoded, answered and scored like any other, its every collective paired with the other ranks' (the vision
         units', the blocks', the decoding steps' agreement), its answers then masked out (`masked_out`)."""
         if self._stand_in is None:
-            found = first_answerable(run.train_data)
+            found = first_usable(run.train_data)
             if not found:
                 raise ValueError("no prompt of data.train can be answered (every record is a problem): check it with "
                                  "`mmadapt data check`")
@@ -421,8 +421,8 @@ class GrpoObjective(Objective):
         with run.precision_context(), gathered(run.wrapped):
             for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
                 items = [data[i] for i in index]
-                if is_sharded(run.wrapped) and not any(map(answerable, items)):
-                    stand_in = first_answerable(data) if stand_in is None else stand_in
+                if is_sharded(run.wrapped) and not any(map(usable, items)):
+                    stand_in = first_usable(data) if stand_in is None else stand_in
                     control_rewards(run.model, self.scorer, stand_in, run.collate_fn, device=run.device)
                     continue
                 for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn,

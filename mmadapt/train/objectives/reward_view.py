@@ -156,14 +156,3 @@ def reward_view(model: Any, scorer: AnswerScorer, prompts: Sequence[Any], collat
     reward = {name: sum(v) / len(v) for name, v in totals.items() if v and (name != SHUFFLED.name or moved)}
     return RewardView(good, reward, moved, len(prompts) - good)
 
-
-def answerable(item: Any) -> bool:
-    """Whether an item of a `PromptDataset` is a prompt to answer (a bad record is a counted `DataProblem`)."""
-    from mmadapt.data.prompts import EncodedPrompt
-
-    return isinstance(item, EncodedPrompt)
-
-
-def first_answerable(data: Any) -> list[Any]:
-    """[the first prompt of `data` that can be answered], or [] when none can (then no rank answers any)."""
-    return next(([item] for item in (data[i] for i in range(len(data))) if answerable(item)), [])
