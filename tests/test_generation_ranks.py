@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import answer_table
+from helpers import answer_table, run_bounded
 from PIL import Image
 
 pytestmark = pytest.mark.slow
@@ -72,21 +70,16 @@ def root(tmp_path_factory):
 
 
 def launch(root, out, *overrides, procs=1, timeout=300):
-    """`mmadapt train` (under torchrun with `procs` > 1) in its own process group, killed whole at `timeout` seconds:
+    """`mmadapt train` (under torchrun with `procs` > 1), ended whole at `timeout` seconds (`helpers.run_bounded`):
     a hang fails the test instead of holding CI."""
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                     str(procs)] if procs > 1 else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"), f"train.out={root / out}",
-                                *overrides], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(process)
-        pytest.fail(f"{out}: no end after {timeout} s (ranks out of step?)")
-    assert process.returncode == 0, stderr[-3000:]
+    code, stderr = run_bounded([*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"),
+                                f"train.out={root / out}", *overrides], timeout, env)
+    assert code is not None, f"{out}: no end after {timeout} s (ranks out of step?)\n{stderr[-2000:]}"
+    assert code == 0, stderr[-3000:]
     return [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
 
 
@@ -105,18 +98,6 @@ def test_a_rank_whose_micro_batch_holds_only_bad_records_answers_a_stand_in_and_
             for key in ("loss", "reward", "tokens", "problems", "completion_length/mean", "eval_reward"):
                 assert abs(a[key] - b[key]) <= 1e-5, (strategy, key, a[key], b[key])
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * max(a["grad_norm"], 1e-8), (strategy, a, b)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """End a launch that hangs, its workers included: torchrun's workers run in sessions of their own (a signal to
-    the launcher's group misses them), and on SIGTERM the launcher ends its workers itself (SIGTERM, then SIGKILL
-    after its grace period); SIGKILL to the launcher's group after 60 s otherwise."""
-    process.terminate()
-    try:
-        process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
 
 
 def test_grpo_with_answers_ending_at_different_steps_on_each_rank_equals_one_process(root):
@@ -178,16 +159,11 @@ def test_generate_on_fsdp2_ranks_whose_answers_end_at_different_steps_answers_as
     only (the extra steps that keep rank 0 in step with rank 1 add nothing)."""
     script = tmp_path / "generate.py"
     script.write_text(GENERATE_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                str(script), str(tmp_path / "rank-{rank}.json")], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        stop(process)
-        pytest.fail("generate under FSDP2: no end after 180 s (ranks out of step?)")
-    assert process.returncode == 0, stderr[-3000:]
+    code, stderr = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                str(script), str(tmp_path / "rank-{rank}.json")], 180,
+                               {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert code is not None, f"generate under FSDP2: no end after 180 s (ranks out of step?)\n{stderr[-2000:]}"
+    assert code == 0, stderr[-3000:]
     for rank, tokens in ((0, 2), (1, 12)):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert result["agrees"] and result["sharded"] == result["alone"], result
