@@ -155,4 +155,3 @@ def reward_view(model: Any, scorer: AnswerScorer, prompts: Sequence[Any], collat
                          "with `mmadapt data check`")
     reward = {name: sum(v) / len(v) for name, v in totals.items() if v and (name != SHUFFLED.name or moved)}
     return RewardView(good, reward, moved, len(prompts) - good)
-
