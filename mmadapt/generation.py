@@ -5,7 +5,9 @@ position only), then one backbone step per new token on the KV cache. Each step'
 placeholder tokens (`placeholder_ids`) are never generated (`suppressed`), an optional repetition penalty
 (`penalize_repetition` over `seen_tokens`) comes next, then greedy choice or a sample from the top-p nucleus.
 `token_logprobs` gives a step's log-probs as the model predicts them, and `GenerationStep` carries a step to the
-caller (`on_step`: streaming, stop strings, cancelled requests).
+caller (`on_step`: streaming, stop strings, cancelled requests). Under FSDP2 the ranks agree on when decoding ends
+(`ranks_step_together`, `any_rank_decoding`): a rank whose answers ended steps on with padding until every rank's
+have, since each step's forward gathers parameters with the other ranks.
 
 Shapes: B batch, L tokens, T new tokens, V vocabulary, K alternatives or suppressed ids.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import distributed as dist
 
 from mmadapt.backbones import SpanTokens
 from mmadapt.batch import VisionBatch
@@ -82,7 +85,14 @@ class GenerateMixin:
         is prefilled once and the cache copied R ways (`Cache.reorder_cache`: attention keys and values, Gated
         DeltaNet conv and recurrent states alike); the result has B x R rows, a row's R answers side by side (row r
         answers prompt r // R), and `row_seeds` then has B x R entries.
+
+        Under FSDP2 (a multi-process run whose model is sharded: `ranks_step_together`) the ranks agree at each step
+        on whether any of them still decodes (`any_rank_decoding`: one all-reduce of a flag), and a rank whose rows
+        are all done keeps stepping, its rows fed padding, until none does: every block's parameter gather then pairs
+        with the other ranks'. Those extra steps add nothing to its outputs (no token, no `on_token` / `on_step`).
         """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         batch = VisionBatch.of(locals())  # the arguments that are inputs, by VisionBatch's fields
         valid = as_bool_mask(attention_mask, input_ids)
         order = torch.argsort(valid.int(), dim=1, stable=True)  # padding first, tokens in order
@@ -101,6 +111,7 @@ class GenerateMixin:
         eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=input_ids.device).flatten()
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         suppress = torch.tensor(placeholder_ids(self.tokens), dtype=torch.long, device=input_ids.device)
+        in_step = ranks_step_together(self)  # FSDP2: every step's forward gathers parameters with the other ranks
         seen = None  # (B, V) the tokens each row holds, for the repetition penalty
         new_tokens = []
         for step in range(max_new_tokens):
@@ -122,16 +133,47 @@ class GenerateMixin:
             if seen is not None:
                 seen[torch.arange(len(token), device=token.device), token.clamp(max=seen.shape[1] - 1)] = True
             done |= torch.isin(token, eos)
-            if bool(done.all()) or step == max_new_tokens - 1:  # no forward for a token that is never used
+            more = not bool(done.all()) and step < max_new_tokens - 1  # no forward for a token that is never used
+            others = any_rank_decoding(more, done.device) if in_step else more
+            if not more:
                 break
-            valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=1)
-            step_positions = next_position[:, None]
-            if self.uses_mrope:
-                step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
-            out = self.backbone(inputs_embeds=self.backbone.get_input_embeddings()(token[:, None]),
-                                attention_mask=valid, position_ids=step_positions, cache=out.cache, use_cache=True)
-            next_position = next_position + 1
+            out, valid, next_position = self.decode_step(token, out, valid, next_position)
+        while in_step and others:  # this rank is done, another is not: its forwards pair with theirs, outputs unused
+            out, valid, next_position = self.decode_step(torch.full_like(token, pad_token_id), out, valid,
+                                                         next_position)
+            others = any_rank_decoding(False, done.device)
         return torch.stack(new_tokens, dim=1)
+
+    def decode_step(self, token: torch.Tensor, out: Any, valid: torch.Tensor,
+                    next_position: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One backbone step on the cache for each row's `token` (B,): its output, the mask and the next positions."""
+        valid = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=1)
+        step_positions = next_position[:, None]
+        if self.uses_mrope:
+            step_positions = step_positions.unsqueeze(0).expand(3, -1, -1)
+        out = self.backbone(inputs_embeds=self.backbone.get_input_embeddings()(token[:, None]),
+                            attention_mask=valid, position_ids=step_positions, cache=out.cache, use_cache=True)
+        return out, valid, next_position + 1
+
+
+def ranks_step_together(model: torch.nn.Module) -> bool:
+    """Whether every rank must run as many decoding steps as the others: in a multi-process run whose model is
+    sharded by FSDP2, each decoder block's forward all-gathers its parameters with the other ranks, so a rank that
+    stopped while another still decodes leaves that one waiting in its gather (a hang). DDP and one process run no
+    collective in a forward without gradients."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def any_rank_decoding(decoding: bool, device: torch.device) -> bool:
+    """Whether any rank still decodes (this rank's `decoding` among them): one all-reduce (MAX) of a flag, the
+    step's agreement on whether to go on."""
+    flag = torch.tensor([int(decoding)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def repeated(out: Any, repeats: int, *rows: torch.Tensor) -> tuple[Any, ...]:

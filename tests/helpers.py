@@ -5,9 +5,11 @@
 `write_run(path, model={...}, data={...}, train={...})` writes a run YAML from plain mappings (paths may be
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
 `TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
-placeholder (below). `pairwise(*axes)`: a test matrix whose every pair of values is in the fast tier, the other
-combinations marked slow (the full suite runs them all). Fixtures (tiny transformers checkpoints) live in
-conftest.py; the real tokenizers in real_tokenizers.py.
+placeholder (below). `answer_table(model, ...)`: a tiny Qwen3.5 made to answer by construction (answers of 1, 2 or
+`max_new_tokens` tokens, by their seed); `run_bounded(cmd, timeout)`: a command (torchrun and its workers
+included) ended whole at its timeout, so a hang fails a test instead of holding CI. `pairwise(*axes)`: a test matrix
+whose every pair of values is in the fast tier, the other combinations marked slow (the full suite runs them all).
+Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in real_tokenizers.py.
 """
 
 from __future__ import annotations
@@ -110,3 +112,51 @@ def supervised_text(tokenizer: Any, ids: Sequence[int], labels: Sequence[int]) -
             out.append(tokenizer.decode(run))
             run = []
     return out + ([tokenizer.decode(run)] if run else [])
+
+
+def answer_table(model: Any, start: int, end: int, a: int, b: int) -> None:
+    """`model` (a tiny Qwen3.5) as a table of next tokens: after `start` the end, `a` or `b` (0.2, 0.3, 0.5), after
+    `a` the end, after `b` `b` again. Every block adds nothing to the residual stream (output projections zero), so
+    the last hidden state is the final norm of the current token's embedding; the three tokens' embeddings are
+    orthogonal and the head maps their normed states to the wanted logits (the rest of the vocabulary 20 below). An
+    answer after `start` is then 1 or 2 tokens long, or runs to `max_new_tokens`, as its seed draws."""
+    import torch
+
+    lm = model.backbone
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            for name, module in layer.named_modules():
+                if name.endswith(("out_proj", "o_proj", "down_proj")):
+                    module.weight.zero_()
+        embeddings = lm.get_input_embeddings().weight
+        width = embeddings.shape[1]
+        basis = torch.linalg.qr(torch.randn(width, 3, generator=torch.Generator().manual_seed(0)))[0].T * width ** 0.5
+        embeddings[[start, a, b]] = basis
+        states = lm.model.norm(basis[None])[0]  # (3, D)
+        logits = torch.zeros(embeddings.shape[0], 3)
+        logits[[end, a, b], 0] = 20 + torch.tensor([0.2, 0.3, 0.5]).log()
+        logits[end, 1] = logits[b, 2] = 20
+        lm.lm_head.weight.copy_(logits @ torch.linalg.pinv(states.T))
+
+
+def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run `cmd` in a session of its own: (its return code, its stderr), or (None, its stderr) when it ran past
+    `timeout` seconds and was ended. torchrun's workers run in sessions of their own (a signal to the launcher's group
+    misses them), and on SIGTERM the launcher ends its workers itself (SIGTERM, then SIGKILL after its grace period);
+    SIGKILL to the launcher's group after 60 s more otherwise."""
+    import signal
+    import subprocess
+
+    process = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stderr
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            _, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _, stderr = process.communicate()
+        return None, stderr

@@ -11,6 +11,8 @@ import torch
 from PIL import Image
 
 from mmadapt.train import RunConfig, Trainer
+from mmadapt.train.objectives.reward_view import AnswerScorer
+from mmadapt.train.rewards import reward_specs
 from mmadapt.train.run import build_run
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
@@ -65,6 +67,26 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
     rewards = trainer.objective.evaluate(trainer)
     assert set(rewards) == {"eval_reward", "eval_reward_blanked", "eval_reward_shuffled"}
     assert all(math.isfinite(v) for v in rewards.values())
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])  # grpo's on-policy loss is 0 (the advantages' mean)
+def test_the_logged_loss_is_the_steps_however_it_is_accumulated(tmp_path, loss_type):
+    """A step's logged loss is the loss of its whole batch: 2 prompts in one micro-batch, or 1 in each of 2 (dapo's
+    micro-batch losses are already shares of the step's token mean; the others' are means, averaged). Answers of
+    1, 2 and 12 tokens (`helpers.answer_table`) make the on-policy loss non-zero (-sum A_i |o_i| over the step's
+    tokens for dapo, over rows x max_completion_length for dr_grpo). Measured equal within 1e-7; bound 1e-6."""
+    from helpers import answer_table
+
+    losses = []
+    for k, shape in enumerate((("data.batch_size=2",), ("data.batch_size=1", "train.grad_accum=2"))):
+        cfg = config(tmp_path, f"train.out={tmp_path / f'out-{k}'}", f"grpo.loss_type={loss_type}", "train.steps=1",
+                     "grpo.max_completion_length=12", "grpo.num_generations=4", *shape)
+        parts = build_run(cfg)
+        ends = AnswerScorer.for_encoder(parts.encoder, reward_specs(["accuracy"]), 12).eos_token_ids
+        answer_table(parts.model, int(parts.train_data[0].sample.input_ids[-1]), ends[-1],
+                     *parts.tokenizer.convert_tokens_to_ids(["A", "B"]))
+        losses.append(Trainer(parts.model, cfg, parts.train_data, parts.collate).fit()["history"][0]["loss"])
+    assert abs(losses[0]) > 1e-3 and abs(losses[0] - losses[1]) <= 1e-6, losses
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -79,3 +79,31 @@ def test_dpo_fsdp2_and_ddp_equal_one_process(pairs, case):
         assert (pairs / f"{case}-fsdp" / "reference_logps.safetensors").is_file()
         resumed = launch(pairs, f"{case}-fsdp", *CASES[case], "data.batch_size=2", "train.grad_accum=2", "--resume")
         same(one, resumed, "resumed")
+
+
+def test_an_eval_with_more_batches_on_one_rank_keeps_fsdp2_in_step_and_equals_one_process(pairs):
+    """3 eval pairs, one per batch: rank 0 scores 2 batches, rank 1 one and, in the second round, a stand-in pair
+    (results dropped) whose forwards - the policy's and the reference's, the vision side's - gather with rank 0's
+    (a placeholder forward without an image did not: gloo's "Connection reset"). Both ranks finish (a hang is ended
+    at 300 s and fails) and the eval metrics equal one process within 1e-5."""
+    import os
+
+    from helpers import run_bounded
+
+    eval_file = pairs / "eval3.jsonl"
+    eval_file.write_text("\n".join((pairs / "train.jsonl").read_text().splitlines()[:3]))
+    common = [*CASES["lora"], f"data.eval={eval_file}", "train.eval_every=1", "train.steps=2"]
+    runs = {}
+    for name, extra in (("eval-one", ["data.batch_size=2", "train.grad_accum=2"]),
+                        ("eval-fsdp", ["data.batch_size=1", "train.grad_accum=2", "distributed.strategy=fsdp"])):
+        procs = 2 if name == "eval-fsdp" else 1
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+                                       if procs > 1 else [])
+        code, stderr = run_bounded([*launcher, "-m", "mmadapt", "train", str(pairs / "base.yaml"),
+                                    f"train.out={pairs / name}", *common, *extra], 300,
+                                   {**os.environ, "OMP_NUM_THREADS": "1"})
+        assert code == 0, (name, code, stderr[-3000:])
+        runs[name] = [json.loads(line) for line in (pairs / name / "log.jsonl").read_text().splitlines()]
+    for a, b in zip(runs["eval-one"], runs["eval-fsdp"], strict=True):
+        for key in ("eval_loss", "eval_rewards/margin"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])

@@ -52,3 +52,36 @@ def test_one_process_helpers_are_identities():
     assert dist_utils.gather_objects(3) == [3]
     with pytest.raises(KeyError), dist_utils.failing_together():  # one process: the error passes unchanged
         raise KeyError("x")
+
+
+@pytest.mark.parametrize("count, size, world", [(3, 1, 2), (5, 2, 2), (4, 2, 2), (1, 4, 3), (0, 2, 2), (7, 3, 4)])
+def test_eval_rounds_give_every_rank_as_many_rounds_and_every_batch_once(count, size, world):
+    """Batch k of the eval set is rank k % world's, in round k // world; a rank with fewer batches gets empty rounds,
+    so an eval that runs one forward (or generate) per round keeps its collectives paired with the other ranks'."""
+    from mmadapt.train.batches import eval_rounds
+
+    shares = [eval_rounds(count, size, rank, world) for rank in range(world)]
+    assert len({len(rounds) for rounds in shares}) == 1
+    batches = -(-count // size)
+    assert len(shares[0]) == -(-batches // world)
+    items = sorted(i for rounds in shares for r in rounds for i in r)
+    assert items == list(range(count))  # each item once
+    assert all(len(r) <= size for rounds in shares for r in rounds)
+    if (count, size, world) == (3, 1, 2):
+        assert shares == [[range(0, 1), range(2, 3)], [range(1, 2), range(0)]]
+    with pytest.raises(ValueError, match="batch_size"):
+        eval_rounds(3, 0, 0, 1)
+
+
+def test_one_process_decodes_without_agreeing_and_generate_refuses_no_new_tokens():
+    """Only a model sharded by FSDP2 in a process group agrees on each decoding step (one process: no collective)."""
+    import mmadapt
+    from mmadapt.generation import ranks_step_together
+
+    torch.manual_seed(0)
+    model = mmadapt.build_model("clip", "mlp2x_gelu", "llama").eval()
+    assert not ranks_step_together(model)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        model.generate(ids, max_new_tokens=0)
+    assert model.generate(ids, max_new_tokens=3).shape == (1, 3)

@@ -366,3 +366,41 @@ def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_t
     assert ended.lengths.tolist() == [1] * 6 and not ended.truncated.any()
     assert scorer.texts(ended.completions, ended.mask) == [""] * 6
     assert scorer.score(scorer.texts(ended.completions, ended.mask), batch, 3).total == [0.0] * 6
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32 weights", "bf16 weights"])
+def test_the_rollout_cache_keeps_gated_deltanet_states_as_transformers_does_under_bf16_autocast(setup, weights):
+    """A bf16 recurrent state would be rounded after every token (RL runs elsewhere answered gibberish). Under bf16
+    autocast (the bf16 policy's rollouts; and with bf16 weights, as FSDP2's mixed precision gathers them) Qwen3.5's
+    Gated DeltaNet cache holds its recurrent states in fp32 through the prefill, the G-way copy (`repeated`:
+    `reorder_cache`) and every decoding step, as transformers' reference keeps them (its torch rule computes in
+    fp32); the conv state holds the conv's last inputs in their own dtype (bf16 under autocast: the projection's
+    outputs themselves, nothing rounded)."""
+    import copy
+
+    from mmadapt.train.objectives.rollout import INPUTS
+
+    model, encoder, batch = setup
+    model = copy.deepcopy(model).to(weights)
+    seen = []
+
+    def states(module, args, kwargs, output):  # each backbone call's cache: (rows, recurrent dtypes, conv dtypes)
+        layers = [layer for layer in output.cache.layers if hasattr(layer, "recurrent_states")]
+        seen.append((output.logits.shape[0], {layer.recurrent_states[0].dtype for layer in layers},
+                     {layer.conv_states[0].dtype for layer in layers}, len(layers)))
+
+    inputs = model.backbone.model.layers[0].linear_attn.in_proj_qkv
+    projected = []
+    handles = [model.backbone.register_forward_hook(states, with_kwargs=True),
+               inputs.register_forward_hook(lambda m, a, out: projected.append(out.dtype))]
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rollout(model, {k: v for k, v in batch.items() if k in INPUTS}, 3, max_new_tokens=4,
+                    eos_token_id=None, pad_token_id=encoder.pad_token_id, temperature=1.0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen) == 4 and seen[0][0] == 3 and all(rows == 9 for rows, *_ in seen[1:])  # prefill, then 3 x G
+    assert set(projected) == {torch.bfloat16}
+    for _, recurrent, conv, layers in seen:
+        assert layers == 3 and recurrent == {torch.float32} and conv == {torch.bfloat16}, seen

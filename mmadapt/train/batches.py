@@ -4,7 +4,8 @@ small operations on a collated batch (to the device, the model's inputs, its sup
 `GlobalBatchSampler` makes the data order a pure function of (seed, step), so a resumed run continues exactly and a
 step means the same global batch on every world size. A placeholder batch (one unsupervised pad token) is what a rank
 runs when its micro-batch holds nothing (every sample of it was bad): its forward and backward keep the collectives of
-the ranks paired and add zero loss and zero gradient.
+the ranks paired and add zero loss and zero gradient. `eval_rounds` gives every rank as many eval rounds, so that
+an eval whose batches do not divide among the ranks keeps their forwards paired the same way.
 """
 
 from __future__ import annotations
@@ -55,6 +56,33 @@ class GlobalBatchSampler(Sampler[list[int]]):
         while True:
             yield from self.indices(step)
             step += 1
+
+
+def eval_rounds(count: int, batch_size: int, rank: int, world: int) -> list[range]:
+    """This rank's share of an eval set of `count` items in batches of `batch_size`, as rounds: batch k of the set is
+    rank k % world's, in round k // world, and every rank has as many rounds as the rank with the most batches - an
+    empty range in a round where it has none (the last round, when the batches do not divide among the ranks).
+    Under FSDP2 every forward (and every `generate`) gathers parameters with the other ranks: an eval that runs one
+    of each per round (a placeholder where its range is empty) keeps them paired, however the set divides."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    starts = range(0, count, batch_size)
+    rounds = -(-len(starts) // world)
+    mine = [k * world + rank for k in range(rounds)]
+    return [range(starts[k], min(starts[k] + batch_size, count)) if k < len(starts) else range(0) for k in mine]
+
+
+def usable(item: Any) -> bool:
+    """Whether a dataset's item is a sample to use (a bad record is a counted `DataProblem`)."""
+    from mmadapt.data.problems import DataProblem
+
+    return not isinstance(item, DataProblem)
+
+
+def first_usable(data: Any) -> list[Any]:
+    """[the first usable item of map-style `data`] (a stand-in for a rank with nothing of its own to run under FSDP2,
+    its results dropped), or [] when none is (then no rank has anything to run)."""
+    return next(([item] for item in (data[i] for i in range(len(data))) if usable(item)), [])
 
 
 def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:

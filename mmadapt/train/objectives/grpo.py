@@ -38,7 +38,11 @@ pictures only when the vision side trains. Checkpoints fall between rollouts (`c
 
 Under FSDP2 the rollout gathers the root's own parameters (`gathered`: embeddings, head), and the vision side runs
 outside the root's forward as its own units (`distributed.vision_units`: its blocks, the encoder, the projector
-gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen.
+gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen. Uneven work
+keeps the ranks' gathers paired: `generate` agrees with the other ranks on when decoding ends (a rank whose answers
+ended steps on with padding), the eval runs as many rounds on every rank (`batches.eval_rounds`, a stand-in prompt
+where a rank has none), and a micro-batch of bad records only is answered by a stand-in whose rows count for nothing
+(`stand_in`, `masked_out`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from typing import Any
 import torch
 
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.batches import eval_rounds, first_usable, inputs_of, to_device, usable
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
@@ -128,6 +132,7 @@ class GrpoObjective(Objective):
         self.specs = reward_specs(config.train.rewards)
         self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
+        self._stand_in: dict[str, Any] | None = None  # the collated prompt a rank without prompts answers (FSDP2)
 
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
         from mmadapt.data import Collator
@@ -181,6 +186,8 @@ class GrpoObjective(Objective):
         """Each micro-batch of prompts -> its B x G answers, their rewards and advantages, and the rows to score."""
         s, model = self.settings, run.model
         micro = [to_device(batch, run.device) for batch in micro]
+        stand_ins = self.stand_ins(run, micro)  # {k: micro-batch k's own meta} where a stand-in answers for it
+        micro = [self.stand_in(run) if k in stand_ins else batch for k, batch in enumerate(micro)]
         started = time.perf_counter()
         encoded = [self.encode(run, batch) for batch in micro]  # the step's one encoding of each picture
         was_training = model.training
@@ -197,13 +204,17 @@ class GrpoObjective(Objective):
         finally:
             model.train(was_training)
         rollout_s = time.perf_counter() - started
-        scores = [self.rewards(batch, r) for batch, r in zip(micro, done, strict=True)]
+        scores = [None if k in stand_ins else self.rewards(batch, r) for k, (batch, r) in enumerate(zip(micro, done,
+                                                                                                        strict=True))]
         totals = [torch.tensor(sc.total, dtype=torch.float32) if sc is not None else torch.zeros(0) for sc in scores]
         std_over = None
         if s.scale_rewards == "batch":  # the std of every reward of the step, all ranks
             std_over = torch.cat([torch.cat(part) for part in dist_utils.gather_objects(totals)])
         rows = []
-        for batch, r, sc, total, pictures in zip(micro, done, scores, totals, encoded, strict=True):
+        for k, (batch, r, sc, total, pictures) in enumerate(zip(micro, done, scores, totals, encoded, strict=True)):
+            if k in stand_ins:
+                rows.append(self.masked_out(batch, r, pictures, stand_ins[k]))
+                continue
             if r is None:  # every prompt of it was a problem (counted from its meta)
                 rows.append({**batch, "logged": {}})
                 continue
@@ -220,6 +231,39 @@ class GrpoObjective(Objective):
         if rows:
             rows[0]["logged"]["rollout_s"] = rollout_s
         return rows
+
+    def stand_ins(self, run: Run, micro: list[dict[str, Any]]) -> dict[int, Any]:
+        """Under FSDP2, the micro-batches that hold no prompt (every record of them a counted problem), with their own
+        meta: a stand-in answers for each (`stand_in`), since the other ranks' encoding, rollout and forward gather
+        parameters with this rank's. None elsewhere (one process; DDP runs no collective before the backward, where
+        the placeholder loss pairs)."""
+        if not is_sharded(run.wrapped):
+            return {}
+        return {k: batch.get("meta", {}) for k, batch in enumerate(micro) if not batch["input_ids"].shape[0]}
+
+    def stand_in(self, run: Run) -> dict[str, Any]:
+        """The micro-batch a rank answers in place of one without prompts: the training set's first good prompt,
+        encoded, answered and scored like any other, its every collective paired with the other ranks' (the vision
+        units', the blocks', the decoding steps' agreement), its answers then masked out (`masked_out`)."""
+        if self._stand_in is None:
+            found = first_usable(run.train_data)
+            if not found:
+                raise ValueError("no prompt of data.train can be answered (every record is a problem): check it with "
+                                 "`mmadapt data check`")
+            self._stand_in = run.collate_fn(found)
+        return to_device(self._stand_in, run.device)
+
+    def masked_out(self, batch: dict[str, Any], done: Rollouts, pictures: Encoded | None,
+                   meta: Any) -> dict[str, Any]:
+        """A stand-in's rows (`stand_in`): scored like any rows, with no token counted (an all-False mask: zero loss,
+        zero gradient), no advantage, nothing logged, and the meta of the micro-batch it stands in for (its
+        problems)."""
+        scored = scored_rows(batch, done, self.scorer.pad_token_id)
+        if pictures is not None:
+            scored[ENCODED] = pictures
+        return {**scored, "meta": meta, "logged": {}, ROLLOUT: {
+            "rollouts": done, "advantages": torch.zeros(done.mask.shape[0], device=done.mask.device),
+            "mask": torch.zeros_like(done.mask), "prompts": batch, "stand_in": True}}
 
     def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
         """The micro-batch's pictures (images and videos) encoded once, by the policy in training mode, with
@@ -272,7 +316,7 @@ class GrpoObjective(Objective):
                 else:
                     terms = self.terms(run, batch, steps, total_tokens, iteration)
                     loss, stats = terms.loss, stats + terms.stats
-                    loss_sum += terms.policy_loss.detach() / steps
+                    loss_sum += terms.loss.detach()  # its share of the step (dapo: over the step's tokens)
             (loss * run.dist.world).backward()
             if clock is not None:
                 clock.backward_done()
@@ -303,7 +347,7 @@ class GrpoObjective(Objective):
                 reference = completion_logps(run.wrapped(**rows, **ref_given, token_logps=True,
                                                          temperature=s.temperature), rows["labels"], done)
         old = rolled.get("old") if iteration else None
-        if not iteration:
+        if not iteration and not rolled.get("stand_in"):
             self.log_sampling_gap(batch, per_token.detach(), done)
         if s.num_iterations > 1 and not iteration:
             rolled["old"], rolled["reference"] = per_token.detach(), reference
@@ -335,8 +379,9 @@ class GrpoObjective(Objective):
     def logged(self, micro: list[dict[str, Any]], run: Run) -> dict[str, Any]:
         """The step's rewards and answers, every rank's (means over the micro-batches that had prompts)."""
         parts = [b["logged"] for b in micro if b.get("logged")]
-        lengths = [b[ROLLOUT]["rollouts"].lengths.float() for b in micro if ROLLOUT in b]
-        truncated = [b[ROLLOUT]["rollouts"].truncated.float() for b in micro if ROLLOUT in b]
+        answered = [b[ROLLOUT]["rollouts"] for b in micro if ROLLOUT in b and not b[ROLLOUT].get("stand_in")]
+        lengths = [r.lengths.float() for r in answered]
+        truncated = [r.truncated.float() for r in answered]
         local = {"parts": parts, "lengths": torch.cat(lengths).tolist() if lengths else [],
                  "truncated": torch.cat(truncated).tolist() if truncated else []}
         everyone = dist_utils.gather_objects(local)
@@ -363,15 +408,23 @@ class GrpoObjective(Objective):
         """Does the reward rest on the image? The mean reward of one greedy answer per eval prompt with its real
         images (`eval_reward`), blanked (`eval_reward_blanked`: the processor's mean colour) and shuffled among the
         batch's prompts (`eval_reward_shuffled`: another prompt's image of the same size): every rank its every
-        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts)."""
+        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts), in as many
+        rounds as the others (`eval_rounds`). Under FSDP2 a round in which a rank has no prompt to answer answers a
+        stand-in (the eval set's first good prompt, its rewards dropped), so that its `generate` calls pair with the
+        other ranks' (each gathers parameters with them)."""
         from mmadapt.controls import IMAGE_CONTROLS
 
         data, size = run.eval_data, run.cfg.data.batch_size
         totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
+        stand_in: list[Any] | None = None
         run.model.eval()
         with run.precision_context(), gathered(run.wrapped):
-            for start in list(range(0, len(data), size))[run.dist.rank::run.dist.world]:
-                items = [data[i] for i in range(start, min(start + size, len(data)))]
+            for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
+                items = [data[i] for i in index]
+                if is_sharded(run.wrapped) and not any(map(usable, items)):
+                    stand_in = first_usable(data) if stand_in is None else stand_in
+                    control_rewards(run.model, self.scorer, stand_in, run.collate_fn, device=run.device)
+                    continue
                 for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn,
                                                     device=run.device).items():
                     totals[name] += values
@@ -381,3 +434,4 @@ class GrpoObjective(Objective):
             key = "eval_reward" if control.name == "real" else f"eval_reward_{control.name}"
             out[key] = sum(everyone) / len(everyone) if everyone else math.nan
         return out
+

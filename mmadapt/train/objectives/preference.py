@@ -41,7 +41,14 @@ import torch.nn.functional as F
 
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import inputs_of, placeholder_batch, supervised_tokens, to_device
+from mmadapt.train.batches import (
+    eval_rounds,
+    first_usable,
+    inputs_of,
+    placeholder_batch,
+    supervised_tokens,
+    to_device,
+)
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
@@ -317,18 +324,22 @@ class PreferenceObjective(Objective):
 
     def evaluate(self, run: Run) -> dict[str, float]:
         """The preference metrics on the eval pairs (`eval_loss`, `eval_rewards/accuracy`, `eval_rewards/margin`,
-        ...): every rank scores its every world-th batch."""
+        ...): every rank scores its every world-th batch, in as many rounds as the others (`eval_rounds`); in a round
+        without pairs a rank runs a placeholder forward, or under FSDP2 scores a stand-in (the eval set's first good
+        pair, its results dropped), whose forwards gather with the other ranks' as a real batch's do."""
         sums, pairs = dict.fromkeys(STATS, 0.0), 0
         size, data = run.cfg.data.batch_size, run.eval_data
         run.wrapped.eval()
-        starts = list(range(0, len(data), size))
-        rounds = -(-len(starts) // run.dist.world)
-        for r in range(rounds):
-            k = r * run.dist.world + run.dist.rank
-            index = range(starts[k], min(starts[k] + size, len(data))) if k < len(starts) else []
+        stand_in: dict[str, Any] | None = None
+        for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
             batch = run.collate_fn([data[i] for i in index])
             with run.precision_context():
-                if not batch.get("pairs"):
+                if not batch.get("pairs"):  # this rank has no pair in this round: it keeps in step with the others
+                    if dist_utils.is_fsdp(run.wrapped):  # their forwards (vision units, reference) gather with its own
+                        stand_in = run.collate_fn(first_usable(data)) if stand_in is None else stand_in
+                        if stand_in.get("pairs"):
+                            self.scorer.terms(run.wrapped, stand_in, run.device, split="eval")  # results dropped
+                        continue
                     placeholder = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
                     run.wrapped(**to_device(placeholder, run.device))
                     continue
