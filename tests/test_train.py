@@ -556,6 +556,16 @@ def test_epochs_and_warmup_ratio(tmp_path):
         config(tmp_path, "train.lr_by_part={vision: 1.0e-5}")
 
 
+
+def test_a_zero_learning_rate_trains_nothing_and_logs_zero(tmp_path):
+    """train.lr=0 (a dry run of the loop: the weights must not move) logs its rates as 0 (it divided by zero)."""
+    model = tiny(QWEN)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = config(tmp_path, "train.lr=0", "train.steps=2", "train.warmup_steps=1")
+    history = Trainer(model, cfg, samples_for(model), Collator.for_model(model, 0)).fit()["history"]
+    assert [r["lr"] for r in history] == [0.0, 0.0]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
 @pytest.mark.slow
 def test_resume_is_bitwise_with_rates_by_part_weight_decay_epochs_and_warmup_ratio(tmp_path, monkeypatch):
     settings = ("train.epochs=1.5", "data.batch_size=4", "train.warmup_ratio=0.2", "train.weight_decay=0.05",

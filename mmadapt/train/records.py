@@ -19,7 +19,9 @@ from mmadapt.train.tracking import batch_counts, peak_memory_mib
 def learning_rates(scheduler: Any, optimizer: Any, lr: float, lr_by_part: dict[str, float]) -> dict[str, Any]:
     """{"lr": this step's rate at `lr` (train.lr)} and, with `lr_by_part`, {"lr_by_part": {part: rate}}."""
     rates, groups = scheduler.get_last_lr(), optimizer.param_groups
-    factor = rates[0] / groups[0]["initial_lr"]  # the schedule's share of the peak
+    # the schedule's share of the peak, from a group with a peak (train.lr 0 leaves a group at 0: its share is 0)
+    shares = [rate / group["initial_lr"] for rate, group in zip(rates, groups, strict=True) if group["initial_lr"]]
+    factor = shares[0] if shares else 0.0
     at_peak = [rate for rate, group in zip(rates, groups, strict=True) if group["initial_lr"] == lr]
     out: dict[str, Any] = {"lr": at_peak[0] if at_peak else factor * lr}
     if lr_by_part:
