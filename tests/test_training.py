@@ -30,7 +30,7 @@ def test_twenty_steps_lower_the_loss(names):
                                    ("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe")],
                          ids=["qwen3_5", "llava", "deepstack-moe"])
 def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, monkeypatch):
-    """What a rank without images does in a multi-process step (`runs_vision_every_step`, forced here): the encoder
+    """What a rank without images does in a multi-process step (`runs_vision_for_every_batch`, forced here): the encoder
     and projector (DeepStack levels included) run on a minimal input, the loss and the backbone's gradients are
     bit for bit those of the text-only forward, and every vision parameter gets an exactly-zero gradient."""
     torch.manual_seed(0)
@@ -44,10 +44,10 @@ def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, 
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    assert not model.runs_vision_every_step()  # one process: nothing to keep in step
+    assert not model.runs_vision_for_every_batch()  # one process: nothing to keep in step
     loss, grads = step()
     assert not any(n.startswith(("encoder.", "projector.")) for n in grads)
-    monkeypatch.setattr(model, "runs_vision_every_step", lambda: True)
+    monkeypatch.setattr(model, "runs_vision_for_every_batch", lambda: True)
     loss_with, grads_with = step()
     assert torch.equal(loss, loss_with)
     vision = {n: g for n, g in grads_with.items() if n.startswith(("encoder.", "projector."))}
