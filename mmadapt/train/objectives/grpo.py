@@ -40,7 +40,8 @@ Under FSDP2 the rollout gathers the root's own parameters (`gathered`: embedding
 outside the root's forward as its own units (`distributed.vision_units`: its blocks, the encoder, the projector
 gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen; a rank whose
 prompts hold no picture runs the vision side on no picture at that same point (`encode_prompts`), and its rollout and
-forwards take that run's exact 0 instead of running it again. Uneven work keeps the ranks' gathers paired: `generate` agrees with the other ranks on when decoding ends (a rank whose answers
+forwards take that run's exact 0 instead of running it again (each eval prefill likewise, `prepare`). Uneven work
+keeps the ranks' gathers paired: `generate` agrees with the other ranks on when decoding ends (a rank whose answers
 ended steps on with padding), the eval runs as many rounds on every rank (`batches.eval_rounds`, a stand-in prompt
 where a rank has none), and a micro-batch of bad records only is answered by a stand-in whose rows count for nothing
 (`stand_in`, `masked_out`).
