@@ -61,6 +61,34 @@ def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, 
     assert all(torch.equal(grads[n], grads_with[n]) for n in grads)
 
 
+def test_which_forwards_run_the_vision_side_for_a_batch_without_pictures(tmp_path, monkeypatch):
+    """`runs_vision_for_every_batch` in a multi-process run (a 1-rank gloo group here, told it has 2 ranks once the
+    parts are wrapped): a vision side sharded by FSDP2 runs for every batch, in training and eval, with gradients or
+    without (each forward gathers its parameters); an unsharded one (DDP) only in a training forward with gradients
+    whose vision side trains (its backward reduces their gradients); frozen and unsharded, never; one process, never."""
+    from torch import distributed as dist
+
+    from mmadapt.precision import as_precision
+    from mmadapt.train import distributed as dist_utils
+
+    ddp, fsdp = (mmadapt.build_model("clip", "mlp2x_gelu", "llama") for _ in range(2))
+    ddp.encoder.requires_grad_(False)  # the default stages: the projector trains
+    assert not ddp.runs_vision_for_every_batch()  # one process
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist_utils.shard(fsdp, dist_utils.DistContext(0, 1, torch.device("cpu")), as_precision("fp32"))
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        for training in (True, False):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    assert fsdp.train(training).runs_vision_for_every_batch()
+                    assert ddp.train(training).runs_vision_for_every_batch() == (training and grad), (training, grad)
+        ddp.projector.requires_grad_(False)
+        assert not ddp.train().runs_vision_for_every_batch()  # frozen and unsharded: nothing to pair
+    finally:
+        dist.destroy_process_group()
+
+
 CHECKPOINTED = {  # every backbone family, with the DeepStack, packed and LoRA combinations
     "llama": (("clip", "mlp2x_gelu", "llama"), {}),
     "qwen3_5 packed": (("qwen3_5_vit", "qwen_merger", "qwen3_5"), {"packed": True}),
