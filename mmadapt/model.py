@@ -155,7 +155,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         given = visual is not None
         # handed the tokens of no image (`vision_placeholder`: the vision side already ran for this batch): none to
         # inject, and no second placeholder; their exact 0 is added below, keeping the vision side in the graph
-        nothing, visual = (visual, None) if given and not visual.images else (None, visual)
+        no_picture, visual = (visual, None) if given and not visual.num_images else (None, visual)
         if (not given and visual_videos is None and batch.pixel_values is not None
                 and batch.pixel_values_videos is not None):
             visual, video = frames.encode_together(self, batch, spans, frame_spans)
@@ -182,11 +182,11 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
-        if (nothing is None and visual is None and video is None and batch.pixel_values is None
+        if (no_picture is None and visual is None and video is None and batch.pixel_values is None
                 and self.runs_vision_for_every_batch()):
-            nothing = self.vision_placeholder(inputs_embeds.device)
-        if nothing is not None:
-            inputs_embeds = inputs_embeds + nothing.nothing().to(inputs_embeds.device, inputs_embeds.dtype)
+            no_picture = self.vision_placeholder(inputs_embeds.device)
+        if no_picture is not None:
+            inputs_embeds = inputs_embeds + no_picture.zero().to(inputs_embeds.device, inputs_embeds.dtype)
         position_ids = batch.position_ids
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
@@ -231,7 +231,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         """The vision side's tokens of no picture: the encoder and projector run on their minimal input (one black
         image), none of its tokens kept (`VisualTokens.take` of nothing, DeepStack levels included). Handed to
         `prepare` (as `visual`, from an RL step's one encoding, or made there for a batch without pictures), it adds
-        their exact 0 (`VisualTokens.nothing`) to the embeddings: nothing changes, and every vision parameter gets an
+        their exact 0 (`VisualTokens.zero`) to the embeddings: nothing changes, and every vision parameter gets an
         exactly-zero gradient while the encoder and projector run their forward and backward (and collectives)."""
         visual = self.encode_images(*self.encoder.minimal_input(device))
         return visual.take(torch.zeros(0, dtype=torch.long))

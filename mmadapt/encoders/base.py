@@ -49,16 +49,16 @@ class VisualTokens:
         return self.grids.prod(-1)
 
     @property
-    def images(self) -> int:
+    def num_images(self) -> int:
         """I, the number of images (or video frames) these tokens are of."""
         return int(self.grids.shape[0])
 
-    def nothing(self) -> torch.Tensor:
+    def zero(self) -> torch.Tensor:
         """The sum of no token (an exact 0 scalar, whatever the features hold) over tokens of no image
         (`VisionLanguageModel.vision_placeholder`): added to the embeddings, it changes nothing and keeps the vision
         side in the graph, every parameter of it with an exactly-zero gradient."""
-        if self.images:
-            raise ValueError(f"nothing() is for the tokens of no image, these are of {self.images}")
+        if self.num_images:
+            raise ValueError(f"zero() is for the tokens of no image, these are of {self.num_images}")
         return torch.stack([t.float().sum() for t in (self.features, *self.levels)]).sum()
 
     def take(self, index: torch.Tensor) -> VisualTokens:
