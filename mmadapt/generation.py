@@ -78,8 +78,9 @@ class GenerateMixin:
         for every row that shows it (`video_index`: each video likewise). `row_seeds` (B,) int64: each row samples
         from its own seed (`row_sample`), so a row's answer does not depend on the rows beside it - on which rank,
         in which batch, or after a resume it is generated (`generator` is then not used). `visual` / `visual_videos`:
-        the rows' images / videos already encoded (`VisualTokens`, as `forward` takes them): the vision side does not
-        run for them.
+        the rows' images / videos already encoded (`VisualTokens`, as `forward` takes them, the tokens of no image
+        included): the vision side does not run for them. Where every rank must run the vision side
+        (`runs_vision_for_every_batch`: a sharded one), the prefill of rows without pictures runs it on no picture.
 
         `repeats` R (an RL group's G answers to one prompt): each of the B prompt rows is answered R times. Its prompt
         is prefilled once and the cache copied R ways (`Cache.reorder_cache`: attention keys and values, Gated

@@ -153,11 +153,14 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         trace["valid"] = valid = as_bool_mask(batch.attention_mask, input_ids)
         segments = None if batch.cu_seqlens is None else Segments.from_cu_seqlens(batch.cu_seqlens, valid)
         given = visual is not None
-        if (visual is None and visual_videos is None and batch.pixel_values is not None
+        # handed the tokens of no image (`vision_placeholder`: the vision side already ran for this batch): none to
+        # inject, and no second placeholder; their exact 0 is added below, keeping the vision side in the graph
+        no_picture, visual = (visual, None) if given and not visual.num_images else (None, visual)
+        if (not given and visual_videos is None and batch.pixel_values is not None
                 and batch.pixel_values_videos is not None):
             visual, video = frames.encode_together(self, batch, spans, frame_spans)
         else:
-            if visual is None:
+            if not given:
                 visual = self.encode_checked(batch.pixel_values, batch.image_grid_thw, spans)
             video = frames.encode(self, batch, frame_spans) if visual_videos is None else frames.given(
                 self, batch, frame_spans, visual_videos)
@@ -179,8 +182,11 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         inputs_embeds = self.embed(input_ids, spans, visual)
         if check and visual is not None:
             contract.check_injected(inputs_embeds, spans, visual.features)
-        if visual is None and video is None and batch.pixel_values is None and self.runs_vision_every_step():
-            inputs_embeds = inputs_embeds + self.vision_placeholder(inputs_embeds)
+        if (no_picture is None and visual is None and video is None and batch.pixel_values is None
+                and self.runs_vision_for_every_batch()):
+            no_picture = self.vision_placeholder(inputs_embeds.device)
+        if no_picture is not None:
+            inputs_embeds = inputs_embeds + no_picture.zero().to(inputs_embeds.device, inputs_embeds.dtype)
         position_ids = batch.position_ids
         if position_ids is None:
             position_ids = self.positions(valid, spans, visual, segments)
@@ -203,28 +209,32 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
                 f"{image_index.tolist()[:16]}. Fix: build the batch with mmadapt.data.preference.PairCollator")
         return visual.take(image_index)
 
-    def runs_vision_every_step(self) -> bool:
-        """Whether a batch without images still runs the vision side (`vision_placeholder`): in a training step of a
-        multi-process run whose encoder or projector is sharded (FSDP2 all-gathers their parameters in the forward)
-        or trained (their gradients are reduced in the backward), so that every rank runs the same collectives,
-        whatever its batch holds (otherwise FSDP2's all-gathers fall out of step: gloo's "Connection reset", a hang
-        on NCCL). Skipped where it is safe: eval and inference (no backward), one process (no collectives), and a
-        frozen, unsharded vision side (DDP keeps no gradient buckets for it and its forward runs no collective)."""
-        if not self.training or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    def runs_vision_for_every_batch(self) -> bool:
+        """Whether a batch without pictures still runs the vision side (`vision_placeholder`), so that every rank runs
+        it as often, and at the same point, whatever its batches hold: in a multi-process run whose encoder or
+        projector is sharded by FSDP2, in every forward (training, eval, `generate`'s prefill, with or without
+        gradients: each forward of a vision unit all-gathers its parameters with the other ranks, whose gathers fall
+        out of step otherwise: gloo's "Connection reset", a size mismatch, a hang on NCCL); and in a training forward
+        with gradients whose vision side is trained (DDP: its backward reduces their gradients). Not in one process,
+        nor where the vision side is unsharded and frozen, or the forward builds no graph (no collective to pair)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return False
         from torch.distributed.fsdp import FSDPModule
 
         parts = (self.encoder, self.projector)
-        return any(p.requires_grad for part in parts for p in part.parameters()) or any(
-            isinstance(m, FSDPModule) for part in parts for m in part.modules())
+        if any(isinstance(m, FSDPModule) for part in parts for m in part.modules()):
+            return True
+        return self.training and torch.is_grad_enabled() and any(p.requires_grad for part in parts
+                                                                 for p in part.parameters())
 
-    def vision_placeholder(self, like: torch.Tensor) -> torch.Tensor:
-        """0 x the vision side's output (main tokens and DeepStack levels) on its minimal input (one black image): a
-        scalar that adds exactly nothing to the embeddings and gives every vision parameter an exactly-zero
-        gradient, while the encoder and projector run their forward and backward (and their collectives)."""
-        visual = self.encode_images(*self.encoder.minimal_input(like.device))
-        total = sum(t.float().sum() for t in (visual.features, *visual.levels))
-        return (total * 0.0).to(like.dtype)
+    def vision_placeholder(self, device: torch.device) -> VisualTokens:
+        """The vision side's tokens of no picture: the encoder and projector run on their minimal input (one black
+        image), none of its tokens kept (`VisualTokens.take` of nothing, DeepStack levels included). Handed to
+        `prepare` (as `visual`, from an RL step's one encoding, or made there for a batch without pictures), it adds
+        their exact 0 (`VisualTokens.zero`) to the embeddings: nothing changes, and every vision parameter gets an
+        exactly-zero gradient while the encoder and projector run their forward and backward (and collectives)."""
+        visual = self.encode_images(*self.encoder.minimal_input(device))
+        return visual.take(torch.zeros(0, dtype=torch.long))
 
     def encode_images(self, pixel_values: torch.Tensor | None,
                       image_grid_thw: torch.Tensor | None = None) -> VisualTokens | None:
@@ -369,7 +379,9 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
         `visual`: the rows' images already encoded (`VisualTokens` at LLM width, one entry per image of the rows, in
         row order; `VisualTokens.take` gives them from pictures encoded once): the vision side does not run for them
-        (an RL step's one encoding, shared by its rollout and its forwards). `visual_videos`: the same for the rows'
+        (an RL step's one encoding, shared by its rollout and its forwards); the tokens of no image
+        (`vision_placeholder`) for rows without pictures whose vision side already ran where every rank must run it
+        (`runs_vision_for_every_batch`): it does not run again. `visual_videos`: the same for the rows'
         videos (one entry per video of the rows, its (t, h, w) grid; the rows still carry `video_grid_thw` and
         `videos_per_sample`, which the checks compare with it)."""
         inputs = self.prepare(VisionBatch.of(locals()), visual=visual,  # the inputs, by VisionBatch's fields

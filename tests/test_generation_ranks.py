@@ -168,3 +168,43 @@ def test_generate_on_fsdp2_ranks_whose_answers_end_at_different_steps_answers_as
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert result["agrees"] and result["sharded"] == result["alone"], result
         assert len(result["sharded"][0]) == result["steps"] == tokens, result
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A tiny random model's run config (`test_grpo`'s) over two prompts, one with an image and one text-only, for
+    training and eval: at batch size 1 on 2 ranks each step and each eval round gives one rank a picture and the
+    other none."""
+    root = tmp_path_factory.mktemp("mixed-pictures")
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(root / "0.png")
+    prompts = root / "mixed.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in (
+        {"id": "m0", "problem": "<image>Which colour?", "answer": "red", "images": ["0.png"]},
+        {"id": "m1", "problem": "Which colour is red?", "answer": "red", "images": []})))
+    (root / "base.yaml").write_text(
+        f"data: {{train: {prompts}, eval: {prompts}, image_root: {root}, max_length: 128}}\n"
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo, "
+        "rewards: [accuracy, 'test_grpo:length']}\n"
+        "grpo: {num_generations: 2, max_completion_length: 5}\n")
+    return root
+
+
+@pytest.mark.parametrize("strategy, stages", [("fsdp", ()), ("fsdp", ("stages.encoder=full",)),
+                                              ("ddp", ("stages.encoder=full",))],
+                         ids=["fsdp", "fsdp vision trained", "ddp vision trained"])
+def test_grpo_with_pictures_on_one_rank_only_equals_one_process(mixed, strategy, stages):
+    """2 processes, one prompt each: one rank's prompt has an image, the other's none, at every step and in every eval
+    round (real, blanked, shuffled). Under FSDP2 the vision units gather in every forward, so the text-only rank runs
+    the vision side on no picture where the other encodes its image (before the rollout, in each eval prefill), and
+    not again in its forward; DDP with the vision side trained reduces its gradients in the backward. Each run
+    finishes (the old code fell out of step under FSDP2: a hang or a broken connection, ended by `run_bounded`) and
+    its losses, rewards, answer lengths and evals equal one process's within 1e-5 (the gradient norm relative)."""
+    tag = "-".join((strategy, *stages))
+    one = launch(mixed, f"one-{tag}", "data.batch_size=2", *stages)
+    two = launch(mixed, f"two-{tag}", "data.batch_size=1", f"distributed.strategy={strategy}", *stages, procs=2)
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "reward", "rewards/test_grpo:length/mean", "reward_std", "completion_length/mean",
+                    "eval_reward", "eval_reward_blanked", "eval_reward_shuffled"):
+            assert abs(a[key] - b[key]) <= 1e-5, (strategy, stages, key, a[key], b[key])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (strategy, stages, a, b)

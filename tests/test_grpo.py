@@ -351,3 +351,70 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
     with_pictures = [n for n in shown if n]
     assert seen == {"calls": len(with_pictures), "pictures": sum(shown)}, (seen, shown)
     assert ("kl" in history[0]) == ("grpo.beta=0.04" in stages) and math.isfinite(history[0]["loss"])
+
+
+@pytest.mark.parametrize("stages", [(), ("stages.encoder=full", "grpo.num_iterations=2")],
+                         ids=["projector trained", "vision trained, 2 iterations"])
+@pytest.mark.parametrize("every_batch", [True, False], ids=["ranks kept in step", "one process"])
+def test_the_vision_side_runs_once_per_micro_batch_with_or_without_pictures(tmp_path, monkeypatch, stages,
+                                                                           every_batch):
+    """Where every rank must run the vision side for every batch (`runs_vision_for_every_batch`, forced here as under
+    FSDP2), a micro-batch without pictures runs it once per step as one with pictures does (its run on no picture at
+    the point where the other encodes: no second run in the rollout or the forward), and that run reaches the loss
+    (a gradient arrives at the projector's output, as for the picture); each eval prompt runs it once per image
+    control (real, blanked, shuffled), pictures or not. In one process (not forced) only pictures run it.
+    Two prompts, one with an image and one text-only, one per micro-batch (grad_accum 2), 2 steps, then the eval."""
+    Image.new("RGB", (32, 32), COLOURS["red"]).save(tmp_path / "0.png")
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (
+        {"id": "m0", "problem": "<image>Which colour?", "answer": "red", "images": ["0.png"]},
+        {"id": "m1", "problem": "Which colour is red?", "answer": "red", "images": []})))
+    cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
+                                "train.rewards=['test_grpo:length']", f"data.train={path}", f"data.eval={path}",
+                                f"data.image_root={tmp_path}", "data.batch_size=1", "train.grad_accum=2",
+                                "data.max_length=128", "grpo.num_generations=2", "grpo.max_completion_length=4",
+                                "train.steps=2", *stages])
+    parts = build_run(cfg)
+    trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate, eval_data=parts.eval_data)
+    if every_batch:
+        monkeypatch.setattr(parts.model, "runs_vision_for_every_batch", lambda: True)
+    phase = ["train"]
+    runs, gradients = {"train": 0, "rollout": 0, "eval": 0}, {"train": 0, "rollout": 0, "eval": 0}
+
+    def ran(module, args, output):
+        runs[phase[0]] += 1
+
+    def reached(module, args, output):
+        if output.features.requires_grad:
+            output.features.register_hook(lambda grad, at=phase[0]: gradients.__setitem__(at, gradients[at] + 1))
+
+    evaluate = trainer.objective.evaluate
+
+    def evaluating(run):
+        phase[0] = "eval"
+        try:
+            return evaluate(run)
+        finally:
+            phase[0] = "train"
+
+    trainer.objective.evaluate = evaluating
+    generate = parts.model.generate
+
+    def generating(*args, **kwargs):  # a training step's rollout: its pictures (or no picture) were encoded before
+        was, phase[0] = phase[0], "rollout" if phase[0] == "train" else phase[0]
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            phase[0] = was
+
+    monkeypatch.setattr(parts.model, "generate", generating)
+    hooks = [parts.model.encoder.register_forward_hook(ran), parts.model.projector.register_forward_hook(reached)]
+    try:
+        history = trainer.fit()["history"]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    micro_batches = (2 if every_batch else 1) * len(history)  # one run per micro-batch per step (text-only: forced)
+    assert runs == {"train": micro_batches, "rollout": 0, "eval": 3 * (2 if every_batch else 1)}, runs
+    assert gradients == {"train": micro_batches, "rollout": 0, "eval": 0}, gradients
+    assert all(math.isfinite(record["loss"]) for record in history), history

@@ -81,29 +81,46 @@ def test_dpo_fsdp2_and_ddp_equal_one_process(pairs, case):
         same(one, resumed, "resumed")
 
 
+def bounded_evals(root, eval_file, tag):
+    """One process (batch 2) and FSDP2 on 2 processes (batch 1 per rank) evaluating `eval_file` at each of 2 steps,
+    each ended at 300 s (`helpers.run_bounded`: a hang fails): their logs."""
+    import os
+
+    from helpers import run_bounded
+
+    common = [*CASES["lora"], f"data.eval={eval_file}", "train.eval_every=1", "train.steps=2"]
+    runs = {}
+    for name, extra in ((f"{tag}-one", ["data.batch_size=2", "train.grad_accum=2"]),
+                        (f"{tag}-fsdp", ["data.batch_size=1", "train.grad_accum=2", "distributed.strategy=fsdp"])):
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+                                       if name.endswith("fsdp") else [])
+        code, stderr = run_bounded([*launcher, "-m", "mmadapt", "train", str(root / "base.yaml"),
+                                    f"train.out={root / name}", *common, *extra], 300,
+                                   {**os.environ, "OMP_NUM_THREADS": "1"})
+        assert code == 0, (name, code, stderr[-3000:])
+        runs[name] = [json.loads(line) for line in (root / name / "log.jsonl").read_text().splitlines()]
+    return runs[f"{tag}-one"], runs[f"{tag}-fsdp"]
+
+
 def test_an_eval_with_more_batches_on_one_rank_keeps_fsdp2_in_step_and_equals_one_process(pairs):
     """3 eval pairs, one per batch: rank 0 scores 2 batches, rank 1 one and, in the second round, a stand-in pair
     (results dropped) whose forwards - the policy's and the reference's, the vision side's - gather with rank 0's
     (a placeholder forward without an image did not: gloo's "Connection reset"). Both ranks finish (a hang is ended
     at 300 s and fails) and the eval metrics equal one process within 1e-5."""
-    import os
-
-    from helpers import run_bounded
-
     eval_file = pairs / "eval3.jsonl"
     eval_file.write_text("\n".join((pairs / "train.jsonl").read_text().splitlines()[:3]))
-    common = [*CASES["lora"], f"data.eval={eval_file}", "train.eval_every=1", "train.steps=2"]
-    runs = {}
-    for name, extra in (("eval-one", ["data.batch_size=2", "train.grad_accum=2"]),
-                        ("eval-fsdp", ["data.batch_size=1", "train.grad_accum=2", "distributed.strategy=fsdp"])):
-        procs = 2 if name == "eval-fsdp" else 1
-        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-                                       if procs > 1 else [])
-        code, stderr = run_bounded([*launcher, "-m", "mmadapt", "train", str(pairs / "base.yaml"),
-                                    f"train.out={pairs / name}", *common, *extra], 300,
-                                   {**os.environ, "OMP_NUM_THREADS": "1"})
-        assert code == 0, (name, code, stderr[-3000:])
-        runs[name] = [json.loads(line) for line in (pairs / name / "log.jsonl").read_text().splitlines()]
-    for a, b in zip(runs["eval-one"], runs["eval-fsdp"], strict=True):
+    for a, b in zip(*bounded_evals(pairs, eval_file, "eval"), strict=True):
         for key in ("eval_loss", "eval_rewards/margin"):
+            assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+
+
+def test_an_eval_with_pictures_on_one_rank_only_keeps_fsdp2_in_step_and_equals_one_process(pairs):
+    """2 eval pairs, one per batch: rank 0's shows a picture, rank 1's none. Each eval forward (the policy's and the
+    reference's) runs the vision units on rank 0, so rank 1's runs them on no picture (in eval mode too: the old code
+    ran nothing there, and the gathers fell out of step). Both finish and equal one process within 1e-5."""
+    eval_file = pairs / "eval-mixed.jsonl"
+    text_only = {"id": "t0", "images": [], "prompt": "What is this?", "chosen": "coffee", "rejected": "rocket"}
+    eval_file.write_text((pairs / "train.jsonl").read_text().splitlines()[0] + "\n" + json.dumps(text_only))
+    for a, b in zip(*bounded_evals(pairs, eval_file, "mixed"), strict=True):
+        for key in ("eval_loss", "eval_rewards/margin", "eval_logps/chosen"):
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])

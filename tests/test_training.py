@@ -30,7 +30,7 @@ def test_twenty_steps_lower_the_loss(names):
                                    ("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe")],
                          ids=["qwen3_5", "llava", "deepstack-moe"])
 def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, monkeypatch):
-    """What a rank without images does in a multi-process step (`runs_vision_every_step`, forced here): the encoder
+    """What a rank without images does in a multi-process step (`runs_vision_for_every_batch`, forced here): the encoder
     and projector (DeepStack levels included) run on a minimal input, the loss and the backbone's gradients are
     bit for bit those of the text-only forward, and every vision parameter gets an exactly-zero gradient."""
     torch.manual_seed(0)
@@ -44,10 +44,10 @@ def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, 
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    assert not model.runs_vision_every_step()  # one process: nothing to keep in step
+    assert not model.runs_vision_for_every_batch()  # one process: nothing to keep in step
     loss, grads = step()
     assert not any(n.startswith(("encoder.", "projector.")) for n in grads)
-    monkeypatch.setattr(model, "runs_vision_every_step", lambda: True)
+    monkeypatch.setattr(model, "runs_vision_for_every_batch", lambda: True)
     loss_with, grads_with = step()
     assert torch.equal(loss, loss_with)
     vision = {n: g for n, g in grads_with.items() if n.startswith(("encoder.", "projector."))}
@@ -59,6 +59,34 @@ def test_a_text_only_batch_runs_the_vision_side_with_exactly_zero_effect(names, 
     assert sorted(vision) == sorted(reached) and all(not g.any() for g in vision.values())
     assert grads.keys() == grads_with.keys() - vision.keys()
     assert all(torch.equal(grads[n], grads_with[n]) for n in grads)
+
+
+def test_which_forwards_run_the_vision_side_for_a_batch_without_pictures(tmp_path, monkeypatch):
+    """`runs_vision_for_every_batch` in a multi-process run (a 1-rank gloo group here, told it has 2 ranks once the
+    parts are wrapped): a vision side sharded by FSDP2 runs for every batch, in training and eval, with gradients or
+    without (each forward gathers its parameters); an unsharded one (DDP) only in a training forward with gradients
+    whose vision side trains (its backward reduces their gradients); frozen and unsharded, never; one process, never."""
+    from torch import distributed as dist
+
+    from mmadapt.precision import as_precision
+    from mmadapt.train import distributed as dist_utils
+
+    ddp, fsdp = (mmadapt.build_model("clip", "mlp2x_gelu", "llama") for _ in range(2))
+    ddp.encoder.requires_grad_(False)  # the default stages: the projector trains
+    assert not ddp.runs_vision_for_every_batch()  # one process
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist_utils.shard(fsdp, dist_utils.DistContext(0, 1, torch.device("cpu")), as_precision("fp32"))
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        for training in (True, False):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    assert fsdp.train(training).runs_vision_for_every_batch()
+                    assert ddp.train(training).runs_vision_for_every_batch() == (training and grad), (training, grad)
+        ddp.projector.requires_grad_(False)
+        assert not ddp.train().runs_vision_for_every_batch()  # frozen and unsharded: nothing to pair
+    finally:
+        dist.destroy_process_group()
 
 
 CHECKPOINTED = {  # every backbone family, with the DeepStack, packed and LoRA combinations

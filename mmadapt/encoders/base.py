@@ -48,6 +48,19 @@ class VisualTokens:
     def tokens_per_image(self) -> torch.Tensor:
         return self.grids.prod(-1)
 
+    @property
+    def num_images(self) -> int:
+        """I, the number of images (or video frames) these tokens are of."""
+        return int(self.grids.shape[0])
+
+    def zero(self) -> torch.Tensor:
+        """The sum of no token (an exact 0 scalar, whatever the features hold) over tokens of no image
+        (`VisionLanguageModel.vision_placeholder`): added to the embeddings, it changes nothing and keeps the vision
+        side in the graph, every parameter of it with an exactly-zero gradient."""
+        if self.num_images:
+            raise ValueError(f"zero() is for the tokens of no image, these are of {self.num_images}")
+        return torch.stack([t.float().sum() for t in (self.features, *self.levels)]).sum()
+
     def take(self, index: torch.Tensor) -> VisualTokens:
         """The tokens of images `index` (K,), in that order (an image may be taken more than once): features, grids
         and levels gathered, so rows that share an image receive the same tokens from one encoding."""
@@ -90,7 +103,7 @@ class VisionEncoder(nn.Module):
 
     def minimal_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The smallest valid (pixel_values, image_grid_thw): one black image, for the forward a batch without images
-        still runs when every rank must run the same modules (`VisionLanguageModel.runs_vision_every_step`)."""
+        still runs when every rank must run the same modules (`VisionLanguageModel.runs_vision_for_every_batch`)."""
         raise NotImplementedError(f"{type(self).__name__} defines no minimal_input()")
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> VisualTokens:

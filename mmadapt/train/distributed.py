@@ -100,7 +100,9 @@ def vision_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """The encoder and the projector, each a unit of its own for the parameters of no block (a ViT's patch embedding
     and merger, the projector's layers), so that the vision side can run outside the root's forward - an RL step
     encodes its pictures once, before its rollout and its forwards - gathering and reducing its own parameters. Parts
-    whose parameters are all in blocks, or that have none, are left to the root."""
+    whose parameters are all in blocks, or that have none, are left to the root. Each forward of a unit gathers, so a
+    rank without pictures runs them on no picture wherever another encodes its own
+    (`VisionLanguageModel.runs_vision_for_every_batch`)."""
     inside = {id(p) for block in blocks for p in block.parameters()}
     return [part for part in (model.encoder, model.projector)
             if any(id(p) not in inside for p in part.parameters())]

@@ -38,7 +38,9 @@ pictures only when the vision side trains. Checkpoints fall between rollouts (`c
 
 Under FSDP2 the rollout gathers the root's own parameters (`gathered`: embeddings, head), and the vision side runs
 outside the root's forward as its own units (`distributed.vision_units`: its blocks, the encoder, the projector
-gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen. Uneven work
+gather and reduce their own parameters), so the step's one encoding holds there too, trained or frozen; a rank whose
+prompts hold no picture runs the vision side on no picture at that same point (`encode_prompts`), and its rollout and
+forwards take that run's exact 0 instead of running it again (each eval prefill likewise, `prepare`). Uneven work
 keeps the ranks' gathers paired: `generate` agrees with the other ranks on when decoding ends (a rank whose answers
 ended steps on with padding), the eval runs as many rounds on every rank (`batches.eval_rounds`, a stand-in prompt
 where a rank has none), and a micro-batch of bad records only is answered by a stand-in whose rows count for nothing
@@ -268,7 +270,8 @@ class GrpoObjective(Objective):
     def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
         """The micro-batch's pictures (images and videos) encoded once, by the policy in training mode, with
         gradients when the vision side trains (its graph is kept for the backward; under FSDP2 the vision units'
-        hooks gather their parameters and reduce their gradients); None without pictures."""
+        hooks gather their parameters and reduce their gradients); without pictures, the vision side's run on no
+        picture where every rank must run it (`rollout.encode_prompts`), else None."""
         model = run.model
         if not batch["input_ids"].shape[0]:
             return None

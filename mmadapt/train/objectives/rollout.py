@@ -13,7 +13,9 @@ prompt's tokens then its completion, right-padded, the completion tokens as labe
 prompt's images and videos once for its G rows (`image_index`, `video_index`), Qwen's `mm_token_type_ids` extended
 with text. The same layout serves every forward of a step, so their visual spans are the same by construction;
 `check_groups` verifies it from the ids (each group's rows hold identical prompt spans and pictures). `Encoded` (the
-prompts' pictures encoded once) gives every forward of the step its rows' visual tokens (`Encoded.for_rows`).
+prompts' pictures encoded once) gives every forward of the step its rows' visual tokens (`Encoded.for_rows`); a batch
+without pictures has its vision side's run on no picture there too, where every rank must run it (a sharded vision
+side), so that the ranks' vision units run at the same point of the step whatever their prompts hold.
 
 Shapes: B prompts, G answers per prompt, R = B x G rows, L prompt tokens, T completion tokens, I images, V videos.
 """
@@ -81,7 +83,8 @@ def group_rows(prompts: dict[str, Any], num_generations: int) -> dict[str, Any]:
 @dataclasses.dataclass
 class Encoded:
     """A prompt batch's pictures encoded once (`encode_prompts`): `images` one entry per image, `videos` one per video
-    (its (t, h, w) grid), in the batch's order; None where it has none."""
+    (its (t, h, w) grid), in the batch's order; None where it has none (`images` the tokens of no image where the
+    vision side ran for a batch without pictures)."""
 
     images: VisualTokens | None
     videos: VisualTokens | None
@@ -106,12 +109,18 @@ class Encoded:
 
 def encode_prompts(model: Any, prompts: dict[str, Any]) -> Encoded | None:
     """Each picture of a prompt batch through the vision side once (images and videos in one call, as `forward`
-    encodes them); None without pictures. Runs in the model's mode and the caller's grad mode."""
+    encodes them). Without pictures: where every rank runs the vision side for every batch
+    (`runs_vision_for_every_batch`: sharded, or trained under DDP), its run on no picture (`vision_placeholder`), here,
+    where a rank with pictures encodes them - the rollout and forwards it is handed to run no second one and add
+    its exact 0, keeping the vision side in the loss's graph - else None (nothing runs). Runs in the model's mode and
+    the caller's grad mode."""
     from mmadapt.frames import split
 
     images, videos = prompts.get("pixel_values"), prompts.get("pixel_values_videos")
     if images is None and videos is None:
-        return None
+        if not model.runs_vision_for_every_batch():
+            return None
+        return Encoded(model.vision_placeholder(prompts["input_ids"].device), None)
     if videos is None:
         return Encoded(model.encode_images(images, prompts.get("image_grid_thw")), None)
     grids = prompts["video_grid_thw"]
