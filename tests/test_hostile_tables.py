@@ -135,6 +135,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.slow
 def test_reading_cells_declared_at_one_and_a_half_gib_grows_memory_by_tens_of_mib_at_most(crafted, tmp_path):
     """In a process of its own (the peak resident set is a process's): the conversion to the records cache and the
     streamed reader, over the 1.5 GiB row group. Decoding it would grow memory by gigabytes."""
@@ -252,6 +253,7 @@ def test_a_row_group_that_cannot_be_read_on_ends_as_counted_problems_naming_the_
         assert f"{path} row 20: " in str(items[20]) and "cannot be read on" in str(items[20])
 
 
+@pytest.mark.slow
 def test_a_dictionary_page_every_row_repeats_is_counted_as_decoded_not_as_the_footer_says(tmp_path, monkeypatch):
     """pyarrow's writer gives the column 52 bytes in the footer; it decodes to 600 MiB: the decoded batches are
     counted against max_row_group_bytes, and the group's rows are problems, not rows in the cache."""

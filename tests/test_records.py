@@ -124,6 +124,7 @@ def test_a_change_that_keeps_the_size_and_mtime_is_noticed(tmp_path):
     assert _cached_count(shard) == 1
 
 
+@pytest.mark.slow
 def test_a_truncated_large_json_is_named_without_parsing_it_again(tmp_path, monkeypatch):
     monkeypatch.setattr(records_module, "BATCH_ROWS", 64)
     text = json.dumps(llava_records(60_000), indent=1)  # about 15 MB

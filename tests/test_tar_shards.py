@@ -133,7 +133,8 @@ def warm(tmp_path_factory):
     assert main(["train", str(run), f"train.out={tmp / 'out'}"]) == 0
 
 
-@pytest.mark.parametrize("name", ["sparse", "many", "budget", "nested", "truncated", "corrupt", "cut_header"])
+@pytest.mark.parametrize("name", ["sparse", *(pytest.param(name, marks=pytest.mark.slow) for name in (  # fast tier: one
+    "many", "budget", "nested", "truncated", "corrupt", "cut_header"))])
 def test_a_hostile_shard_is_counted_problems_and_the_run_trains_on_its_good_samples(name, tmp_path, capsys, warm):
     path, expected, settings = crafted(tmp_path / "shards")[name]
     assert path.stat().st_size < MiB  # a small file ...
