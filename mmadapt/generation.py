@@ -289,3 +289,42 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int, *,
     chosen = logprobs.gather(-1, tokens[:, None].clamp(max=logprobs.shape[-1] - 1))[:, 0]
     top_logprobs, top_ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
     return chosen, top_ids, top_logprobs
+
+
+# ---- its memory (`mmadapt plan`) -------------------------------------------------------------------------------------
+def text_config(model: Any) -> Any:
+    """The backbone's text config (a VLM config's `text_config`, else its own)."""
+    config = model.backbone.config
+    return getattr(config, "text_config", None) or config
+
+
+def cache_bytes(model: Any, rows: int, length: int, dtype_bytes: int) -> int:
+    """The generation cache of `rows` rows of `length` tokens, counted from the backbone's config as transformers'
+    cache layers hold it: keys and values (rows x KV heads x length x head_dim each) for each attention layer; for
+    each Gated DeltaNet layer (Qwen3.5's `linear_attention`) its conv state (rows x conv channels x kernel, in the
+    compute dtype) and its recurrent state (rows x value heads x key dim x value dim, fp32)."""
+    c = text_config(model)
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    total = 0
+    for kind in types:
+        if kind == "linear_attention":
+            keys = c.linear_num_key_heads * c.linear_key_head_dim
+            values = c.linear_num_value_heads * c.linear_value_head_dim
+            total += rows * (2 * keys + values) * c.linear_conv_kernel_dim * dtype_bytes
+            total += rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        else:
+            window = getattr(c, "sliding_window", None) if kind == "sliding_attention" else None
+            total += 2 * rows * c.num_key_value_heads * min(length, window or length) * head_dim * dtype_bytes
+    return total
+
+
+def generation_bytes(model: Any, prompts: int, answers: int, length: int, dtype_bytes: int) -> int:
+    """The memory of answering `prompts` prompts `answers` times each up to `length` tokens (`generate` with the prompt
+    prefilled once, its cache copied per answer) beyond the resident weights: the cache of the prompts x answers rows
+    (`cache_bytes`), each step's last logits (fp32, rows x V), and one prefill layer's working set for the prompts
+    (hidden states, attention projections and the MLP's intermediate: counted, not probed)."""
+    c, rows = text_config(model), prompts * answers
+    vocab = model.backbone.get_output_embeddings().weight.shape[0]
+    prefill = prompts * length * (4 * c.hidden_size + 3 * c.intermediate_size) * dtype_bytes
+    return cache_bytes(model, rows, length, dtype_bytes) + rows * vocab * 4 + prefill

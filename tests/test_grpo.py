@@ -14,6 +14,7 @@ from mmadapt.train import RunConfig, Trainer
 from mmadapt.train.objectives.reward_view import AnswerScorer
 from mmadapt.train.rewards import reward_specs
 from mmadapt.train.run import build_run
+from mmadapt.train.steps import evaluate
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
 
@@ -64,7 +65,7 @@ def test_a_grpo_run_samples_scores_and_steps_logging_what_trl_logs(tmp_path, los
         assert record["zero_std_groups"] < 1 and math.isfinite(record["loss"])
     moved = [n for n, p in parts.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved, "no parameter moved in two steps"
-    rewards = trainer.objective.evaluate(trainer)
+    rewards = evaluate(trainer, trainer.objective)
     assert set(rewards) == {"eval_reward", "eval_reward_blanked", "eval_reward_shuffled"}
     assert all(math.isfinite(v) for v in rewards.values())
 
@@ -280,9 +281,9 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
     trainer = Trainer(parts.model, then, parts.train_data, parts.collate, eval_data=parts.eval_data,
                       tokenizer=parts.tokenizer)
     trainer.objective.prepare(trainer)
-    start = trainer.objective.evaluate(trainer)
+    start = evaluate(trainer, trainer.objective)
     trainer.fit()
-    end = trainer.objective.evaluate(trainer)
+    end = evaluate(trainer, trainer.objective)
     assert start["eval_reward"] <= 0.6, start
     assert end["eval_reward"] >= 0.9 and end["eval_reward"] - start["eval_reward"] >= 0.3, (start, end)
     assert abs(end["eval_reward_blanked"] - 0.5) <= 0.2 and end["eval_reward_shuffled"] <= 0.5, end
@@ -388,16 +389,16 @@ def test_the_vision_side_runs_once_per_micro_batch_with_or_without_pictures(tmp_
         if output.features.requires_grad:
             output.features.register_hook(lambda grad, at=phase[0]: gradients.__setitem__(at, gradients[at] + 1))
 
-    evaluate = trainer.objective.evaluate
+    eval_batch = trainer.objective.eval_batch
 
-    def evaluating(run):
+    def evaluating(*args):
         phase[0] = "eval"
         try:
-            return evaluate(run)
+            return eval_batch(*args)
         finally:
             phase[0] = "train"
 
-    trainer.objective.evaluate = evaluating
+    trainer.objective.eval_batch = evaluating
     generate = parts.model.generate
 
     def generating(*args, **kwargs):  # a training step's rollout: its pictures (or no picture) were encoded before

@@ -8,6 +8,7 @@ tokens): its step-1 loss equals that mean computed by hand on the first global b
 
 import copy
 import json
+import math
 import shutil
 
 import pytest
@@ -136,3 +137,70 @@ def test_a_checkpoint_holding_another_objectives_state_is_refused():
     objective.load_state_dict({})  # SFT keeps nothing: an empty state is its own
     with pytest.raises(ValueError, match=r"keeps no state .*\['rows'\].*train.objective"):
         objective.load_state_dict({"rows": 8})
+
+
+# ---- the trainer owns the step ---------------------------------------------------------------------------------------
+def test_no_objective_writes_its_own_accumulation_or_keeps_ranks_in_step():
+    """Keeping ranks paired is the trainer's (`mmadapt.train.steps`): no objective module runs a backward, a no_sync,
+    an all-reduce or eval rounds of its own, and no registered objective overrides the trainer's loop."""
+    import inspect
+    import pathlib
+
+    import mmadapt.train.objectives as package
+
+    for path in sorted(pathlib.Path(package.__file__).parent.rglob("*.py")):
+        source = path.read_text()
+        for written in (".backward(", "no_sync(", "all_reduce_sum(", "eval_rounds(", "placeholder_batch("):
+            assert written not in source, f"{path.name} calls {written}: the trainer's (mmadapt.train.steps)"
+    for name in ("sft", "dpo", "grpo"):
+        cls = OBJECTIVES.get(name)
+        assert not hasattr(cls, "backward") and not hasattr(cls, "evaluate"), name
+        assert "micro_loss" in {n for klass in inspect.getmro(cls)[:-2] for n in vars(klass)}, name
+
+
+@pytest.mark.slow  # one step and one eval of each objective
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulation(tmp_path, monkeypatch, name):
+    from test_grpo import config as grpo_config
+    from test_preference import colour_pairs
+
+    import mmadapt.train.trainer as trainer_module
+    from mmadapt.train.run import build_run
+
+    calls = {"accumulate": 0, "evaluate": 0, "micro_loss": 0, "eval_batch": 0}
+
+    def counted(function, key):
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(trainer_module, "accumulate", counted(trainer_module.accumulate, "accumulate"))
+    monkeypatch.setattr(trainer_module, "evaluate", counted(trainer_module.evaluate, "evaluate"))
+    common = ["train.steps=1", "train.eval_every=1", "train.grad_accum=2", "data.batch_size=2"]
+    if name == "grpo":
+        cfg = grpo_config(tmp_path, *common)
+    else:
+        path = colour_pairs(tmp_path, "train", 8, 0)
+        records = path if name == "dpo" else sft_records(path)
+        cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false",
+                                    f"train.objective={name}", f"data.train={records}", f"data.eval={records}",
+                                    f"data.image_root={tmp_path}", *common])
+    parts = build_run(cfg)
+    trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate, eval_data=parts.eval_data)
+    monkeypatch.setattr(trainer.objective, "micro_loss", counted(trainer.objective.micro_loss, "micro_loss"))
+    monkeypatch.setattr(trainer.objective, "eval_batch", counted(trainer.objective.eval_batch, "eval_batch"))
+    summary = trainer.fit()
+    assert calls == {"accumulate": 1, "evaluate": 1, "micro_loss": 2, "eval_batch": 4}, calls
+    assert math.isfinite(summary["history"][0]["loss"])
+
+
+def sft_records(pairs_path):
+    """The chosen answers of a file of pairs, as LLaVA conversations (SFT records)."""
+    out = pairs_path.with_name("sft.jsonl")
+    rows = [json.loads(line) for line in pairs_path.read_text().splitlines()]
+    out.write_text("\n".join(json.dumps({"id": str(k), "image": row["images"][0], "conversations": [
+        {"from": "human", "value": row["prompt"][0]["content"]},
+        {"from": "gpt", "value": row["chosen"][0]["content"]}]}) for k, row in enumerate(rows)))
+    return out

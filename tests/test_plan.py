@@ -305,7 +305,7 @@ def test_the_rollout_cache_is_counted_as_transformers_holds_it(parts):
     of the backbone's cache after a prefill of 6 rows x 20 tokens and 5 steps (Qwen3.5: Gated DeltaNet conv and
     recurrent states beside the attention layer's keys and values), exactly."""
     import mmadapt
-    from mmadapt.train.plan.predict import cache_bytes
+    from mmadapt.generation import cache_bytes
 
     torch.manual_seed(0)
     model = mmadapt.build_model(*parts).eval()
@@ -326,7 +326,7 @@ def test_the_rollout_cache_is_counted_as_transformers_holds_it(parts):
 
 
 def test_a_grpo_run_is_planned_with_g_rows_per_prompt_one_image_and_its_rollout():
-    from mmadapt.train.plan.predict import cache_bytes
+    from mmadapt.generation import cache_bytes
     from mmadapt.train.plan.workloads import workload
 
     overrides = ["data.batch_size=2", "data.max_length=512"]

@@ -20,6 +20,7 @@ from mmadapt.synthetic import synthetic_samples
 from mmadapt.train import RunConfig, Trainer, apply_stages, latest_checkpoint, merge_lora
 from mmadapt.train.config import LoraSection, StagesSection
 from mmadapt.train.stages import lora_modules
+from mmadapt.train.steps import accumulate
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
 LLAVA = ("clip", "mlp2x_gelu", "llama")
@@ -87,7 +88,7 @@ def test_gradient_accumulation_equals_one_batch(names, tmp_path):
         batches = trainer.loader(0)
         micro = [next(batches) for _ in range(accum)]
         counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
-        trainer.objective.backward(trainer, micro)
+        accumulate(trainer, trainer.objective, micro)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert len(set(counts)) > 1  # the micro-batches really differ in supervised tokens
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
@@ -471,7 +472,7 @@ def test_a_micro_batch_of_only_bad_samples_does_not_stop_training(tmp_path):
     trainer = Trainer(model, config(tmp_path, "train.steps=4", "data.batch_size=4", "train.grad_accum=2",
                                     "data.max_bad_fraction=0.6"), good + bad, Collator.for_model(model, 0))
     collate = Collator.for_model(model, 0)
-    result = trainer.objective.backward(trainer, [collate(bad[:4]), collate(good[:4])])  # an all-bad micro-batch,
+    result = accumulate(trainer, trainer.objective, [collate(bad[:4]), collate(good[:4])])  # an all-bad micro-batch,
     assert math.isfinite(result.loss)  # then a good one
     assert result.tokens == int(collate(good[:4])["labels"][:, 1:].ne(-100).sum())
     model.zero_grad()

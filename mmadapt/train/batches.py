@@ -98,6 +98,14 @@ def placeholder_batch(batch: dict[str, Any], pad_token_id: int = 0) -> dict[str,
             "meta": batch.get("meta", {})}
 
 
+def placeholder_forward(run: Any, batch: dict[str, Any] | None = None) -> torch.Tensor:
+    """The loss (0) of a placeholder batch through `run.wrapped` in `run`'s precision: what a rank runs where it has no
+    rows, so that its forward (and backward) pair with the other ranks' collectives."""
+    placeholder = placeholder_batch(batch or {}, getattr(run.collate_fn, "pad_token_id", 0))
+    with run.precision_context():
+        return run.wrapped(**to_device(placeholder, run.device), num_items_in_batch=1).loss
+
+
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on `device` (non-blocking); other values as they are."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

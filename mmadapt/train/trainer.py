@@ -1,12 +1,12 @@
 """The training loop shared by `mmadapt train`, `mmadapt demo` and notebooks, for every training objective.
 
 One optimizer step = `grad_accum` micro-batches per rank. What a step learns is the run's objective's
-(`train.objective`, `mmadapt.train.objectives`: next-token SFT, DPO and its variants, or any registered one): its
-`backward` accumulates the gradients of the global batch, its loss normalised over the whole global batch (all
-micro-batches, all ranks) so that accumulation and data parallelism equal one big batch; it prepares what it needs
-before the first step (a preference reference), may make the rows it trains on before each step, evaluates, and
-keeps its own state in the checkpoints. The trainer owns the rest: data order, the guards, the optimizer, logging,
-checkpoints and the final model directory.
+(`train.objective`, `mmadapt.train.objectives`: next-token SFT, DPO and its variants, GRPO, or any registered one): it
+gives each micro-batch's loss, normalised over the whole global batch (all micro-batches, all ranks) so that
+accumulation and data parallelism equal one big batch, and each eval batch's sums; it prepares what it needs before
+the first step (a preference reference), may make the rows it trains on before each step, and keeps its own state in
+the checkpoints. The trainer owns the rest: the accumulation and the eval rounds, one way for every objective
+(`mmadapt.train.steps`), data order, the guards, the optimizer, logging, checkpoints and the final model directory.
 
 Before the optimizer step the loss and the gradient norm are checked: a non-finite step is skipped (gradients
 dropped), counted and logged; after `max_consecutive_skips` in a row the run stops with `NonFiniteError`, naming the
@@ -77,6 +77,7 @@ from mmadapt.train.plots import plot_history
 from mmadapt.train.records import learning_rates, step_speed
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState, state_field
+from mmadapt.train.steps import accumulate, evaluate
 from mmadapt.train.tracking import PartClock, Tracker, peak_tflops, speed_summary
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class Trainer:
         micro-batches' samples count towards the samples seen and the bad-sample budget unless they are a batch
         serving its next step (`rows_are_new` False: `Objective.steps_per_batch`)."""
         started = time.perf_counter()
-        result = self.objective.backward(self, micro, clock)
+        result = accumulate(self, self.objective, micro, clock)
         loss_value = result.loss
         forward_backward = time.perf_counter() - started
         vision = clock.take() if clock is not None else 0.0
@@ -349,7 +350,7 @@ class Trainer:
     def run_eval(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.eval_data is not None:
-            out.update(self.objective.evaluate(self))
+            out.update(evaluate(self, self.objective))
         if self.evaluate is not None:
             out.update(self.evaluate(self.model, self.step))
         if self.cfg.train.eval_tasks:

@@ -13,10 +13,15 @@ the optimizer, checkpoints, logging); an objective says what one step learns. It
   here; an online objective generates its rows from the policy); with `steps_per_batch` k > 1 the rows serve k
   optimizer steps (GRPO's `num_iterations`): the loader's batch s is steps s*k ... s*k + k - 1, and
   `training_rows` runs at the first of them;
-- `backward(run, micro, clock)`: the gradients of one global batch (`grad_accum` micro-batches on each rank), its
-  loss normalised over the whole global batch so that accumulation and ranks equal one big batch; returns a
-  `StepResult` (the loss, the supervised tokens, the values it logs);
-- `evaluate(run)`: its metrics on the eval set (`eval_loss`, ...);
+- per micro-batch, the trainer's one accumulation (`mmadapt.train.steps.accumulate`: no_sync, precision, a
+  placeholder forward for an empty micro-batch, the scaling by the world size, the clock, one all-reduce of the
+  stats) asks it `units(batch)` (its share of the step's normaliser: supervised tokens, pairs, completion tokens),
+  then `micro_loss(run, batch, totals)`: that micro-batch's share of the step's loss, normalised by `totals` (the
+  global batch's units, all micro-batches and ranks) so that accumulation and ranks equal one big batch, and the
+  sums it logs (`stat_names`); `step_result` turns the step's summed loss and stats into the logged `StepResult`;
+- evaluation, in the trainer's rounds (`mmadapt.train.steps.evaluate`: every rank as many, a stand-in or a
+  placeholder where a rank has nothing): `eval_batch(run, items, batch)` gives one batch's sums
+  (`eval_stat_names`), `eval_metrics` the metrics of their totals over the ranks (`eval_loss`, ...);
 - `state_dict()` / `load_state_dict(state)`: what it keeps across steps (JSON values), saved with every checkpoint
   (`TrainerState.objective`) and given back on resume;
 - `rows_per_sample` (the plan's rows per sample of a micro-batch) and `section` (the `RunConfig` section of its
@@ -31,11 +36,15 @@ a subclass (often of `SupervisedObjective`, overriding one method) registered un
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import torch
+
 from mmadapt.registry import Registry
+from mmadapt.train.batches import supervised_tokens
 from mmadapt.train.config import RunConfig
 
 
@@ -71,6 +80,30 @@ class StepResult:
     loss: float
     tokens: int
     logged: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What one step's micro-batch losses are normalised by, over the global batch (every micro-batch, every rank):
+    the objective's `units` (may be 0: nothing to learn from), the supervised tokens, and the micro-batches."""
+
+    units: int
+    tokens: int
+    micro_batches: int
+
+    @property
+    def per_unit(self) -> int:
+        """The divisor of a summed loss: `units`, at least 1."""
+        return max(self.units, 1)
+
+
+@dataclass
+class Terms:
+    """One micro-batch's share of the step's loss (differentiable) and the sums it logs (`Objective.stat_names`:
+    numbers or detached 0-d tensors, which the trainer adds over the step's micro-batches and ranks on the device)."""
+
+    loss: torch.Tensor
+    sums: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,13 +158,55 @@ class Objective(ABC):
         """The micro-batches a step trains on, from the loader's."""
         return micro
 
-    @abstractmethod
-    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
-        """Accumulate the gradients of one global batch; `clock.backward_done()` after each micro-batch's."""
+    # ---- a step: the trainer's accumulation asks these ----------------------------------------------------------
+    def has_rows(self, batch: dict[str, Any]) -> bool:
+        """Whether a micro-batch holds rows to learn from (else: every sample of it was a problem, and the trainer
+        runs a placeholder forward in its place)."""
+        return batch["input_ids"].shape[0] > 0
+
+    def tokens(self, batch: dict[str, Any]) -> int:
+        """A micro-batch's supervised tokens (the step's logged `tokens` and speed)."""
+        return int(supervised_tokens(batch["labels"]))
+
+    def units(self, batch: dict[str, Any]) -> int:
+        """A micro-batch's share of the step's normaliser (here: its supervised tokens)."""
+        return self.tokens(batch)
+
+    def stat_names(self, run: Run) -> tuple[str, ...]:
+        """The keys of `Terms.sums`, the same on every rank."""
+        return ()
 
     @abstractmethod
-    def evaluate(self, run: Run) -> dict[str, float]:
-        """Its metrics on `run.eval_data`, every rank scoring its share."""
+    def micro_loss(self, run: Run, batch: dict[str, Any], totals: StepTotals) -> Terms:
+        """One micro-batch's share of the step's loss (normalised by `totals`) and its sums."""
+
+    def step_result(self, run: Run, micro: list[dict[str, Any]], loss: float, sums: dict[str, float],
+                    totals: StepTotals) -> StepResult:
+        """The logged result of a step: `loss` is the sum of its micro-batch losses over the ranks, `sums` the
+        summed `Terms.sums`."""
+        return StepResult(loss, max(totals.tokens, 1), dict(sums))
+
+    # ---- evaluation: the trainer's rounds ask these --------------------------------------------------------------
+    def evaluating(self, run: Run) -> Any:
+        """The context the whole evaluation runs in (entered after the model is put in eval mode)."""
+        return nullcontext()
+
+    def eval_stat_names(self, run: Run) -> tuple[str, ...]:
+        """The keys of `eval_batch`'s sums, the same on every rank."""
+        return ()
+
+    @abstractmethod
+    def eval_batch(self, run: Run, items: list[Any], batch: dict[str, Any]) -> dict[str, float]:
+        """One eval batch's sums: `items` as the dataset gave them, `batch` collated (it has rows)."""
+
+    @abstractmethod
+    def eval_metrics(self, run: Run, sums: dict[str, float]) -> dict[str, float]:
+        """The eval metrics from the sums over every batch and rank."""
+
+    def memory(self, model: Any, precision: Any) -> dict[str, int]:
+        """`mmadapt plan`: the bytes it holds between steps beyond the resident weights and optimizer state, by name
+        (a rollout's generation cache), for this rank's own rows; the plan takes the step's peak or these."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """What it keeps across steps, as JSON values (saved with each checkpoint)."""

@@ -55,14 +55,13 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import eval_rounds, first_usable, inputs_of, to_device, usable
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.batches import first_usable, inputs_of, to_device
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
 from mmadapt.train.objectives.reward_view import AnswerScorer, control_rewards
@@ -183,6 +182,14 @@ class GrpoObjective(Objective):
             with torch.no_grad():
                 self.placeholder_loss(run)
 
+    def memory(self, model: Any, precision: Any) -> dict[str, int]:
+        """The rollout: the micro-batch's B prompts answered G times up to `data.max_length` (`generation_bytes`)."""
+        from mmadapt.generation import generation_bytes
+
+        d = self.config.data
+        return {"rollout": generation_bytes(model, d.batch_size, self.settings.num_generations, d.max_length,
+                                            precision.hidden_bytes)}
+
     # ---- 1-2: rollouts and rewards -------------------------------------------------------------------------------
     def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each micro-batch of prompts -> its B x G answers, their rewards and advantages, and the rows to score."""
@@ -301,31 +308,29 @@ class GrpoObjective(Objective):
         return local._replace(advantages=scaled, std=std, zero_std=torch.isclose(std, torch.zeros_like(std)))
 
     # ---- 3: the loss ---------------------------------------------------------------------------------------------
-    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
-        s = self.settings
-        tokens = dist_utils.all_reduce_sum(torch.tensor(
-            sum(int(b[ROLLOUT]["mask"].sum()) for b in micro if ROLLOUT in b), device=run.device))
-        total_tokens = max(int(tokens.item()), 1)
-        steps = len(micro) * run.dist.world
-        iteration = run.step % s.num_iterations  # 0: the rollout's first step; later ones clip against its log-probs
-        stats = PolicyStats.zero(run.device, kl=s.beta > 0, entropy=True)
-        loss_sum = torch.zeros((), device=run.device)
-        run.wrapped.train()
-        for k, batch in enumerate(micro):
-            sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
-            with sync, run.precision_context():
-                if ROLLOUT not in batch:  # every prompt of it was a problem: a zero-loss forward keeps ranks in step
-                    loss = self.placeholder_loss(run)
-                else:
-                    terms = self.terms(run, batch, steps, total_tokens, iteration)
-                    loss, stats = terms.loss, stats + terms.stats
-                    loss_sum += terms.loss.detach()  # its share of the step (dapo: over the step's tokens)
-            (loss * run.dist.world).backward()
-            if clock is not None:
-                clock.backward_done()
-        stats = PolicyStats.from_tensor(dist_utils.all_reduce_sum(stats.as_tensor()))
-        logged = self.logged(micro, run) if iteration == 0 else {}  # the rollout's rewards: logged at its first step
-        return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens, {**logged, **stats.means()})
+    def units(self, batch: dict[str, Any]) -> int:
+        """A micro-batch's counted completion tokens (a stand-in's: none)."""
+        return int(batch[ROLLOUT]["mask"].sum())
+
+    def tokens(self, batch: dict[str, Any]) -> int:
+        return self.units(batch)
+
+    def stat_names(self, run: Run) -> tuple[str, ...]:
+        return PolicyStats.NAMES
+
+    def micro_loss(self, run: Run, batch: dict[str, Any], totals: StepTotals) -> Terms:
+        """The clipped loss of a micro-batch's answers: its share of the step's (M micro-batch losses; dapo: over the
+        step's completion tokens, all ranks)."""
+        iteration = run.step % self.settings.num_iterations  # 0: the rollout's first step
+        terms = self.terms(run, batch, totals.micro_batches, totals.per_unit, iteration)
+        return Terms(terms.loss, terms.stats.sums())
+
+    def step_result(self, run: Run, micro: list[dict[str, Any]], loss: float, sums: dict[str, float],
+                    totals: StepTotals) -> StepResult:
+        """The clip fractions, entropy and KL of the step and, at a rollout's first step, its rewards and answers."""
+        stats = PolicyStats.from_sums(sums, kl=self.settings.beta > 0, entropy=True)
+        logged = self.logged(micro, run) if run.step % self.settings.num_iterations == 0 else {}
+        return StepResult(loss, totals.per_unit, {**logged, **stats.means()})
 
     def terms(self, run: Run, batch: dict[str, Any], steps: int, total_tokens: int, iteration: int = 0) -> Any:
         """One micro-batch's loss. At a rollout's first step (`iteration` 0) the ratio is 1 (on policy: old =
@@ -406,35 +411,32 @@ class GrpoObjective(Objective):
         return out
 
     # ---- evaluation ----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, run: Run) -> dict[str, float]:
-        """Does the reward rest on the image? The mean reward of one greedy answer per eval prompt with its real
-        images (`eval_reward`), blanked (`eval_reward_blanked`: the processor's mean colour) and shuffled among the
-        batch's prompts (`eval_reward_shuffled`: another prompt's image of the same size): every rank its every
-        world-th batch (`reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts), in as many
-        rounds as the others (`eval_rounds`). Under FSDP2 a round in which a rank has no prompt to answer answers a
-        stand-in (the eval set's first good prompt, its rewards dropped), so that its `generate` calls pair with the
-        other ranks' (each gathers parameters with them)."""
+    @contextlib.contextmanager
+    def evaluating(self, run: Run) -> Iterator[None]:
+        """The eval answers with the model's own `generate`: in eval mode, the root's parameters gathered."""
+        run.model.eval()
+        with gathered(run.wrapped):
+            yield
+
+    def eval_stat_names(self, run: Run) -> tuple[str, ...]:
         from mmadapt.controls import IMAGE_CONTROLS
 
-        data, size = run.eval_data, run.cfg.data.batch_size
-        totals: dict[str, list[float]] = {c.name: [] for c in IMAGE_CONTROLS}
-        stand_in: list[Any] | None = None
-        run.model.eval()
-        with run.precision_context(), gathered(run.wrapped):
-            for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
-                items = [data[i] for i in index]
-                if is_sharded(run.wrapped) and not any(map(usable, items)):
-                    stand_in = first_usable(data) if stand_in is None else stand_in
-                    control_rewards(run.model, self.scorer, stand_in, run.collate_fn, device=run.device)
-                    continue
-                for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn,
-                                                    device=run.device).items():
-                    totals[name] += values
+        return tuple(f"{kind}/{c.name}" for c in IMAGE_CONTROLS for kind in ("reward", "answers"))
+
+    def eval_batch(self, run: Run, items: list[Any], batch: dict[str, Any]) -> dict[str, float]:
+        """Does the reward rest on the image? The rewards of one greedy answer per eval prompt with its real images,
+        blanked (the processor's mean colour) and shuffled among the batch's prompts (another prompt's image of the
+        same size): `reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts."""
         out = {}
-        for control in IMAGE_CONTROLS:
-            everyone = [t for part in dist_utils.gather_objects(totals[control.name]) for t in part]
-            key = "eval_reward" if control.name == "real" else f"eval_reward_{control.name}"
-            out[key] = sum(everyone) / len(everyone) if everyone else math.nan
+        for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn, device=run.device).items():
+            out[f"reward/{name}"], out[f"answers/{name}"] = sum(values), len(values)
         return out
 
+    def eval_metrics(self, run: Run, sums: dict[str, float]) -> dict[str, float]:
+        """`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`: the mean rewards (a reward that rests on the
+        image falls without it)."""
+        from mmadapt.controls import IMAGE_CONTROLS
+
+        return {"eval_reward" if c.name == "real" else f"eval_reward_{c.name}":
+                sums[f"reward/{c.name}"] / sums[f"answers/{c.name}"] if sums[f"answers/{c.name}"] else math.nan
+                for c in IMAGE_CONTROLS}

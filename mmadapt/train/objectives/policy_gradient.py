@@ -140,8 +140,8 @@ class PolicyLoss:
 
 @dataclass(frozen=True)
 class PolicyStats:
-    """Masked sums over a micro-batch's completion tokens (0-d tensors, detached): add them over micro-batches (`+`)
-    and ranks (`as_tensor`, all-reduce, `from_tensor`), then `means()` gives trl's metrics. `kl` is None when beta
+    """Masked sums over a micro-batch's completion tokens (0-d tensors, detached): added over micro-batches and
+    ranks (`sums`, the trainer's all-reduce, `from_sums`), then `means()` gives trl's metrics. `kl` is None when beta
     is 0 (trl logs no `kl` then); `entropy` (the policy's, summed over the tokens) is None when not measured."""
 
     tokens: torch.Tensor
@@ -151,34 +151,20 @@ class PolicyStats:
     kl: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
-    @classmethod
-    def zero(cls, device: torch.device | str | None = None, *, kl: bool = False,
-             entropy: bool = False) -> PolicyStats:
-        """Nothing counted yet (`kl`: the KL term is in the loss, beta != 0; `entropy`: measured)."""
-        z = torch.zeros((), device=device)
-        return cls(z, z, z, z, z if kl else None, z if entropy else None)
+    NAMES = ("tokens", "clipped_low", "clipped_high", "clipped_region", "kl", "entropy")
 
-    def __add__(self, other: PolicyStats) -> PolicyStats:
-        def both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-            return None if a is None or b is None else a + b
-
-        return PolicyStats(self.tokens + other.tokens, self.clipped_low + other.clipped_low,
-                           self.clipped_high + other.clipped_high, self.clipped_region + other.clipped_region,
-                           both(self.kl, other.kl), both(self.entropy, other.entropy))
-
-    def as_tensor(self) -> torch.Tensor:
-        """(6,): tokens, low, high, region, kl, entropy (NaN when None), for one all-reduce (sum)."""
-        def value(t: torch.Tensor | None) -> torch.Tensor:
-            return torch.full_like(self.tokens, float("nan")) if t is None else t
-
-        return torch.stack([self.tokens, self.clipped_low, self.clipped_high, self.clipped_region, value(self.kl),
-                            value(self.entropy)])
+    def sums(self) -> dict[str, torch.Tensor]:
+        """By `NAMES`, the measured ones (a trainer's `Terms.sums`)."""
+        return {name: value for name, value in zip(self.NAMES, (self.tokens, self.clipped_low, self.clipped_high,
+                                                                 self.clipped_region, self.kl, self.entropy),
+                                                   strict=True) if value is not None}
 
     @classmethod
-    def from_tensor(cls, values: torch.Tensor) -> PolicyStats:
-        tokens, low, high, region, kl, entropy = values.unbind()
-        return cls(tokens, low, high, region, None if torch.isnan(kl) else kl,
-                   None if torch.isnan(entropy) else entropy)
+    def from_sums(cls, sums: dict[str, float], *, kl: bool, entropy: bool) -> PolicyStats:
+        """`sums()` added over micro-batches and ranks, back (`kl`, `entropy`: whether they were measured)."""
+        values = {name: torch.tensor(float(sums[name])) for name in cls.NAMES}
+        return cls(values["tokens"], values["clipped_low"], values["clipped_high"], values["clipped_region"],
+                   values["kl"] if kl else None, values["entropy"] if entropy else None)
 
     def means(self) -> dict[str, float]:
         """The means over completion tokens, by trl's names: `kl` (when beta != 0), `entropy` (when measured),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,15 +40,8 @@ import torch.nn.functional as F
 
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import (
-    eval_rounds,
-    first_usable,
-    inputs_of,
-    placeholder_batch,
-    supervised_tokens,
-    to_device,
-)
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
     adapters_disabled,
@@ -294,59 +286,37 @@ class PreferenceObjective(Objective):
         log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
                  tables.values()), time.perf_counter() - started, file)
 
-    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
-        """Each micro-batch's per-pair losses summed and divided by the global batch's pairs; logs the pairs and the
-        means of `PairScorer.summary` (rewards, log-probs, KL)."""
-        pairs = int(dist_utils.all_reduce_sum(torch.tensor(sum(b.get("pairs", 0) for b in micro),
-                                                           device=run.device)).item())
-        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(run.device))
-        sums = dict.fromkeys(STATS, 0.0)
-        run.wrapped.train()
-        for k, batch in enumerate(micro):
-            sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
-            with sync, run.precision_context():
-                if not batch.get("pairs"):  # every pair of it was a problem: a zero-loss forward keeps ranks in step
-                    placeholder = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
-                    loss = run.wrapped(**to_device(placeholder, run.device), num_items_in_batch=1).loss
-                else:
-                    terms, stats = self.scorer.terms(run.wrapped, batch, run.device)
-                    loss = terms.losses.sum() / max(pairs, 1)
-                    for key, value in stats.items():
-                        sums[key] += value
-            (loss * run.dist.world).backward()
-            if clock is not None:
-                clock.backward_done()
-        totals = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in STATS], dtype=torch.float64,
-                                                        device=run.device)).tolist()
-        summary = PairScorer.summary(dict(zip(STATS, totals, strict=True)), pairs)
-        loss_value = summary.pop("loss") if pairs else float("nan")
-        return StepResult(loss_value, max(int(tokens.item()), 1), {"pairs": pairs, **summary})
+    def has_rows(self, batch: dict[str, Any]) -> bool:
+        return bool(batch.get("pairs"))
 
-    def evaluate(self, run: Run) -> dict[str, float]:
+    def units(self, batch: dict[str, Any]) -> int:
+        """A micro-batch's pairs: a step's loss is the mean of its per-pair losses."""
+        return int(batch["pairs"])
+
+    def stat_names(self, run: Run) -> tuple[str, ...]:
+        return STATS
+
+    def micro_loss(self, run: Run, batch: dict[str, Any], totals: StepTotals) -> Terms:
+        """The micro-batch's per-pair losses summed and divided by the global batch's pairs."""
+        terms, stats = self.scorer.terms(run.wrapped, batch, run.device)
+        return Terms(terms.losses.sum() / totals.per_unit, stats)
+
+    def step_result(self, run: Run, micro: list[dict[str, Any]], loss: float, sums: dict[str, float],
+                    totals: StepTotals) -> StepResult:
+        """The pairs and the means of `PairScorer.summary` (rewards, log-probs, KL); a step without pairs has nothing
+        to learn from (loss NaN)."""
+        summary = PairScorer.summary(sums, totals.units)
+        loss_value = summary.pop("loss") if totals.units else float("nan")
+        return StepResult(loss_value, max(totals.tokens, 1), {"pairs": totals.units, **summary})
+
+    def eval_stat_names(self, run: Run) -> tuple[str, ...]:
+        return (*STATS, "pairs")
+
+    def eval_batch(self, run: Run, items: list[Any], batch: dict[str, Any]) -> dict[str, float]:
+        _, stats = self.scorer.terms(run.wrapped, batch, run.device, split="eval")
+        return {**stats, "pairs": batch["pairs"]}
+
+    def eval_metrics(self, run: Run, sums: dict[str, float]) -> dict[str, float]:
         """The preference metrics on the eval pairs (`eval_loss`, `eval_rewards/accuracy`, `eval_rewards/margin`,
-        ...): every rank scores its every world-th batch, in as many rounds as the others (`eval_rounds`); in a round
-        without pairs a rank runs a placeholder forward, or under FSDP2 scores a stand-in (the eval set's first good
-        pair, its results dropped), whose forwards gather with the other ranks' as a real batch's do."""
-        sums, pairs = dict.fromkeys(STATS, 0.0), 0
-        size, data = run.cfg.data.batch_size, run.eval_data
-        run.wrapped.eval()
-        stand_in: dict[str, Any] | None = None
-        for index in eval_rounds(len(data), size, run.dist.rank, run.dist.world):
-            batch = run.collate_fn([data[i] for i in index])
-            with run.precision_context():
-                if not batch.get("pairs"):  # this rank has no pair in this round: it keeps in step with the others
-                    if dist_utils.is_fsdp(run.wrapped):  # their forwards (vision units, reference) gather with its own
-                        stand_in = run.collate_fn(first_usable(data)) if stand_in is None else stand_in
-                        if stand_in.get("pairs"):
-                            self.scorer.terms(run.wrapped, stand_in, run.device, split="eval")  # results dropped
-                        continue
-                    placeholder = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
-                    run.wrapped(**to_device(placeholder, run.device))
-                    continue
-                _, stats = self.scorer.terms(run.wrapped, batch, run.device, split="eval")
-            pairs += batch["pairs"]
-            for key, value in stats.items():
-                sums[key] += value
-        totals = dist_utils.all_reduce_sum(torch.tensor([*(sums[k] for k in STATS), pairs], dtype=torch.float64,
-                                                        device=run.device)).tolist()
-        return PairScorer.summary(dict(zip(STATS, totals[:-1], strict=True)), int(totals[-1]), prefix="eval_")
+        ...)."""
+        return PairScorer.summary(sums, int(sums["pairs"]), prefix="eval_")

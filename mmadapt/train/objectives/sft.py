@@ -3,22 +3,18 @@
 The loss of every micro-batch is a *sum* over its supervised tokens divided by the supervised tokens of the whole
 global batch (all micro-batches, all ranks), so accumulation and data parallelism equal one big batch; the model
 computes it (`mmadapt.loss`: the supervised positions only, `lm_head` and cross-entropy in chunks) given that count
-as `num_items_in_batch`. A micro-batch whose every sample was a problem runs a placeholder (one unsupervised token):
-zero loss, and the ranks' collectives stay paired. A variant that changes only the loss of a micro-batch overrides
-`loss` (tests/test_objectives.py registers one).
+as `num_items_in_batch`; the trainer adds them up (`mmadapt.train.steps`). A variant that changes only the loss of
+a micro-batch overrides `loss` (tests/test_objectives.py registers one).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import placeholder_batch, supervised_tokens, to_device
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.batches import to_device
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
 
 
 class SupervisedObjective(Objective):
@@ -37,48 +33,42 @@ class SupervisedObjective(Objective):
         """One micro-batch's loss: its summed token losses / the global batch's supervised tokens."""
         return run.wrapped(**to_device(batch, run.device), num_items_in_batch=total_tokens).loss
 
-    def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
-        tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(run.device))
-        total_tokens = max(int(tokens.item()), 1)
-        loss_sum = torch.zeros((), device=run.device)
+    def micro_loss(self, run: Run, batch: dict[str, Any], totals: StepTotals) -> Terms:
         names = run.source_names()
-        by_source = torch.zeros(2, len(names), dtype=torch.float64)  # summed token losses, supervised tokens
-        run.wrapped.train()
-        for k, batch in enumerate(micro):
-            if batch["input_ids"].shape[0] == 0:  # every sample of it was a problem (counted in the log)
-                batch = placeholder_batch(batch, getattr(run.collate_fn, "pad_token_id", 0))
-            elif names:  # a mixture: the model fills each position's token loss, summed per source below
-                batch = {**batch, "token_losses": torch.zeros(batch["labels"].shape, device=run.device)}
-            sync = dist_utils.no_sync(run.wrapped) if k < len(micro) - 1 else nullcontext()
-            with sync, run.precision_context():
-                loss = self.loss(run, batch, total_tokens)
-            (loss * run.dist.world).backward()  # ranks' gradients are averaged; the loss is already global
-            if clock is not None:
-                clock.backward_done()
-            loss_sum += loss.detach().float()
-            if "token_losses" in batch:
-                by_source += losses_by_source(batch, names)
-        logged = {}
-        if names:
-            by_source = dist_utils.all_reduce_sum(by_source.to(run.device)).cpu()
-            logged["sources"] = {name: {"loss": float(by_source[0, j] / by_source[1, j]) if by_source[1, j] else
-                                        float("nan"), "tokens": int(by_source[1, j])} for j, name in enumerate(names)}
-        return StepResult(float(dist_utils.all_reduce_sum(loss_sum)), total_tokens, logged)
+        if not names:
+            return Terms(self.loss(run, batch, totals.per_unit))
+        # a mixture: the model fills each position's token loss, summed per source
+        batch = {**batch, "token_losses": torch.zeros(batch["labels"].shape, device=run.device)}
+        loss = self.loss(run, batch, totals.per_unit)
+        by_source = losses_by_source(batch, names)
+        return Terms(loss, {f"{kind}/{name}": float(by_source[k, j]) for j, name in enumerate(names)
+                            for k, kind in enumerate(("loss", "tokens"))})
 
-    @torch.no_grad()
-    def evaluate(self, run: Run) -> dict[str, float]:
-        """`eval_loss`: the mean token loss over the eval set (this process's batches)."""
-        loader = DataLoader(run.eval_data, batch_size=run.cfg.data.batch_size, collate_fn=run.collate_fn)
-        run.wrapped.eval()
-        total, tokens = 0.0, 0
-        for batch in loader:
-            if batch["input_ids"].shape[0] == 0:
-                continue
-            with run.precision_context():
-                n = int(supervised_tokens(batch["labels"]))
-                loss = run.wrapped(**to_device(batch, run.device), num_items_in_batch=max(n, 1)).loss
-            total, tokens = total + float(loss) * n, tokens + n
-        return {"eval_loss": total / max(tokens, 1)}
+    def stat_names(self, run: Run) -> tuple[str, ...]:
+        return tuple(f"{kind}/{name}" for name in run.source_names() for kind in ("loss", "tokens"))
+
+    def step_result(self, run: Run, micro: list[dict[str, Any]], loss: float, sums: dict[str, float],
+                    totals: StepTotals) -> StepResult:
+        """The step's mean token loss and, for a mixture, each source's (`sources`)."""
+        logged = {}
+        if names := run.source_names():
+            logged["sources"] = {name: {"loss": sums[f"loss/{name}"] / sums[f"tokens/{name}"]
+                                        if sums[f"tokens/{name}"] else float("nan"),
+                                        "tokens": int(sums[f"tokens/{name}"])} for name in names}
+        return StepResult(loss, totals.per_unit, logged)
+
+    def eval_stat_names(self, run: Run) -> tuple[str, ...]:
+        return ("loss", "tokens")
+
+    def eval_batch(self, run: Run, items: list[Any], batch: dict[str, Any]) -> dict[str, float]:
+        """The batch's summed token losses and supervised tokens (the model in eval mode: transformers' loss)."""
+        n = self.tokens(batch)
+        loss = run.wrapped(**to_device(batch, run.device), num_items_in_batch=max(n, 1)).loss
+        return {"loss": float(loss) * n, "tokens": n}
+
+    def eval_metrics(self, run: Run, sums: dict[str, float]) -> dict[str, float]:
+        """`eval_loss`: the mean token loss over the eval set (every rank's share)."""
+        return {"eval_loss": sums["loss"] / max(sums["tokens"], 1)}
 
 
 def losses_by_source(batch: dict[str, Any], names: list[str]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The prediction: the run's model counted on the meta device (parameters by dtype; fp32 gradients and AdamW's two
 fp32 moments for what the stages train; sharded by the strategy), the probe's activations swept over the run's real
 depth for its longest micro-batch, plus the loss and the backward's temporaries, or the optimizer step, whichever is
-higher; for a GRPO run also its rollout (`rollout_bytes`: the generation cache of its B x G rows, counted from the
-backbone's config); and, when it does not fit, the usual changes that would, each planned alone."""
+higher, or what the objective holds between steps (`Objective.memory`: a GRPO rollout's generation cache of its
+B x G rows, counted from the backbone's config); and, when it does not fit, the usual changes that would, each
+planned alone."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 from mmadapt.loss import chunk_rows
 from mmadapt.precision import Precision
 from mmadapt.train.config import RunConfig
+from mmadapt.train.objectives import objective_for
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
 from mmadapt.train.plan.report import GIB, Plan, gib
@@ -65,13 +67,13 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     # the step's peak: the backward sweep (gradients appear as the saved activations go) with its temporaries and
     # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
     backward = peak + transient + recompute + loss
-    # a GRPO run's rollout: between steps (gradients freed), its generation cache and one prefill's working set, for
-    # this rank's own rows (not sharded)
-    rollout = rollout_bytes(config, model, work, precision)
-    total = int(parameters + optimizer_state + sharding + max(backward, gradients + step_temp, rollout))
+    # what the objective holds between steps (gradients freed), for this rank's own rows (not sharded): a GRPO
+    # rollout's generation cache and one prefill's working set
+    between = {name: size for name, size in objective_for(config).memory(model, precision).items() if size}
+    total = int(parameters + optimizer_state + sharding + max(backward, gradients + step_temp, *between.values()))
     per_gpu = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state + step_temp,
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
-               **({"rollout": rollout} if rollout else {}), "total": total}
+               **between, "total": total}
     margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
@@ -166,46 +168,6 @@ def _transient(probe: dict[str, Any], precision: Precision) -> Line:
         excess.append({"tokens": point["tokens"], "rows": point["rows"],
                        "excess": max(point["dynamic"] - peak - loss, 0)})
     return fit(excess, "tokens", lambda p: p["excess"], "rows")
-
-
-def text_config(model: Any) -> Any:
-    config = model.backbone.config
-    return getattr(config, "text_config", None) or config
-
-
-def cache_bytes(model: Any, rows: int, length: int, dtype_bytes: int) -> int:
-    """The generation cache of `rows` rows of `length` tokens, counted from the backbone's config as transformers'
-    cache layers hold it: keys and values (rows x KV heads x length x head_dim each) for each attention layer; for
-    each Gated DeltaNet layer (Qwen3.5's `linear_attention`) its conv state (rows x conv channels x kernel, in the
-    compute dtype) and its recurrent state (rows x value heads x key dim x value dim, fp32)."""
-    c = text_config(model)
-    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    total = 0
-    for kind in types:
-        if kind == "linear_attention":
-            keys = c.linear_num_key_heads * c.linear_key_head_dim
-            values = c.linear_num_value_heads * c.linear_value_head_dim
-            total += rows * (2 * keys + values) * c.linear_conv_kernel_dim * dtype_bytes
-            total += rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        else:
-            window = getattr(c, "sliding_window", None) if kind == "sliding_attention" else None
-            total += 2 * rows * c.num_key_value_heads * min(length, window or length) * head_dim * dtype_bytes
-    return total
-
-
-def rollout_bytes(config: RunConfig, model: Any, work: Any, precision: Precision) -> int:
-    """A GRPO rollout's memory beyond the resident weights and optimizer state (0 for other objectives): the cache of
-    its B x G rows at `max_length` (`cache_bytes`), each step's last logits (fp32, B x G x V), and one prefill layer's
-    working set for its B prompts (hidden states, attention projections and the MLP's intermediate: counted, not
-    probed)."""
-    if config.train.objective != "grpo":
-        return 0
-    c, d = text_config(model), config.data
-    rows = d.batch_size * config.grpo.num_generations
-    vocab = model.backbone.get_output_embeddings().weight.shape[0]
-    prefill = d.batch_size * d.max_length * (4 * c.hidden_size + 3 * c.intermediate_size) * precision.hidden_bytes
-    return cache_bytes(model, rows, d.max_length, precision.hidden_bytes) + rows * vocab * 4 + prefill
 
 
 def _optimizer_temporaries(trained: list[nn.Parameter], device: str) -> int:
