@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from mmadapt.train.objectives.kto import kl_estimate, kl_partners, kto_losses
+from mmadapt.train.objectives.kto import kl_estimate, kl_over_processes, kl_partners, kto_losses
 
 trl = pytest.importorskip("trl")
 
@@ -78,14 +78,23 @@ def ours(policy, policy_kl, reference, reference_kl, labels, *, loss_type, weigh
     policy = policy.clone().requires_grad_(True)
     kl = None
     if loss_type == "kto":
-        kl = kl_estimate(policy_kl, reference_kl)
-        if other is not None:  # the caller's all-reduce AVG over two processes
-            kl = (kl + other) / 2
+        others = [] if other is None else [torch.tensor(other)]
+        kl = kl_over_processes(kl_estimate(policy_kl, reference_kl), processes(others))
     terms = kto_losses(loss_type, policy, reference, labels, kl, beta=BETA, desirable_weight=weights[0],
                        undesirable_weight=weights[1])
     loss = terms.losses.mean()
     loss.backward()
     return loss.detach(), policy.grad, terms
+
+
+def processes(others: list[torch.Tensor | None]):
+    """An in-place all-reduce SUM as `torch.distributed.all_reduce` does it, the other processes having called
+    `kl_over_processes` with `others` (their `kl_estimate`, or None)."""
+    def all_reduce(pair: torch.Tensor) -> None:
+        for local in others:
+            pair += torch.zeros(2) if local is None else torch.stack([local, torch.ones(())])
+
+    return all_reduce
 
 
 def batch(kl_shift: float = 0.0) -> tuple[torch.Tensor, ...]:
@@ -134,8 +143,8 @@ def test_negative_kl_is_clamped_like_trl():
 
 
 def test_kl_averaged_across_processes_like_trl():
-    """Two processes: trl averages each process's mean KL (gather, mean, clamp); the caller's all-reduce AVG of
-    `kl_estimate` gives the same loss and gradient."""
+    """Two processes: trl averages each process's mean KL (gather, mean, clamp); `kl_over_processes` over an
+    all-reduce gives the same KL, loss and gradient."""
     rows, label = batch(kl_shift=2.0), torch.tensor(LABELS["mixed"])
     ref_loss, ref_grad, metrics = trl_loss(*rows, label, loss_type="kto", other=7.5)
     loss, grad, terms = ours(*rows, label, loss_type="kto", other=7.5)
@@ -143,6 +152,18 @@ def test_kl_averaged_across_processes_like_trl():
     assert terms.kl.item() > kl_estimate(rows[1], rows[3]).item() + 2
     torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=0)
     torch.testing.assert_close(grad, ref_grad, atol=ATOL, rtol=0)
+
+
+def test_a_process_without_kl_rows_counts_for_nothing():
+    """Three processes, one without KL rows (a placeholder batch): the estimate is the mean of the other two's, and
+    that process gets the same value through the same all-reduce; no process with rows: 0."""
+    a, b = torch.tensor(2.0), torch.tensor(5.0)
+    assert kl_over_processes(a, processes([b, None])).item() == pytest.approx(3.5)
+    assert kl_over_processes(None, processes([a, b])).item() == pytest.approx(3.5)
+    assert kl_over_processes(None, processes([None])).item() == 0.0
+    assert kl_over_processes(a).item() == 2.0
+    with pytest.raises(ValueError, match="no KL rows"):
+        kl_estimate(torch.zeros(0), torch.zeros(0))
 
 
 def test_per_row_losses_follow_the_formula_in_batch_order():

@@ -19,15 +19,17 @@ The KL estimate z0 (only `kto`): the reference point is KL(pi || ref), estimated
 paired with another row's completion y_j (`kl_partners`), z0 = mean_i [pi(y_j | x_i) - ref(y_j | x_i)]. trl detaches
 it (no gradient flows through z0), takes each process's mean over its KL rows, averages those means across processes
 (`accelerator.gather_for_metrics(kl).mean()`: every process weighs equally, whatever its row count) and clamps the
-result at 0. Here `kl_estimate` is one process's mean (detached); the caller averages it across processes (an
-all-reduce AVG, which the trainer runs on every rank the same number of times) and hands the result to `kto_losses`,
-which clamps it at 0. On one process the caller passes `kl_estimate(...)` as it is.
+result at 0. Here `kl_estimate` is one process's mean (detached); `kl_over_processes` averages those means (every
+process calls it once per micro-batch, with its mean or with None when it has no KL rows, e.g. a placeholder batch:
+such a process counts for nothing, where trl has no such case) and `kto_losses` clamps the result at 0. On one
+process `kl_over_processes(kl_estimate(...))` is the estimate itself.
 
 Shapes: B rows; every tensor here is (B,) or a scalar.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +52,29 @@ class KtoTerms:
 
 def kl_estimate(policy_kl_logps: torch.Tensor, reference_kl_logps: torch.Tensor) -> torch.Tensor:
     """One process's KL estimate: the mean over its KL rows (B,) of policy - reference, detached (a scalar). Average
-    it across processes before `kto_losses` (trl weighs every process's mean equally)."""
+    it across processes (`kl_over_processes`) before `kto_losses`."""
     if policy_kl_logps.shape != reference_kl_logps.shape or policy_kl_logps.dim() != 1:
         raise ValueError(f"the KL rows' log-probs must be two (B,) tensors; got {tuple(policy_kl_logps.shape)} and "
                          f"{tuple(reference_kl_logps.shape)}")
+    if not len(policy_kl_logps):
+        raise ValueError("no KL rows to estimate the KL from: a process without rows passes None to "
+                         "kl_over_processes instead")
     return (policy_kl_logps - reference_kl_logps).mean().detach()
+
+
+def kl_over_processes(local: torch.Tensor | None, all_reduce: Callable[[torch.Tensor], object] | None = None, *,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """trl's average of the processes' KL estimates (a detached fp32 scalar): `local` is this process's `kl_estimate`
+    or None (no KL rows: it counts for nothing); `all_reduce` sums a tensor in place across the processes
+    (`torch.distributed.all_reduce`), every process calling it once; None: one process. 0 when no process has rows;
+    `device`: where the sum travels when `local` is None (the other processes' device)."""
+    if local is None:
+        pair = torch.zeros(2, device=device)
+    else:
+        pair = torch.stack([local.detach().float().reshape(()), torch.ones((), device=local.device)])
+    if all_reduce is not None:
+        all_reduce(pair)
+    return pair[0] / pair[1].clamp(min=1)
 
 
 def kto_losses(loss_type: str, policy_logps: torch.Tensor, reference_logps: torch.Tensor, desirable: torch.Tensor,
