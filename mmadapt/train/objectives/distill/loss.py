@@ -7,9 +7,8 @@ Per scored position, with S / T the student's / teacher's distributions over the
 logits by `temperature` (tau), and KL(P || Q) = sum_v P_v (log P_v - log Q_v):
 
 - beta = 0: KL(T || S), the forward KL (supervised KD's direction; trl's config: "the KL divergence");
-- beta = 1: KL(S || T), the reverse KL (the student's own samples weighed by the student: the per-token reverse KL
-  of on-policy distillation as Qwen3's small models and trl's / verl's on-policy recipes use it; trl's config: "the
-  Inverse KL Divergence");
+- beta = 1: KL(S || T), the reverse KL (weighed by the student: the per-token reverse KL that issue 55 names as
+  on-policy distillation's loss; trl's config: "the Inverse KL Divergence");
 - 0 < beta < 1: with the mixture M = beta T + (1 - beta) S, JSD(beta) = beta KL(T || M) + (1 - beta) KL(S || M)
   (beta = 0.5: the symmetric JSD). The interior does NOT tend to the endpoints: as beta -> 0 it tends to 0, not to
   KL(T || S); trl special-cases beta 0 and 1 exactly as here.
@@ -20,14 +19,15 @@ trl keeps every vocabulary entry's term before reducing: `reduction="none"` retu
 positions ((B, L, V) without a mask), `"sum"` their total, `"batchmean"` the total over the first dimension's size
 (torch's and trl's batchmean: the n kept positions with a mask, at least 1 so that none gives 0; B without a mask),
 `"mean"` the mean over the n x V terms (trl's, kept for equality; per token it is `batchmean` / V). A position is
-kept where `mask` is True (trl's `labels != -100`). The student and the teacher must share the tokenizer: the same V,
-else a `ValueError`.
+kept where `mask` is True (trl's `labels != -100`). trl's `num_items_in_batch` (the global count of scored positions,
+for accumulation and ranks) is `reduction="sum"` divided by that count. The student and the teacher must share the
+tokenizer: the same V, else a `ValueError`.
 
 `chunked_generalized_jsd` returns the sum over the N given positions (the caller picks the scored ones and divides by
 its normaliser), computing each chunk's (C, V) logits from the student's head (any module: `nn.Linear`, with LoRA
 or not) and the teacher's (without grad) under `torch.utils.checkpoint`, so the backward keeps only the chunks'
-inputs and recomputes one chunk's logits at a time: peak memory O(C x V), not O(N x V). Its logits are fp32 whatever
-the heads' dtype.
+inputs and recomputes one chunk's logits at a time: peak memory O(C x V + N x D) (the states' gradient), not
+O(N x V). Its logits are fp32 whatever the heads' dtype.
 
 Dimensions: B rows, L positions, V vocabulary, N scored positions, D / D_t the student's / teacher's width, C the
 chunk's positions.
@@ -91,7 +91,8 @@ def chunked_generalized_jsd(student_states: torch.Tensor, student_head: nn.Modul
                             chunk_size: int = 1024) -> torch.Tensor:
     """The sum over N positions of trl's generalised JSD, from the student's states (N, D) through `student_head`
     and the teacher's (N, D_t) through `teacher_head` (no grad), `chunk_size` positions at a time, each chunk's
-    logits recomputed in the backward (peak memory O(chunk_size x V)). A scalar; 0 (still through the head) for N=0."""
+    logits recomputed in the backward (peak memory O(chunk_size x V + N x D)). A scalar; 0 (still through the head)
+    for N = 0."""
     check_settings(beta, temperature, "sum")
     if student_states.dim() != 2 or teacher_states.dim() != 2 or len(student_states) != len(teacher_states):
         raise ValueError(f"the student's and the teacher's states must be (N, D) and (N, D_t) at the same N "
