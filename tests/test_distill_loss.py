@@ -283,3 +283,19 @@ def test_the_probe_sees_the_backwards_recomputed_chunks():
     with PeakMemory() as memory:
         loss.backward()
     assert memory.peak >= CHUNK * VOCAB * 4
+
+
+def test_chunked_takes_bf16_heads_and_returns_fp32():
+    """bf16 heads and states: the divergence is computed from the logits upcast to fp32 (a fp32 scalar equal to the
+    full path on the same upcast logits), and the gradients come back in the states' and weights' bf16."""
+    student_head, teacher_head = (h.to(torch.bfloat16) for h in heads(lora=False))
+    student_states, teacher_states = (s.to(torch.bfloat16) for s in states())
+    student_states.requires_grad_(True)
+    chunked = chunked_generalized_jsd(student_states, student_head, teacher_states, teacher_head, beta=1.0,
+                                      chunk_size=CHUNK) / N
+    full = generalized_jsd(student_head(student_states).float(), teacher_head(teacher_states).float().detach(),
+                           beta=1.0)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, full, atol=ATOL, rtol=0)
+    chunked.backward()
+    assert student_states.grad.dtype == student_head.lm_head.weight.grad.dtype == torch.bfloat16
