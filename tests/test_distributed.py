@@ -29,6 +29,7 @@ def dataset(tmp_path_factory):
         {"from": "human", "value": "<image>\nWhat is this?" + " please" * (i % 3)},
         {"from": "gpt", "value": list(PHOTOS)[i % 4]}]} for i in range(16)]
     (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (root / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in records[:5]))  # 3 batches of 2: uneven on 2
     (root / "base.yaml").write_text(
         f"data: {{train: {root / 'train.jsonl'}, image_root: {root / 'images'}, max_length: 256}}\n"
         "train: {steps: 3, lr: 1.0e-3, progress: false}\nstages: {encoder: full}\n")
@@ -55,14 +56,19 @@ def train(root, out, *overrides, procs=1):
 
 def test_fsdp2_and_ddp_equal_one_process(dataset):
     # the 1-process reference computes the loss from full logits (transformers' way); the 2-process runs use
-    # mmadapt.loss (supervised positions, chunked): equal losses at steps 2 and 3 need equal gradients before
-    one = train(dataset, "one", "data.batch_size=2", "train.grad_accum=2", "train.full_logits=true")
-    fsdp = train(dataset, "fsdp", "data.batch_size=2", "distributed.strategy=fsdp", "checkpoint.every=2",
-                 procs=2)
-    ddp = train(dataset, "ddp", "data.batch_size=2", "distributed.strategy=ddp", procs=2)
+    # mmadapt.loss (supervised positions, chunked): equal losses at steps 2 and 3 need equal gradients before.
+    # The eval at step 2 has 3 batches: 2 on rank 0, 1 on rank 1 (which runs a placeholder, or a stand-in under FSDP2)
+    evals = (f"data.eval={dataset / 'eval.jsonl'}", "train.eval_every=2")
+    one = records(dataset, "one", "data.batch_size=2", "train.grad_accum=2", "train.full_logits=true", *evals)
+    fsdp = records(dataset, "fsdp", "data.batch_size=2", "distributed.strategy=fsdp", "checkpoint.every=2", *evals,
+                   procs=2)
+    ddp = records(dataset, "ddp", "data.batch_size=2", "distributed.strategy=ddp", *evals, procs=2)
     assert len(one) == len(fsdp) == len(ddp) == 3
     for a, b, c in zip(one, fsdp, ddp, strict=True):
-        assert abs(a - b) <= 1e-5 and abs(a - c) <= 1e-5, (one, fsdp, ddp)
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["loss"] - c["loss"]) <= 1e-5, (one, fsdp, ddp)
+    assert abs(one[1]["eval_loss"] - fsdp[1]["eval_loss"]) <= 1e-5
+    assert abs(one[1]["eval_loss"] - ddp[1]["eval_loss"]) <= 1e-5
+    one = [r["loss"] for r in one]
     # The sharded run's step-2 checkpoint holds full state dicts: one process resumes from it.
     resumed = train(dataset, "fsdp", "data.batch_size=2", "train.grad_accum=2", "--resume")
     assert abs(resumed[2] - one[2]) <= 1e-5

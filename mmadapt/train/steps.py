@@ -11,9 +11,10 @@ loss, zero gradient), so every rank runs as many forwards and backwards and thei
 last, one all-reduce adds the losses and the objective's sums over the ranks.
 
 `evaluate`: every rank runs as many eval rounds (`batches.eval_rounds`: batch k of the set is rank k % world's, in
-round k // world); in a round where a rank has no rows it runs a placeholder forward (DDP's forward syncs buffers)
-or, under FSDP2, scores a stand-in (the eval set's first usable item, its sums dropped), since there the other ranks'
-forwards (the vision units, `generate`) gather parameters with its own. One all-reduce adds the sums.
+round k // world); the objective sees the model itself as `run.wrapped` (`Evaluating`: never DDP's forward, whose
+buffer broadcast would pair the ranks for nothing). In a round where a rank has no rows it does nothing or, under
+FSDP2, scores a stand-in (the eval set's first usable item, its sums dropped), since there the other ranks' forwards
+(the vision units, `generate`) gather parameters with its own. One all-reduce adds the sums.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def evaluate(run: Run, objective: Objective) -> dict[str, float]:
     names = objective.eval_stat_names(run)
     sums = dict.fromkeys(names, 0.0)
     stand_in: tuple[list[Any], dict[str, Any]] | None = None
+    run = Evaluating(run)
     run.wrapped.eval()
     with run.precision_context(), objective.evaluating(run):
         for items in eval_items(run.eval_data, run.cfg.data.batch_size, run.dist.rank, run.dist.world):
@@ -74,14 +76,27 @@ def evaluate(run: Run, objective: Objective) -> dict[str, float]:
                     stand_in = stand_in or first_rows(run, objective)
                     if stand_in is not None:
                         objective.eval_batch(run, *stand_in)  # its sums dropped
-                else:
-                    placeholder_forward(run)
                 continue
             for key, value in objective.eval_batch(run, good, batch).items():
                 sums[key] += value
     reduced = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in names] or [0.0], dtype=torch.float64,
                                                      device=run.device)).tolist()
     return objective.eval_metrics(run, dict(zip(names, reduced, strict=False)))
+
+
+class Evaluating:
+    """The run as an evaluation sees it: `wrapped` is the model itself (under FSDP2 the same module, its hooks
+    gathering the parameters; under DDP the module DDP wraps)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.run, name)
+
+    @property
+    def wrapped(self) -> Any:
+        return self.run.model
 
 
 def eval_items(data: Any, batch_size: int, rank: int, world: int) -> Iterator[list[Any]]:
