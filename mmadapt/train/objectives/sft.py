@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from mmadapt.heads import TokenLosses
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import placeholder_batch, supervised_tokens, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult
@@ -34,8 +35,14 @@ class SupervisedObjective(Objective):
                                           stream_shards=False), collate)
 
     def loss(self, run: Run, batch: dict[str, Any], total_tokens: int) -> torch.Tensor:
-        """One micro-batch's loss: its summed token losses / the global batch's supervised tokens."""
-        return run.wrapped(**to_device(batch, run.device), num_items_in_batch=total_tokens).loss
+        """One micro-batch's loss: its summed token losses / the global batch's supervised tokens. A mixture's batch
+        carries `token_losses` (B, L), which receives each position's loss (`mmadapt.heads.TokenLosses`)."""
+        inputs = to_device({k: v for k, v in batch.items() if k != "token_losses"}, run.device)
+        if "token_losses" not in batch:
+            return run.wrapped(**inputs, num_items_in_batch=total_tokens).loss
+        out = run.wrapped(**inputs, num_items_in_batch=total_tokens, head=TokenLosses())
+        batch["token_losses"].copy_(out.token_losses)
+        return out.loss
 
     def backward(self, run: Run, micro: list[dict[str, Any]], clock: Any = None) -> StepResult:
         tokens = dist_utils.all_reduce_sum(sum(supervised_tokens(b["labels"]) for b in micro).to(run.device))
