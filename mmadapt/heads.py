@@ -77,9 +77,11 @@ class HeadInputs:
     aux_loss: torch.Tensor | None = None
     full_logits: bool = False
 
-    def require_labels(self, head: object) -> torch.Tensor:
+    def require_labels(self, head: Head | str) -> torch.Tensor:
+        """The labels, or a ValueError naming `head` (a head, or what needs them)."""
         if self.labels is None:
-            raise ValueError(f"head {type(head).__name__} needs labels (the tokens to score): pass labels= to forward")
+            name = head if isinstance(head, str) else type(head).__name__
+            raise ValueError(f"head {name} needs labels (the tokens to score): pass labels= to forward")
         return self.labels
 
     def supervised_mask(self) -> torch.Tensor:
@@ -146,6 +148,7 @@ class SequenceLogps(Head):
     keep_states: bool = False
 
     def __call__(self, top: HeadInputs) -> SequenceLogProbs:
+        top.require_labels(self)
         states, targets, rows = top.supervised()
         num_rows = top.hidden.shape[0]
         logps, kl = sequence_logps(states, top.output, targets, rows, num_rows, reference=self.reference,
