@@ -143,7 +143,12 @@ def test_heads_refuse_what_they_cannot_compute(model_and_batch):
             model(**unlabelled, head=head)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         TokenLogps(0.0)
-    model.backbone.config.final_logit_softcapping = 30.0  # logits more than lm_head(hidden): a head cannot see it
-    model._full_logits_reason = None
-    with pytest.raises(ValueError, match="final_logit_softcapping = 30.0"):
+
+
+def test_a_backbone_whose_logits_are_more_than_lm_head_refuses_heads():
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).train()
+    model.backbone.config.final_logit_softcapping = 30.0  # a head computes lm_head(hidden): it cannot see the cap
+    batch = synthetic_batch(model, (1,), seed=3)
+    with pytest.raises(ValueError, match=r"final_logit_softcapping = 30\.0"):
         model(**batch, head=SequenceLogps())
