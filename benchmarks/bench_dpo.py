@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from mmadapt.heads import SequenceLogps
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_loss import _reset_peak, _status_kib, _trim_heap, build
@@ -104,7 +106,7 @@ def _child(objective: str, training: str, config_name: str, quick: bool, steps: 
         table = None
         if reference == "precomputed":
             with torch.no_grad():
-                logps = model(**inputs_of(batch), sequence_logps=True).logps
+                logps = model(**inputs_of(batch), head=SequenceLogps()).logps
             table = ReferenceTable({"train": torch.stack(logps.chunk(2), dim=1)}, {})
         dpo = PairScorer(DpoSection(), model, reference, table)
     _trim_heap()

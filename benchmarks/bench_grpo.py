@@ -64,6 +64,8 @@ from typing import Any
 
 import torch
 
+from mmadapt.heads import TokenLogps
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_loss import _reset_peak, _status_kib, _trim_heap, build
@@ -199,11 +201,11 @@ def grpo_step(model: Any, layout: Layout, rows: dict[str, Any], prompts: dict[st
             reference_rows = {**rows, **encoded.detached().for_rows(rows)}
         else:
             policy_rows = reference_rows = rows
-        per_token = completion_logps(model(**policy_rows, token_logps=True), rows["labels"], done)
+        per_token = completion_logps(model(**policy_rows, head=TokenLogps()).logps, rows["labels"], done)
         reference = None
         if settings.beta > 0:
             with torch.no_grad():
-                reference = completion_logps(model(**reference_rows, token_logps=True), rows["labels"], done)
+                reference = completion_logps(model(**reference_rows, head=TokenLogps()).logps, rows["labels"], done)
         terms = policy_loss(per_token, None, reference, advantages, done.mask, settings)
         terms.loss.backward()
         clock.backward_done()

@@ -1,9 +1,9 @@
-"""The training objectives' quantities without the full logits: supervised positions only, `lm_head` in chunks.
+"""The language-model loss without the full logits: supervised positions only, `lm_head` in chunks.
 
-Two uses, one method: SFT's token loss (`causal_lm_loss`, below) and the preference objectives' per-row sequence
-log-probs (`sequence_logps`, at the end: each row's summed answer log-probs, and optionally the token KL against a
-reference's hidden states), both computed over the supervised (answer) positions only, chunk by chunk, for the
-objectives of `mmadapt.train.objectives`.
+The loss `VisionLanguageModel.forward` computes from `labels` (`causal_lm_loss`, below), its per-token losses, and the
+MoE router's load-balancing loss. What the objectives compute at the top instead (sequence and token log-probs, the
+KL to a reference) are heads, `mmadapt.heads`, built on the same pieces (`next_tokens`, `output_chunk_rows`,
+`TiedEmbedding`, `accumulate_product`).
 
 transformers' causal LMs compute logits (B, L, V) for every position and then the loss. At a real
 vocabulary (Qwen3.5: V = 248,320) those logits and their fp32 copies dominate a training step's memory
@@ -75,10 +75,21 @@ def chunk_rows(vocab_size: int, budget: int | None = None) -> int:
     return max(1, (CHUNK_BYTES if budget is None else budget) // (4 * vocab_size))
 
 
+def output_chunk_rows(head: nn.Module) -> int:
+    """`chunk_rows` for an output layer: its `out_features`, else its weight's rows, is the vocabulary."""
+    return chunk_rows(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
+
+
+def next_tokens(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) the label each position predicts (transformers' shift: position t predicts labels[t + 1], a row's last
+    position -100), and (B, L) bool where that is a label (the supervised positions)."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return shifted, shifted != IGNORE_INDEX
+
+
 def supervised(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, D) hidden states of the positions that predict a label, and the (N,) labels they predict."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    keep = shifted != IGNORE_INDEX
+    shifted, keep = next_tokens(labels)
     return hidden[keep], shifted[keep]
 
 
@@ -95,8 +106,7 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
     loss is summed from.
     """
     states, targets = supervised(hidden, labels.to(hidden.device))
-    weight = getattr(head, "weight", None)
-    rows = rows or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
+    rows = rows or output_chunk_rows(head)
     each = None if token_losses is None else states.new_zeros(targets.shape, dtype=torch.float32)
     if type(head) is nn.Linear:
         tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
@@ -105,8 +115,7 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
         total = checkpointed_cross_entropy(states, head, targets, rows, each)
     if token_losses is not None:
         token_losses.zero_()
-        token_losses[F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(token_losses.device) != IGNORE_INDEX] = (
-            each.to(token_losses.device))
+        token_losses[next_tokens(labels)[1].to(token_losses.device)] = each.to(token_losses.device)
     if num_items_in_batch is None:
         return total / targets.numel()  # 0 / 0 = NaN with nothing supervised, as transformers' mean
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -114,12 +123,11 @@ def causal_lm_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
     return total / num_items_in_batch
 
 
-@torch.no_grad()
 def logits_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, L) fp32 token losses from full (B, L, V) logits, as `causal_lm_loss(token_losses=)` gives them."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
-    losses = F.cross_entropy(logits.float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none")
-    return losses
+    """(B, L) fp32 token losses from full (B, L, V) logits, as `causal_lm_loss(token_losses=)` gives them (0 where
+    nothing is predicted; differentiable: their sum / the token count is transformers' loss of those logits)."""
+    shifted = next_tokens(labels)[0].to(logits.device)
+    return F.cross_entropy(logits.float().transpose(1, 2), shifted, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def _chunk_cross_entropy(head: nn.Module, states: torch.Tensor, targets: torch.Tensor,
@@ -146,7 +154,7 @@ def checkpointed_cross_entropy(states: torch.Tensor, head: nn.Module, targets: t
     return total
 
 
-def _accumulate(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def accumulate_product(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """total + a @ b in fp32: the first product becomes the sum; later ones are added in place (`addmm_`) when
     they are fp32 already, so a (V, D) sum never needs a second (V, D) buffer."""
     if total is None:
@@ -191,7 +199,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if want_states:
                 grad_states[start : start + rows] = (grad @ weight.to(dtype)).to(states.dtype)
             if want_weight:
-                grad_weight = _accumulate(grad_weight, grad.t(), part.to(dtype))
+                grad_weight = accumulate_product(grad_weight, grad.t(), part.to(dtype))
             if want_bias:
                 grad_bias = grad.float().sum(0) if grad_bias is None else grad_bias.add_(grad.float().sum(0))
         if want_weight and grad_weight is None:  # no supervised position: zero gradients
@@ -313,176 +321,3 @@ def router_balance_loss(spec: Any, router_logits: Any, config: Any, valid: torch
                          "logits; register it with moe=MoE(..., balance_loss=...)")
     balance = import_object(spec.moe.balance_loss)
     return balance(router_logits, config.num_experts, config.num_experts_per_tok, valid)
-
-
-# ---- sequence log-probs (preference objectives) ---------------------------------------------------------------------
-def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`supervised`, and (N,) the row each supervised position belongs to."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    keep = shifted != IGNORE_INDEX
-    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)[keep]
-    return hidden[keep], shifted[keep], rows
-
-
-def sequence_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor, rows: torch.Tensor, num_rows: int,
-                   *, chunk: int | None = None, reference: tuple[torch.Tensor, Any] | None = None,
-                   embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per row, the sum of log p(target) over its supervised positions, without the (B, L, V) logits.
-
-    states (N, D): the hidden states of the positions that predict `targets` (N,); `rows` (N,): the row of each.
-    Returns (R,) fp32 sequence log-probs (differentiable), and with `reference` = (its states (N, D) at the same
-    positions, its head), (R,) the per-row sum of the token KL(policy || reference) (no gradient; for logging).
-
-    A plain `nn.Linear` head goes through `LinearLogProbs` (the logits of one chunk at a time, recomputed in the
-    backward: no logits kept; the KL from the same chunks); any other head through activation checkpointing per
-    chunk (and `token_kl`).
-    """
-    weight = getattr(head, "weight", None)
-    chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
-    if type(head) is nn.Linear:
-        tied = None if embeds is None else TiedEmbedding.find(embeds, head.weight)
-        kl = None if reference is None else torch.zeros(num_rows, dtype=torch.float32, device=states.device)
-        if reference is not None:
-            chunk = max(1, chunk // 2)  # the reference's logits beside the policy's: two half chunks
-        logps = LinearLogProbs.apply(states, head.weight, head.bias, targets, rows, num_rows, chunk, tied,
-                                     reference, kl)
-        return logps, kl
-    logps = states.new_zeros(num_rows, dtype=torch.float32)
-    for start in range(0, states.shape[0], chunk):
-        part = slice(start, start + chunk)
-        logps = logps.index_add(0, rows[part], checkpoint_logps(head, states[part], targets[part]))
-    kl = None if reference is None else token_kl(states, head, reference, rows, num_rows, chunk)
-    return logps, kl
-
-
-def token_logps(states: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, temperature: float = 1.0,
-                chunk: int | None = None, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """(N,) fp32 log p(target) of each position under softmax(head(states) / temperature), without the (B, L, V)
-    logits: one chunk of logits at a time, recomputed in the backward (activation checkpointing per chunk). What an
-    online RL objective scores its completions with, token by token (trl's `_get_per_token_logps`, the temperature
-    of sampling included). `entropy=True` returns (log-probs, entropies): also each position's entropy (nats) of that
-    distribution, detached, from the same chunk of logits (trl's logged `entropy`)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    weight = getattr(head, "weight", None)
-    chunk = chunk or chunk_rows(head.out_features if hasattr(head, "out_features") else weight.shape[0])
-    parts = [checkpoint_logps(head, states[start:start + chunk], targets[start:start + chunk], temperature, entropy)
-             for start in range(0, states.shape[0], chunk)]
-    empty = states.new_zeros(0, dtype=torch.float32)
-    if not entropy:
-        return torch.cat(parts) if parts else empty
-    return (torch.cat([p[0] for p in parts]) if parts else empty, torch.cat([p[1] for p in parts]) if parts else empty)
-
-
-def _chunk_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                 entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    logits = head(states).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    normaliser = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, targets[:, None]).squeeze(1) - normaliser
-    if not entropy:
-        return picked
-    with torch.no_grad():  # H = logsumexp(l) - sum(softmax(l) * l)
-        return picked, normaliser - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-
-
-def checkpoint_logps(head: nn.Module, states: torch.Tensor, targets: torch.Tensor,
-                     temperature: float = 1.0, entropy: bool = False) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(_chunk_logps, head, states, targets, temperature, entropy, use_reentrant=False)
-
-
-@torch.no_grad()
-def token_kl(states: torch.Tensor, head: nn.Module, reference: tuple[torch.Tensor, Any], rows: torch.Tensor,
-             num_rows: int, chunk: int) -> torch.Tensor:
-    """(R,) per row, the sum over its supervised positions of KL(policy || reference) over the whole vocabulary;
-    `reference` = (its states at the same positions, a callable giving its logits from them)."""
-    ref_states, ref_head = reference
-    total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
-    chunk = max(1, chunk // 2)  # two chunks of logits at once: the budget of one
-    for start in range(0, states.shape[0], chunk):
-        part = slice(start, start + chunk)
-        mine = torch.log_softmax(head(states[part]).float(), dim=-1)
-        difference = torch.log_softmax(ref_head(ref_states[part].to(states.device)).float(), dim=-1)
-        difference.neg_().add_(mine)  # log p - log q, in place of log q
-        total.index_add_(0, rows[part], mine.exp_().mul_(difference).sum(-1))
-    return total
-
-
-class LinearLogProbs(torch.autograd.Function):
-    """(R,) per-row sums of log softmax(states @ weight.T + bias)[target], fp32, one chunk of logits at a time.
-
-    The forward keeps no logits; the backward recomputes each chunk's and applies d logp / d logits = one-hot -
-    softmax, scaled by the row's incoming gradient: 4 matmuls per chunk (the SFT path's `LinearCrossEntropy` needs 3,
-    since a scalar loss's gradient is known in its forward; a preference loss weighs each row by a factor that is
-    known only once every row's log-prob is). The weight's gradient is one fp32 (V, D) sum, accumulated in place, and
-    a head tied to the input embedding is told where it is (`TiedEmbedding`), as in `LinearCrossEntropy`."""
-
-    @staticmethod
-    def forward(ctx: Any, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, rows: torch.Tensor, num_rows: int, chunk: int,
-                tied: TiedEmbedding | None = None, reference: tuple[torch.Tensor, Any] | None = None,
-                kl: torch.Tensor | None = None) -> torch.Tensor:
-        """`reference` = (its states at the same positions, a callable giving its logits) and `kl` (R,): the token
-        KL(policy || reference) summed per row into `kl` from the same chunks of the policy's logits (no gradient)."""
-        total = torch.zeros(num_rows, dtype=torch.float32, device=states.device)
-        dtype = states.dtype
-        for start in range(0, states.shape[0], chunk):
-            part = slice(start, start + chunk)
-            logits = F.linear(states[part], weight, bias)
-            dtype = logits.dtype
-            logits = logits.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, targets[part, None]).squeeze(1) - lse
-            total.index_add_(0, rows[part], picked)
-            if reference is not None:
-                mine = logits.sub_(lse[:, None])  # log-softmax, in place of the logits
-                difference = torch.log_softmax(reference[1](reference[0][part].to(states.device)).float(), dim=-1)
-                difference.neg_().add_(mine)  # log p - log q
-                kl.index_add_(0, rows[part], mine.exp_().mul_(difference).sum(-1))
-        ctx.save_for_backward(states, weight, *(() if bias is None else (bias,)), targets, rows)
-        ctx.has_bias, ctx.chunk, ctx.dtype, ctx.tied = bias is not None, chunk, dtype, tied
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = list(ctx.saved_tensors)
-        states, weight = saved[0], saved[1]
-        bias = saved[2] if ctx.has_bias else None
-        targets, rows = saved[-2], saved[-1]
-        want_states, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_bias = ctx.has_bias and ctx.needs_input_grad[2]
-        dtype = ctx.dtype
-        grad_states = torch.empty_like(states) if want_states else None
-        grad_weight = grad_bias = None
-        scale = grad_rows.float()[rows]  # (N,) each position's row gradient
-        weight_c = weight.to(dtype)  # the compute dtype's weight, cast once (a no-op in fp32)
-        bias_c = None if bias is None else bias.to(dtype)
-        for start in range(0, states.shape[0], ctx.chunk):
-            part = slice(start, start + ctx.chunk)
-            chunk_states = states[part].to(dtype)
-            logits = F.linear(chunk_states, weight_c, bias_c).float()
-            grad = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True)).exp_().neg_()  # in place: - softmax
-            # d logp / d logits = one-hot - softmax
-            grad[torch.arange(grad.shape[0], device=grad.device), targets[part]] += 1.0
-            grad.mul_(scale[part, None])
-            grad = grad.to(dtype)
-            if want_states:
-                grad_states[part] = (grad @ weight_c).to(states.dtype)
-            if want_weight:
-                grad_weight = _accumulate(grad_weight, grad.t(), chunk_states)
-            if want_bias:
-                grad_bias = grad.float().sum(0) if grad_bias is None else grad_bias.add_(grad.float().sum(0))
-        if want_weight and grad_weight is None:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if want_bias and grad_bias is None:
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-            if ctx.tied is not None and not torch.is_grad_enabled():
-                ctx.tied.arm(grad_weight)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_states, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -36,6 +36,10 @@ run per sample; a training forward never builds a KV cache. At the public bounda
 (transformers' tokenizers return int64); they are converted to bool once (`packing.as_bool_mask`),
 and everything inside takes `torch.bool` only.
 
+What the model computes at the top, when it is not the loss and logits, is a head (`mmadapt.heads`):
+`forward(..., head=SequenceLogps())` runs the decoder and returns the head's result, so an objective that needs a new
+quantity adds a head, not a parameter of `forward`.
+
 Shapes: B batch, L tokens, I images, N visual tokens, D LLM width, V vocabulary.
 """
 
@@ -59,7 +63,8 @@ from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.contract import ImageSpans, ImageTokenContractError
 from mmadapt.encoders import ENCODERS, VisualTokens
 from mmadapt.generation import GenerateMixin
-from mmadapt.model_io import ModelInputs, SequenceLogProbs
+from mmadapt.heads import Head, HeadInputs
+from mmadapt.model_io import ModelInputs
 from mmadapt.packing import VARLEN, PackedRows, Segments, additive_mask, as_bool_mask, use_varlen_attention
 from mmadapt.positions import mrope_positions, text_positions
 from mmadapt.projectors import PROJECTORS
@@ -345,17 +350,11 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         return_logits: bool = False,
         image_index: torch.Tensor | None = None,
         video_index: torch.Tensor | None = None,
-        sequence_logps: bool = False,
-        reference: tuple[torch.Tensor, Any] | None = None,
-        keep_states: bool = False,
-        token_losses: torch.Tensor | None = None,
-        token_logps: bool = False,
-        temperature: float = 1.0,
-        token_entropy: torch.Tensor | None = None,
         visual: VisualTokens | None = None,
         visual_videos: VisualTokens | None = None,
+        head: Head | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast | SequenceLogProbs | torch.Tensor:
+    ) -> Any:
         """The backbone's output for the injected embeddings: `loss` (given `labels`) and `logits` (B, L, V).
 
         In training mode with `labels` the loss is computed without the full logits (`mmadapt.loss`: only the
@@ -363,19 +362,11 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         `logits` is None; `return_logits=True`, eval mode or no labels give transformers' full computation.
         `meta` is the collator's bookkeeping (sample ids, skipped samples); the forward ignores it.
 
-        `sequence_logps=True` (preference objectives, `mmadapt.train.objectives`) returns `SequenceLogProbs` instead:
-        per row, the sum of the log-probs of its labelled tokens and their count, from the supervised positions only
-        (`mmadapt.loss.sequence_logps`, no (B, L, V) logits); `keep_states` adds those positions' hidden states (a
-        reference model's, for the KL), `reference` = (those states, their head) adds the per-row KL to it.
-
-        `token_losses` (B, L) fp32, optional, with `labels`: filled with each position's token loss, detached
-        (position t's for predicting labels[t + 1], 0 where nothing is predicted): a mixture's loss per source.
-
-        `token_logps=True` (online RL, `mmadapt.train.objectives`) returns a (B, L) fp32 tensor instead: at each
-        labelled position t, log p(labels[t] | the tokens before it) under softmax(logits / `temperature`), 0
-        elsewhere; differentiable, from the labelled positions only (`mmadapt.loss.token_logps`). `token_entropy`
-        (B, L) fp32, optional: filled with the entropy of that distribution at each labelled position (0 elsewhere),
-        detached.
+        `head` (`mmadapt.heads.Head`): what to compute at the top instead, e.g. `SequenceLogps()` (per-row answer
+        log-probs: preference objectives), `TokenLogps(temperature)` (per-token log-probs and entropy: online RL),
+        `TokenLosses()` (the loss and each position's token loss: a mixture's loss per source): the decoder runs on
+        the prepared inputs and the head's result is returned (`run_head`). An objective that needs something else
+        brings its own head; `forward` takes no objective's flags.
 
         `visual`: the rows' images already encoded (`VisualTokens` at LLM width, one entry per image of the rows, in
         row order; `VisualTokens.take` gives them from pictures encoded once): the vision side does not run for them
@@ -386,16 +377,9 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         `videos_per_sample`, which the checks compare with it)."""
         inputs = self.prepare(VisionBatch.of(locals()), visual=visual,  # the inputs, by VisionBatch's fields
                               visual_videos=visual_videos)
-        if token_logps:
-            if labels is None:
-                raise ValueError("token_logps needs labels (the tokens to score)")
+        if head is not None:
             with inputs.verified(self.backbone):
-                return self.token_scores(inputs, labels, temperature, entropy=token_entropy, **kwargs)
-        if sequence_logps:
-            if labels is None:
-                raise ValueError("sequence_logps needs labels (the answer tokens to score)")
-            with inputs.verified(self.backbone):
-                return self.sequence_scores(inputs, labels, reference=reference, keep_states=keep_states, **kwargs)
+                return self.run_head(head, inputs, labels, **kwargs)
         kwargs.setdefault("use_cache", False)  # a training forward never builds a KV cache
         if inputs.packed is not None and (kwargs["use_cache"] or kwargs.get("cache") is not None):
             raise ValueError("packed batches cannot use a KV cache: a cache carries state across the samples "
@@ -404,55 +388,38 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         chunked = labels is not None and self.training and not return_logits and self.loss_without_logits()
         with inputs.verified(self.backbone):
             if chunked or self.router_aux_loss(kwargs):
-                out = self.own_loss(inputs, labels, chunked=chunked, token_losses=token_losses, **kwargs)
-            else:
-                out = self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
-        if token_losses is not None and out.logits is not None and labels is not None:
-            from mmadapt.loss import logits_token_losses
+                return self.own_loss(inputs, labels, chunked=chunked, **kwargs)
+            return self.backbone(**inputs.backbone_kwargs(), labels=labels, **kwargs)
 
-            token_losses.copy_(logits_token_losses(out.logits, labels))
-        return out
-
-    def sequence_scores(self, inputs: ModelInputs, labels: torch.Tensor, *, reference: Any = None,
-                        keep_states: bool = False, **kwargs: Any) -> SequenceLogProbs:
-        """Per-row sequence log-probs from the base model's hidden states at the supervised positions only."""
-        from mmadapt.loss import sequence_logps, supervised_rows
-
-        kwargs.pop("num_items_in_batch", None)
+    def run_head(self, head: Head, inputs: ModelInputs, labels: torch.Tensor | None, *,
+                 num_items_in_batch: Any = None, output_router_logits: bool | None = None, **kwargs: Any) -> Any:
+        """The decoder (the backbone's base model) on the prepared inputs, then `head` on its top (`HeadInputs`)."""
+        if not self.loss_without_logits():
+            raise ValueError(f"head {type(head).__name__}: backbone {self.backbone_spec.name!r} computes its logits "
+                             f"as more than lm_head(hidden) ({self._full_logits_reason}), which a head cannot "
+                             "reproduce. Fix: use forward(labels=...) for its loss, or a backbone without it.")
         kwargs.setdefault("use_cache", False)
+        router = self.router_aux_loss({"output_router_logits": output_router_logits})
+        if router:
+            kwargs["output_router_logits"] = True
         out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
-        states, targets, rows = supervised_rows(out.last_hidden_state, labels.to(out.last_hidden_state.device))
-        head = self.backbone.get_output_embeddings()
-        logps, kl = sequence_logps(states, head, targets, rows, labels.shape[0], reference=reference,
-                                   embeds=inputs.inputs_embeds)
-        tokens = torch.bincount(rows, minlength=labels.shape[0])
-        return SequenceLogProbs(logps=logps, tokens=tokens, kl=kl, states=states.detach() if keep_states else None)
-
-    def token_scores(self, inputs: ModelInputs, labels: torch.Tensor, temperature: float, *,
-                     entropy: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """(B, L) per-token log-probs of the labelled tokens (`forward(token_logps=True)`); `entropy` (B, L), when
-        given, receives each labelled position's entropy."""
-        from mmadapt.loss import IGNORE_INDEX, supervised_rows, token_logps
-
-        kwargs.pop("num_items_in_batch", None)
-        kwargs.setdefault("use_cache", False)
-        out = self.backbone.get_decoder()(**inputs.backbone_kwargs(), **kwargs)
-        labels = labels.to(out.last_hidden_state.device)
-        states, targets, _ = supervised_rows(out.last_hidden_state, labels)
-        head = self.backbone.get_output_embeddings()
-        scored = token_logps(states, head, targets, temperature=temperature, entropy=entropy is not None)
-        logps, entropies = scored if entropy is not None else (scored, None)
-        predicts = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) != IGNORE_INDEX
-        rows, positions = predicts.nonzero(as_tuple=True)  # the order of supervised_rows' states
-        if entropy is not None:
-            entropy.zero_().index_put_((rows.to(entropy.device), (positions + 1).to(entropy.device)),
-                                       entropies.to(entropy.device))
-        return logps.new_zeros(labels.shape).index_put((rows, positions + 1), logps)
+        hidden = out.last_hidden_state
+        aux = self.backbone.config.router_aux_loss_coef * self.balance_loss(out, inputs) if router else None
+        return head(HeadInputs(hidden=hidden, labels=None if labels is None else labels.to(hidden.device),
+                               output=self.backbone.get_output_embeddings(), inputs_embeds=inputs.inputs_embeds,
+                               valid=inputs.valid, num_items_in_batch=num_items_in_batch, aux_loss=aux,
+                               full_logits=self.full_logits_loss))
 
     def router_aux_loss(self, kwargs: dict[str, Any]) -> bool:
         """Whether this forward adds an MoE router's load-balancing loss (`output_router_logits`)."""
         requested = kwargs.get("output_router_logits")
         return bool(getattr(self.backbone.config, "output_router_logits", False) if requested is None else requested)
+
+    def balance_loss(self, out: Any, inputs: ModelInputs) -> torch.Tensor:
+        """The MoE router's load-balancing loss of a decoder output, over the real tokens (unweighted)."""
+        from mmadapt.loss import router_balance_loss
+
+        return router_balance_loss(self.backbone_spec, out.router_logits, self.backbone.config, inputs.valid)
 
     def loss_without_logits(self) -> bool:
         """Whether the training loss may skip the full logits (`mmadapt.loss`); logs once why not."""
@@ -467,13 +434,13 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
 
     def own_loss(self, inputs: ModelInputs, labels: torch.Tensor | None, *, chunked: bool,
                  num_items_in_batch: Any = None, output_router_logits: bool | None = None,
-                 token_losses: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+                 **kwargs: Any) -> CausalLMOutputWithPast:
         """The backbone's base model, then the losses computed here: the token loss over the supervised positions
         only, in chunks (`chunked`: `mmadapt.loss`; given the input embeddings, so that a head tied to them has one
         (V, D) gradient buffer), or from full logits with the backbone's own loss function;
         plus, for MoE backbones with `output_router_logits`, the router's load-balancing loss the backbone declares
         (`mmadapt.loss.router_balance_loss`), over the real tokens only."""
-        from mmadapt.loss import causal_lm_loss, router_balance_loss
+        from mmadapt.loss import causal_lm_loss
 
         kwargs.pop("logits_to_keep", None)
         router = self.router_aux_loss({"output_router_logits": output_router_logits})
@@ -483,8 +450,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         hidden, head, logits, loss = out.last_hidden_state, self.backbone.get_output_embeddings(), None, None
         config = self.backbone.config
         if chunked:
-            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch, embeds=inputs.inputs_embeds,
-                                  token_losses=token_losses)
+            loss = causal_lm_loss(hidden, head, labels, num_items_in_batch, embeds=inputs.inputs_embeds)
         else:
             logits = head(hidden)
             if labels is not None:
@@ -495,7 +461,7 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
                                           hidden_states=out.hidden_states, attentions=out.attentions)
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-        aux = router_balance_loss(self.backbone_spec, out.router_logits, config, inputs.valid)
+        aux = self.balance_loss(out, inputs)
         if loss is not None:
             loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, cache=out.cache,

@@ -1,10 +1,10 @@
-"""What the model's one input path makes of a batch, and what a scoring forward returns.
+"""What the model's one input path makes of a batch.
 
 `ModelInputs` is `VisionLanguageModel.prepare`'s result: the backbone's keyword inputs (the embeddings with the visual
 tokens in place, positions, the attention mask, DeepStack inputs) and what the losses and checks need.
-`SequenceLogProbs` is `forward(..., sequence_logps=True)`'s output (the preference objectives).
+What the model computes at the top of its decoder instead of the loss is a head (`mmadapt.heads`).
 
-Shapes: B batch, L tokens, R rows, N supervised positions, D LLM width.
+Shapes: B batch, L tokens, D LLM width.
 """
 
 from __future__ import annotations
@@ -14,24 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.modeling_outputs import ModelOutput
 
 from mmadapt import deepstack
 from mmadapt.contract import ImageSpans
 from mmadapt.encoders import VisualTokens
 from mmadapt.packing import PackedRows
-
-
-@dataclass
-class SequenceLogProbs(ModelOutput):
-    """`forward(..., sequence_logps=True)`: per row, `logps` (R,) fp32 the sum of the log-probs of its labelled
-    tokens, `tokens` (R,) how many; `kl` (R,) the summed token KL to a reference (when one was given); `states` (N, D)
-    the supervised positions' hidden states (with `keep_states`)."""
-
-    logps: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    states: torch.Tensor | None = None
 
 
 @dataclass

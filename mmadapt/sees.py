@@ -60,6 +60,7 @@ from torch import nn
 
 from mmadapt.controls import BLANKED, IMAGE_CONTROLS, IMAGES, REAL, REVERSED, SHUFFLED, VIDEOS, Control, count
 from mmadapt.data import DataProblem
+from mmadapt.heads import SequenceLogps
 from mmadapt.modes import eval_mode
 
 NOT_APPLICABLE = "not applicable: no two images share a patch grid"
@@ -436,6 +437,6 @@ def pair_margins(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     """(B,) log pi(chosen) - log pi(rejected) of a `PairCollator` batch, in eval mode."""
     inputs = {k: v for k, v in batch.items() if k not in ("pairs", "meta")}
     with eval_mode(model):
-        logps = model(**inputs, sequence_logps=True).logps.float()
+        logps = model(**inputs, head=SequenceLogps()).logps.float()
     chosen, rejected = logps.chunk(2)
     return chosen - rejected

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmadapt.heads import TokenLogps
 from mmadapt.train import RunConfig, Trainer
 from mmadapt.train.objectives.reward_view import AnswerScorer
 from mmadapt.train.rewards import reward_specs
@@ -133,7 +134,7 @@ def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its
             with torch.no_grad():
                 logps = run.model(**{k: v for k, v in batch.items() if k not in ("meta", "rollout", "logged",
                                                                                   "encoded")},
-                                  token_logps=True, temperature=cfg.grpo.temperature)
+                                  head=TokenLogps(cfg.grpo.temperature)).logps
             rolled.append(completion_logps(logps, batch["labels"], batch["rollout"]["rollouts"]))
         return out
 

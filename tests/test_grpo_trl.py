@@ -10,7 +10,7 @@ noise (ratios outside [1 - 0.2, 1 + 0.28] on both sides, none near a clip bounda
 log-probs; sampling temperature 0.9.
 
 mmadapt: `scored_rows` (each prompt's tokens then its completion, right-padded, each picture once per group) ->
-`forward(token_logps=True, temperature=0.9)` -> `completion_logps` -> `policy_loss`. trl 1.16: its own
+`forward(head=TokenLogps(0.9))` -> `completion_logps` -> `policy_loss`. trl 1.16: its own
 `GRPOTrainer._compute_loss` on an `object.__new__(GRPOTrainer)` that holds only the attributes it reads, its real
 `_get_per_token_logps_and_entropies` running the export patched by trl's `add_fused_lm_head` (as `GRPOTrainer.__init__`
 patches it, temperature included), the inputs laid out as trl's generation step lays them out: prompts left-padded,
@@ -38,6 +38,7 @@ import torch
 
 import mmadapt
 from mmadapt.convert import ARCHITECTURES, export_architecture, rename
+from mmadapt.heads import TokenLogps
 from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
 from mmadapt.train.objectives.policy_gradient import PolicyLoss, policy_loss
@@ -151,7 +152,7 @@ def setup(request, tmp_path_factory):
     done = fixed_completions(model)
     rows = scored_rows(prompts, done, PAD)
     with torch.no_grad():  # the current log-probs: the old and reference ones are fixed offsets of them
-        current = completion_logps(model(**rows, token_logps=True, temperature=TEMPERATURE), rows["labels"], done)
+        current = completion_logps(model(**rows, head=TokenLogps(TEMPERATURE)).logps, rows["labels"], done)
     old = current + fixed_noise(current.shape, 1)
     ref = current + 0.5 * fixed_noise(current.shape, 2)
     inputs = trl_inputs(prompts, done, model.tokens.image_token_id)
@@ -186,9 +187,8 @@ def test_the_grpo_loss_and_gradients_equal_trls_grpo_trainer(setup, loss_type, b
     theirs.backward()
     their_metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
 
-    entropy = torch.zeros(s.rows["labels"].shape)
-    logps = completion_logps(s.model(**s.rows, token_logps=True, temperature=TEMPERATURE, token_entropy=entropy),
-                             s.rows["labels"], s.done)
+    scored = s.model(**s.rows, head=TokenLogps(TEMPERATURE, entropy=True))
+    logps, entropy = completion_logps(scored.logps, s.rows["labels"], s.done), scored.entropy
     terms = policy_loss(logps, s.old, s.ref if beta else None, ADVANTAGES, mask, settings)
     terms.loss.backward()
     entropies = completion_logps(entropy, s.rows["labels"], s.done)  # trl's logged entropy: the tokens' mean

@@ -31,7 +31,7 @@ from torch import nn
 import mmadapt
 from mmadapt.data import DataProblem, SampleEncoder, char_tokenizer
 from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset, parse_preference
-from mmadapt.loss import sequence_logps, supervised_rows
+from mmadapt.heads import SequenceLogps, sequence_logps, supervised_rows
 from mmadapt.run_directory import RunDirectory
 from mmadapt.sees import preference_view
 from mmadapt.train import RunConfig, Trainer, latest_checkpoint
@@ -144,7 +144,7 @@ def test_ms_swift_rejected_images_are_the_rejected_rows_own(encoder, model):
     assert pair.chosen.input_ids.tolist() == pair.rejected.input_ids.tolist()  # the same text, another image
     batch = PairCollator.for_model(model, encoder.pad_token_id)([pair])
     assert batch["image_index"].tolist() == [0, 1] and batch["image_grid_thw"].shape[0] == 2
-    out = model(**inputs_of(batch), sequence_logps=True)
+    out = model(**inputs_of(batch), head=SequenceLogps())
     assert out.logps.shape == (2,) and torch.isfinite(out.logps).all()
 
 
@@ -195,7 +195,7 @@ def test_the_prompts_images_are_decoded_and_encoded_once_per_pair(encoder, model
     rows = []
     handle = model.encoder.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     try:
-        out = model(**inputs_of(batch), sequence_logps=True)
+        out = model(**inputs_of(batch), head=SequenceLogps())
         inputs = model.prepare(mmadapt.batch.VisionBatch.of(batch))
     finally:
         handle.remove()
@@ -209,7 +209,7 @@ def test_the_prompts_images_are_decoded_and_encoded_once_per_pair(encoder, model
     # and the same log-probs as the rows collated one by one, each with its own copy of the images
     plain = mmadapt.data.Collator.for_model(model, encoder.pad_token_id)
     each = plain([pair.chosen, batch_rows_rejected(pair)])
-    alone = model(**inputs_of(each), sequence_logps=True).logps
+    alone = model(**inputs_of(each), head=SequenceLogps()).logps
     assert torch.allclose(alone, out.logps[[0, 2]], atol=1e-6)
 
 
@@ -377,9 +377,9 @@ def test_the_lora_reference_is_the_base_model_with_no_second_copy_of_the_weights
     assert copies() == before  # no copy of the frozen weights was made for the reference
     batch = parts.collate([parts.train_data[i] for i in range(4)])
     with torch.no_grad(), adapters_disabled(parts.model):
-        off = parts.model.eval()(**inputs_of(batch), sequence_logps=True).logps
-    on = parts.model(**inputs_of(batch), sequence_logps=True).logps
-    start = base(**inputs_of(batch), sequence_logps=True).logps
+        off = parts.model.eval()(**inputs_of(batch), head=SequenceLogps()).logps
+    on = parts.model(**inputs_of(batch), head=SequenceLogps()).logps
+    start = base(**inputs_of(batch), head=SequenceLogps()).logps
     assert torch.equal(off, start) and not torch.allclose(on, start)
 
 

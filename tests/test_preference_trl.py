@@ -25,6 +25,7 @@ from mmadapt import Processor
 from mmadapt.convert import ARCHITECTURES, export_architecture, rename
 from mmadapt.data import TEMPLATES
 from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+from mmadapt.heads import SequenceLogps
 from mmadapt.processor import export_processor
 from mmadapt.train.batches import inputs_of
 from mmadapt.train.config import DpoSection
@@ -138,7 +139,7 @@ def test_the_dpo_loss_and_gradients_equal_trls_dpo_trainer(family, tmp_path):
 
     model.train()
     with torch.no_grad():  # the reference: the starting model's log-probs of the pairs, as `compute_table` keeps them
-        start = model(**inputs_of(batch), sequence_logps=True).logps
+        start = model(**inputs_of(batch), head=SequenceLogps()).logps
     table = torch.stack(start.chunk(2), dim=1)
     with torch.no_grad():
         model.backbone.get_output_embeddings().weight.add_(delta)

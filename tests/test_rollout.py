@@ -13,6 +13,7 @@ from mmadapt.contract import ImageTokenContractError
 from mmadapt.data import Collator, SampleEncoder, char_tokenizer
 from mmadapt.data.prompts import PromptEncoder
 from mmadapt.generation import placeholder_ids
+from mmadapt.heads import TokenLogps
 from mmadapt.loss import IGNORE_INDEX
 from mmadapt.train.objectives.rollout import check_groups, completion_logps, rollout, scored_rows
 
@@ -69,8 +70,8 @@ def separate_pictures(rows, batch):
 def scores_and_grads(model, rows, done, **given):
     """The per-token log-probs (T = 0.7) of `rows` and the gradients of their sum over the answers."""
     model.zero_grad()
-    logps = model(**rows, **given, token_logps=True, temperature=0.7)
-    per_token = completion_logps(logps, rows["labels"], done)
+    scored = model(**rows, **given, head=TokenLogps(0.7))
+    per_token = completion_logps(scored.logps, rows["labels"], done)
     (per_token * done.mask).sum().backward()
     return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -145,9 +146,9 @@ def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):
     done = rollout(model, batch, 2, max_new_tokens=4, eos_token_id=encoder.tokenizer.eos_token_id,
                    pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(3))
     rows = scored_rows(batch, done, encoder.pad_token_id)
-    entropy = torch.full(rows["labels"].shape, 9.0)
     with torch.no_grad():
-        ours = model(**rows, token_logps=True, temperature=0.7, token_entropy=entropy)
+        scored = model(**rows, head=TokenLogps(0.7, entropy=True))
+        ours, entropy = scored.logps, scored.entropy
         logits = model(**{k: v for k, v in rows.items() if k != "labels"}, return_logits=True).logits
     tempered = torch.log_softmax(logits.float() / 0.7, dim=-1)[:, :-1]
     full = tempered.gather(-1, rows["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
@@ -171,14 +172,14 @@ def test_the_rollouts_log_probs_equal_the_forward_over_the_rows_it_scores(setup,
                    pad_token_id=encoder.pad_token_id, temperature=0.8, generator=torch.Generator().manual_seed(6))
     rows = scored_rows(batch, done, encoder.pad_token_id)
     with torch.no_grad():
-        forward = completion_logps(model(**rows, token_logps=True, temperature=0.8), rows["labels"], done)
+        forward = completion_logps(model(**rows, head=TokenLogps(0.8)).logps, rows["labels"], done)
     assert done.logps.shape == done.completions.shape and (done.logps[~done.mask] == 0).all()
     gap = (forward - done.logps).abs()[done.mask]
     assert gap.max() <= 1e-5, gap.max()
     pixels = "pixel_values" if kind == "images" else "pixel_values_videos"
     moved = {**rows, pixels: torch.zeros_like(rows[pixels])}  # the rows no longer see what the rollout saw
     with torch.no_grad():
-        wrong = completion_logps(model(**moved, token_logps=True, temperature=0.8), rows["labels"], done)
+        wrong = completion_logps(model(**moved, head=TokenLogps(0.8)).logps, rows["labels"], done)
     assert (wrong - done.logps).abs()[done.mask].max() > 1e-3
 
 
@@ -349,7 +350,7 @@ def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_t
     rows = scored_rows(batch, done, scorer.pad_token_id)
     check_groups(rows, 3, model.tokens.image_token_id)
     with torch.no_grad():
-        forward = completion_logps(model(**rows, token_logps=True), rows["labels"], done)
+        forward = completion_logps(model(**rows, head=TokenLogps()).logps, rows["labels"], done)
     # fp32 log-softmax over 151k logits summed in another order (the prefill's last position against the chunked
     # forward): up to 1e-4 apart measured (|log p| ~ 12), bounded at 5e-4
     assert (forward - done.logps).abs()[done.mask].max() <= 5e-4

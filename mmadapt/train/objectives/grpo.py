@@ -17,7 +17,7 @@ A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 
 2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
    total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
    never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
-3. backward: the policy's per-token log-probs of each answer at the sampling temperature (`forward(token_logps=True)`
+3. backward: the policy's per-token log-probs of each answer at the sampling temperature (`forward(head=TokenLogps())`
    over `scored_rows`), the reference's when `beta` > 0 (the same model with its LoRA adapters off), and the clipped
    loss (`policy_gradient.policy_loss`), normalised so that
    micro-batches and ranks equal one big batch (M = grad_accum x world micro-batch losses per step; dapo's token
@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import first_usable, inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
@@ -343,17 +344,16 @@ class GrpoObjective(Objective):
         if iteration and pictures is not None and vision_trains(run.model):
             pictures = self.encode(run, rolled["prompts"])
         given = {} if pictures is None else pictures.for_rows(rows)
-        entropy = torch.zeros(rows["labels"].shape, dtype=torch.float32, device=rows["labels"].device)
-        logps = run.wrapped(**rows, **given, token_logps=True, temperature=s.temperature, token_entropy=entropy)
-        per_token = completion_logps(logps, rows["labels"], done)
+        scored = run.wrapped(**rows, **given, head=TokenLogps(s.temperature, entropy=True))
+        per_token, entropy = completion_logps(scored.logps, rows["labels"], done), scored.entropy
         reference = rolled.get("reference")
         if s.beta > 0 and reference is None:
             model = run.model  # the reference's vision side is the policy's unless LoRA trains it (then: encoded again)
             shared = pictures is not None and not (lora_layers(model.encoder) or lora_layers(model.projector))
             ref_given = pictures.detached().for_rows(rows) if shared else {}
             with torch.no_grad(), adapters_disabled(model):
-                reference = completion_logps(run.wrapped(**rows, **ref_given, token_logps=True,
-                                                         temperature=s.temperature), rows["labels"], done)
+                reference = completion_logps(run.wrapped(**rows, **ref_given, head=TokenLogps(s.temperature)).logps,
+                                             rows["labels"], done)
         old = rolled.get("old") if iteration else None
         if not iteration and not rolled.get("stand_in"):
             self.log_sampling_gap(batch, per_token.detach(), done)
@@ -381,8 +381,8 @@ class GrpoObjective(Objective):
         pad = self.scorer.pad_token_id if self.scorer is not None else 0
         ids = torch.tensor([[pad, pad]], device=run.device)
         labels = torch.tensor([[-100, pad]], device=run.device)
-        logps = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, token_logps=True)
-        return logps.sum() * 0
+        scored = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, head=TokenLogps())
+        return scored.logps.sum() * 0
 
     def logged(self, micro: list[dict[str, Any]], run: Run) -> dict[str, Any]:
         """The step's rewards and answers, every rank's (means over the micro-batches that had prompts)."""

@@ -3,7 +3,7 @@ settings are the run config's `dpo` section (`DpoSection`: the loss type, beta, 
 
 A batch is `mmadapt.data.preference.PairCollator`'s: B chosen rows then B rejected rows, each pair's prompt images
 encoded once (`image_index`). One forward of the policy over the 2B rows gives each row's sequence log-prob
-(`VisionLanguageModel.forward(sequence_logps=True)`: the hidden states of the answer positions only, `lm_head` and
+(`VisionLanguageModel.forward(head=SequenceLogps())`: the hidden states of the answer positions only, `lm_head` and
 log-softmax in chunks, no (B, L, V) logits); the losses, per pair (`preference_losses`; pi: the policy's summed
 log-probs, ref: the reference's, |y|: the answer's tokens, sigma: the logistic function, eps: `label_smoothing`):
 
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mmadapt.heads import SequenceLogps
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, to_device
@@ -158,7 +159,7 @@ class PairScorer:
         was_training = wrapped.training
         with torch.no_grad(), adapters_disabled(self.model):
             wrapped.eval()  # the reference runs as an evaluated model: no dropout
-            out = wrapped(**inputs, sequence_logps=True, keep_states=keep_states)
+            out = wrapped(**inputs, head=SequenceLogps(keep_states=keep_states))
         wrapped.train(was_training)
         chosen, rejected = out.logps.chunk(2)
         return chosen, rejected, out.states
@@ -182,7 +183,7 @@ class PairScorer:
         ref_chosen, ref_rejected, ref_states = self.reference_logps(wrapped, inputs, batch, split,
                                                                     keep_states=self.reference == "adapters")
         reference = (ref_states, self.reference_head()) if ref_states is not None else None
-        out = wrapped(**inputs, sequence_logps=True, reference=reference)
+        out = wrapped(**inputs, head=SequenceLogps(reference=reference))
         chosen, rejected = out.logps.chunk(2)
         chosen_tokens, rejected_tokens = out.tokens.chunk(2)
         terms = preference_losses(s.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.heads import SequenceLogps
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train.batches import inputs_of, to_device
 
@@ -143,7 +144,7 @@ def compute_table(wrapped: Any, dataset: Any, collate: Any, *, batch_size: int, 
         if not pair_index:  # nothing to score here: a placeholder forward keeps the ranks in step
             batch = _placeholder(collate)
         with precision():
-            out = wrapped(**to_device(inputs_of(batch), device), sequence_logps=True)
+            out = wrapped(**to_device(inputs_of(batch), device), head=SequenceLogps())
         if pair_index:
             chosen, rejected = out.logps.float().cpu().chunk(2)
             found.update({i: (float(c), float(r)) for i, c, r in zip(pair_index, chosen, rejected, strict=True)})

@@ -219,7 +219,7 @@ def scored_rows(prompts: dict[str, Any], rollouts: Rollouts, pad_token_id: int) 
 
 
 def completion_logps(row_logps: torch.Tensor, labels: torch.Tensor, rollouts: Rollouts) -> torch.Tensor:
-    """(R, L) per-token log-probs of `scored_rows` (`forward(token_logps=True)`) -> (R, T), aligned with
+    """(R, L) per-token log-probs of `scored_rows` (`forward(head=TokenLogps()).logps`) -> (R, T), aligned with
     `rollouts.completions` (0 past each answer's end)."""
     out = row_logps.new_zeros(rollouts.completions.shape)
     for r in range(labels.shape[0]):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mmadapt.heads import TokenLosses
 from mmadapt.train.batches import to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
 
@@ -37,12 +38,11 @@ class SupervisedObjective(Objective):
         names = run.source_names()
         if not names:
             return Terms(self.loss(run, batch, totals.per_unit))
-        # a mixture: the model fills each position's token loss, summed per source
-        batch = {**batch, "token_losses": torch.zeros(batch["labels"].shape, device=run.device)}
-        loss = self.loss(run, batch, totals.per_unit)
-        by_source = losses_by_source(batch, names)
-        return Terms(loss, {f"{kind}/{name}": float(by_source[k, j]) for j, name in enumerate(names)
-                            for k, kind in enumerate(("loss", "tokens"))})
+        # a mixture: the loss with each position's token loss (`mmadapt.heads.TokenLosses`), summed per source
+        out = run.wrapped(**to_device(batch, run.device), num_items_in_batch=totals.per_unit, head=TokenLosses())
+        by_source = losses_by_source({**batch, "token_losses": out.token_losses}, names)
+        return Terms(out.loss, {f"{kind}/{name}": float(by_source[k, j]) for j, name in enumerate(names)
+                                for k, kind in enumerate(("loss", "tokens"))})
 
     def stat_names(self, run: Run) -> tuple[str, ...]:
         return tuple(f"{kind}/{name}" for name in run.source_names() for kind in ("loss", "tokens"))
