@@ -91,6 +91,17 @@ def test_trls_unpaired_layout_as_text_and_as_messages_encodes_one_row_with_the_c
     assert not KtoEncoder(encoder).encode(kto(label=False), 0).desirable
 
 
+def test_an_unpaired_jsonl_file_reads_one_row_per_record(encoder, tmp_path):
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps(kto(id="a")) + "\n" + "not json\n" + json.dumps(kto(id="c", label=False)) + "\n")
+    dataset = KtoDataset(path, encoder)
+    assert not dataset.paired and len(dataset) == 3 and dataset.ids()[::2] == ["a", "c"]
+    first, bad, last = (dataset[i] for i in range(3))
+    assert first.sample.input_ids.tolist() == KtoEncoder(encoder).encode(kto(), 0).sample.input_ids.tolist()
+    assert isinstance(bad, DataProblem) and bad.reason == "bad_format"
+    assert (first.desirable, last.desirable, last.index) == (True, False, 2)
+
+
 @pytest.mark.parametrize("layout", ["trl", "llama_factory", "ms_swift"])
 def test_a_file_of_pairs_is_unpaired_chosen_desirable_and_rejected_undesirable(encoder, tmp_path, layout):
     pair = {"trl": trl_pair(),
