@@ -204,7 +204,7 @@ def test_a_batch_of_problems_only_has_no_rows(encoder):
 def three(encoder):
     records = [kto(id="a"), kto(id="b", images=["1.png"], prompt="<image>\nHow wide?", completion="Wide.",
                                 label=False),
-               kto(id="c", images=["2.png", "0.png"], prompt="<image><image>\nSame?", completion="No, not at all.")]
+               kto(id="c", images=["2.png", "0.png"], prompt="<image>\n<image>\nSame?", completion="No, not at all.")]
     return records, [KtoEncoder(encoder).encode(r, i) for i, r in enumerate(records)]
 
 
@@ -238,21 +238,50 @@ def test_each_prompts_images_are_encoded_once_for_its_row_and_its_kl_row(encoder
     assert batch["image_grid_thw"].shape[0] == 4  # the 8 images of the 6 rows, 4 encoded
     assert batch["pixel_values"].shape[0] == sum(r.sample.pixel_values.shape[0] for r in rows)
     assert batch["image_index"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
-    seen = []
+    check_shared_images(model, encoder, rows, batch)
+
+
+def check_shared_images(model, encoder, rows, batch):
+    """The vision side runs once on the batch's encoded images, and the KL rows' log-probs equal those of the same
+    rows collated alone, each with its own copy of its prompt's images."""
+    seen, b = [], len(rows)
     handle = model.encoder.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     try:
         with torch.no_grad():
             out = model(**inputs(batch), sequence_logps=True)
     finally:
         handle.remove()
-    assert seen == [batch["pixel_values"].shape[0]]  # the vision side ran once, on the 4 images
-    # the same log-probs as the KL rows collated alone, each with its own copy of its prompt's images
-    kl_rows = [dataclasses.replace(rows[i].sample, input_ids=batch["input_ids"][3 + i][batch["attention_mask"][3 + i]],
-                                   labels=batch["labels"][3 + i][batch["attention_mask"][3 + i]]) for i in range(3)]
+    assert seen == [batch["pixel_values"].shape[0]]
+    kl_rows = [dataclasses.replace(rows[i].sample, input_ids=batch["input_ids"][b + i][batch["attention_mask"][b + i]],
+                                   labels=batch["labels"][b + i][batch["attention_mask"][b + i]]) for i in range(b)]
     with torch.no_grad():
         alone = model(**Collator.for_model(model, encoder.pad_token_id)(kl_rows), sequence_logps=True)
-    assert torch.allclose(alone.logps, out.logps[3:], atol=1e-6)
-    assert out.tokens[3:].tolist() == alone.tokens.tolist()  # the loss's per-row token counts come with the log-probs
+    assert torch.allclose(alone.logps, out.logps[b:], atol=1e-6)
+    assert out.tokens[b:].tolist() == alone.tokens.tolist()  # the loss's per-row token counts come with the log-probs
+
+
+def test_a_fixed_size_encoders_images_are_shared_the_same_way(tmp_path):
+    torch.manual_seed(0)
+    model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    for k in range(3):
+        Image.new("RGB", (32 + 16 * k, 32), (60 * k, 90, 200)).save(tmp_path / f"{k}.png")
+    fixed = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(tmp_path), max_length=512)
+    rows = three(fixed)[1]
+    batch = KtoCollator.for_model(model, fixed.pad_token_id)(rows)
+    assert batch["pixel_values"].shape[0] == 4 and batch["image_index"].tolist() == [0, 1, 2, 3] * 2
+    check_shared_images(model, fixed, rows, batch)
+
+
+def test_ms_swift_rejected_images_are_the_rejected_rows_own(encoder):
+    pair = {"id": "s", "messages": [{"role": "user", "content": "<image>\nWhat is it?"},
+                                    {"role": "assistant", "content": "A square."}], "images": ["0.png"],
+            "rejected_images": ["2.png"]}  # the same answer, read with another image
+    chosen, rejected = (KtoDataset([pair], encoder)[i] for i in range(2))
+    assert (chosen.id, rejected.id) == ("s/chosen", "s/rejected")
+    assert chosen.sample.input_ids.tolist() == rejected.sample.input_ids.tolist()
+    assert not torch.equal(chosen.sample.pixel_values, rejected.sample.pixel_values)
+    own = KtoEncoder(encoder).encode(kto(images=["2.png"], label=False), 0)
+    assert torch.equal(rejected.sample.pixel_values, own.sample.pixel_values)
 
 
 def test_without_kl_rows_the_batch_is_the_rows_alone(encoder, model):
