@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +331,19 @@ def test_the_kl_pairing_of_sequential_batches_equals_trls_prepared_dataset(encod
             labels = batch["labels"][batch["rows"] + i]
             assert encoder.tokenizer.decode(labels[labels != -100].tolist()).startswith(words[start + j])
     assert ours == theirs
+
+
+def test_a_prompts_video_is_laid_out_for_its_row_and_its_kl_row(encoder, model):
+    from helpers import grey_clip
+
+    grey_clip(Path(encoder.config.image_root) / "clip.mp4")
+    video = kto(id="v", images=[], videos=["clip.mp4"], prompt="<video>\nWhat happens?", completion="It brightens.")
+    rows = [KtoEncoder(encoder).encode(r, i) for i, r in enumerate((video, kto(id="i", label=False)))]
+    real = KtoEncoder(encoder).encode({**video, "completion": "A square."}, 0)
+    batch = KtoCollator.for_model(model, encoder.pad_token_id)(rows)
+    assert unpadded(batch, 2) == real.sample.input_ids.tolist()  # the video prompt with the image row's completion
+    assert batch["videos_per_sample"].tolist() == [1, 0, 1, 0] and batch["image_index"].tolist() == [0, 0]
+    assert batch["pixel_values_videos"].shape[0] == 2 * rows[0].sample.pixel_values_videos.shape[0]
+    with torch.no_grad():
+        out = model(**inputs(batch), sequence_logps=True)
+    assert torch.isfinite(out.logps).all() and out.logps.shape == (4,)

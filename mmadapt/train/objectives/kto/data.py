@@ -44,7 +44,7 @@ import torch
 
 from mmadapt.data.collate import Collator
 from mmadapt.data.pipeline import SampleEncoder, check_answers
-from mmadapt.data.preference import _answer, _turns, is_preference_record, parse_preference
+from mmadapt.data.preference import PreferenceSample, _answer, _turns, is_preference_record, parse_preference
 from mmadapt.data.problems import DataProblem, guarded, per_sample, read_guarded
 from mmadapt.data.samples import (
     IMAGE,
@@ -81,7 +81,7 @@ class KtoSample:
         return Sample(self.id, p.images, (*p.turns, Turn("assistant", self.completion)), p.videos)
 
     @classmethod
-    def of_pair(cls, pair: Any, chosen: bool) -> KtoSample:
+    def of_pair(cls, pair: PreferenceSample, chosen: bool) -> KtoSample:
         """One side of a `PreferenceSample`: its chosen answer (desirable) or its rejected one (undesirable, with the
         rejected answer's own images when it has them); id `"<pair id>/chosen"` or `"<pair id>/rejected"`."""
         side = "chosen" if chosen else "rejected"
@@ -235,6 +235,7 @@ class KtoDataset(torch.utils.data.Dataset):
         self.paired = self.holds_pairs() if paired is None else paired
 
     def holds_pairs(self) -> bool:
+        """Whether the first record that reads as a JSON object is a preference pair (trl decides by its columns)."""
         for k in range(len(self.records)):
             record = read_guarded(self.records, k)
             if isinstance(record, dict):
