@@ -1,8 +1,20 @@
 """KTO (`train.objective: kto`, once registered): preference from unpaired desirable / undesirable answers, equal
-to trl's `KTOTrainer`. `loss.py` holds its arithmetic (the per-row losses, the KL estimate, the KL rows' pairing)."""
+to trl's `KTOTrainer`. `loss.py` holds its arithmetic (the per-row losses, the KL estimate, the KL rows' pairing);
+`data.py` its records (trl's unpaired layout, or preference pairs unpaired), rows and batches (the rows, then the KL
+rows, each prompt's images encoded once)."""
 
 from __future__ import annotations
 
+from mmadapt.train.objectives.kto.data import (
+    EncodedKto,
+    KtoCollator,
+    KtoDataset,
+    KtoEncoder,
+    KtoSample,
+    is_kto_record,
+    parse_kto,
+    unpaired_row,
+)
 from mmadapt.train.objectives.kto.loss import (
     LOSS_TYPES,
     KtoTerms,
@@ -12,4 +24,6 @@ from mmadapt.train.objectives.kto.loss import (
     kto_losses,
 )
 
-__all__ = ["LOSS_TYPES", "KtoTerms", "kl_estimate", "kl_over_processes", "kl_partners", "kto_losses"]
+__all__ = ["LOSS_TYPES", "EncodedKto", "KtoCollator", "KtoDataset", "KtoEncoder", "KtoSample", "KtoTerms",
+           "is_kto_record", "kl_estimate", "kl_over_processes", "kl_partners", "kto_losses", "parse_kto",
+           "unpaired_row"]
