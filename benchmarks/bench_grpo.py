@@ -180,7 +180,7 @@ class Meter:
 def grpo_step(model: Any, layout: Layout, rows: dict[str, Any], prompts: dict[str, Any], done: Any,
               advantages: torch.Tensor, settings: Any, meter: Meter) -> Step:
     """One step's forward(s) + loss + backward with `layout`'s pictures (the module docstring)."""
-    from mmadapt.train.objectives.policy_gradient import policy_loss
+    from mmadapt.train.objectives.grpo.loss import policy_loss
     from mmadapt.train.objectives.rollout import completion_logps, encode_prompts
     from mmadapt.train.tracking import PartClock
 
@@ -244,7 +244,7 @@ def measure(model: Any, config: dict, args: argparse.Namespace, beta: float, dev
             ) -> dict[Layout, list[Step]]:
     """Each layout's steps (a warm-up, then `reps`, alternating) at this beta."""
     from mmadapt.train.batches import to_device
-    from mmadapt.train.objectives.policy_gradient import PolicyLoss, group_advantages
+    from mmadapt.train.objectives.grpo.loss import PolicyLoss, group_advantages
     from mmadapt.train.objectives.rollout import scored_rows
 
     prompts = to_device(prompt_batch(model, config, args.quick, args.prompts), device)

@@ -35,7 +35,7 @@ def root(tmp_path_factory):
     """The constructed model's directory, its prompts (SHORT, LONG) and eval prompts (3: more batches on rank 0 than
     on rank 1 at one per batch), and the run's base config."""
     from mmadapt.train import RunConfig
-    from mmadapt.train.objectives.reward_view import AnswerScorer
+    from mmadapt.train.objectives.grpo.view import AnswerScorer
     from mmadapt.train.rewards import reward_specs
     from mmadapt.train.run import build_run
 

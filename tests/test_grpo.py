@@ -12,7 +12,7 @@ from PIL import Image
 
 from mmadapt.heads import TokenLogps
 from mmadapt.train import RunConfig, Trainer
-from mmadapt.train.objectives.reward_view import AnswerScorer
+from mmadapt.train.objectives.grpo.view import AnswerScorer
 from mmadapt.train.rewards import reward_specs
 from mmadapt.train.run import build_run
 from mmadapt.train.steps import evaluate

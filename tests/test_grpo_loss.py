@@ -1,4 +1,4 @@
-"""The GRPO family's arithmetic (`mmadapt.train.objectives.policy_gradient`) equals trl 1.16's `GRPOTrainer` on fixed
+"""The GRPO family's arithmetic (`mmadapt.train.objectives.grpo.loss`) equals trl 1.16's `GRPOTrainer` on fixed
 tensors: the loss, its gradient w.r.t. the policy's per-token log-probs and the logged clip / KL metrics of
 `_compute_loss` for grpo, bnpo, dr_grpo and dapo, beta 0 and 0.04 (with and without trl's bias-corrected KL), with
 gradient accumulation; and the group advantages for scale_rewards group / batch / none, unscored rows included.
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmadapt.train.objectives.policy_gradient import (
+from mmadapt.train.objectives.grpo.loss import (
     LOSS_TYPES,
     PolicyLoss,
     PolicyStats,

@@ -41,7 +41,7 @@ from mmadapt.convert import ARCHITECTURES, export_architecture, rename
 from mmadapt.heads import TokenLogps
 from mmadapt.processor import export_processor
 from mmadapt.synthetic import synthetic_batch
-from mmadapt.train.objectives.policy_gradient import PolicyLoss, policy_loss
+from mmadapt.train.objectives.grpo.loss import PolicyLoss, policy_loss
 from mmadapt.train.objectives.rollout import Rollouts, completion_logps, scored_rows
 
 trl = pytest.importorskip("trl")

@@ -21,6 +21,7 @@ from PIL import Image
 import mmadapt
 from mmadapt.data import Collator, DataProblem, SampleEncoder, char_tokenizer
 from mmadapt.data.preference import PairEncoder
+from mmadapt.heads import SequenceLogps
 from mmadapt.train.objectives.kto import (
     KtoCollator,
     KtoDataset,
@@ -249,14 +250,14 @@ def check_shared_images(model, encoder, rows, batch):
     handle = model.encoder.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
     try:
         with torch.no_grad():
-            out = model(**inputs(batch), sequence_logps=True)
+            out = model(**inputs(batch), head=SequenceLogps())
     finally:
         handle.remove()
     assert seen == [batch["pixel_values"].shape[0]]
     kl_rows = [dataclasses.replace(rows[i].sample, input_ids=batch["input_ids"][b + i][batch["attention_mask"][b + i]],
                                    labels=batch["labels"][b + i][batch["attention_mask"][b + i]]) for i in range(b)]
     with torch.no_grad():
-        alone = model(**Collator.for_model(model, encoder.pad_token_id)(kl_rows), sequence_logps=True)
+        alone = model(**Collator.for_model(model, encoder.pad_token_id)(kl_rows), head=SequenceLogps())
     assert torch.allclose(alone.logps, out.logps[b:], atol=1e-6)
     assert out.tokens[b:].tolist() == alone.tokens.tolist()  # the loss's per-row token counts come with the log-probs
 
@@ -345,5 +346,5 @@ def test_a_prompts_video_is_laid_out_for_its_row_and_its_kl_row(encoder, model):
     assert batch["videos_per_sample"].tolist() == [1, 0, 1, 0] and batch["image_index"].tolist() == [0, 0]
     assert batch["pixel_values_videos"].shape[0] == 2 * rows[0].sample.pixel_values_videos.shape[0]
     with torch.no_grad():
-        out = model(**inputs(batch), sequence_logps=True)
+        out = model(**inputs(batch), head=SequenceLogps())
     assert torch.isfinite(out.logps).all() and out.logps.shape == (4,)

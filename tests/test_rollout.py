@@ -321,7 +321,7 @@ def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_t
     batch mixing trl's `solution` and EasyR1's `answer` records is scored row by row."""
     from real_tokenizers import real_tokenizer
 
-    from mmadapt.train.objectives.reward_view import AnswerScorer
+    from mmadapt.train.objectives.grpo.view import AnswerScorer
     from mmadapt.train.rewards import reward_specs
 
     Image.new("RGB", (64, 32), (200, 40, 90)).save(tmp_path / "0.png")

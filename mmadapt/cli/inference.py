@@ -136,11 +136,11 @@ def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
 
 def reward_report(args: argparse.Namespace, model: Any, encoder: Any, records: list, batches: int | None,
                   batch_size: int) -> Any:
-    """The reward view (`mmadapt.train.objectives.reward_view`) of a file of RL prompts: the mean reward of greedy
+    """The reward view (`mmadapt.train.objectives.grpo.view`) of a file of RL prompts: the mean reward of greedy
     answers with real, blanked and shuffled images."""
     from mmadapt.data import Collator
     from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
-    from mmadapt.train.objectives.reward_view import AnswerScorer, reward_view
+    from mmadapt.train.objectives.grpo.view import AnswerScorer, reward_view
     from mmadapt.train.rewards import reward_specs
 
     names, length = run_rewards(args)

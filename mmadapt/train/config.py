@@ -237,7 +237,7 @@ class LoraSection:
 
 @dataclass(kw_only=True)
 class DpoSection:
-    """The settings of the preference objective (`train.objective: dpo`, `mmadapt.train.objectives.preference`, whose
+    """The settings of the preference objective (`train.objective: dpo`, `mmadapt.train.objectives.dpo`, whose
     `section` this is): the loss and its reference."""
 
     # sigmoid (DPO), ipo, and the reference-free simpo and orpo

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult
-from mmadapt.train.objectives.grpo import GrpoObjective
-from mmadapt.train.objectives.preference import (
+from mmadapt.train.objectives.dpo import (
     STATS,
     PairScorer,
     PreferenceObjective,
@@ -24,6 +23,7 @@ from mmadapt.train.objectives.preference import (
     check_pairs,
     preference_losses,
 )
+from mmadapt.train.objectives.grpo import GrpoObjective
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
     adapters_disabled,

@@ -28,7 +28,7 @@ over the dataset in order and needs sequential sampling for that); with sequenti
 is never cut either: it may be longer than `max_length` (at most the longest prompt plus the longest completion of
 its batch), where trl cuts it. Each prompt's images are encoded once for its row and its KL row (`image_index`, as
 `PairCollator` does); videos are laid out per row. The loss's per-row token counts come with the log-probs
-(`SequenceLogProbs.tokens` of `forward(sequence_logps=True)`); trl's KTO sums the log-probs and uses none.
+(`SequenceLogProbs.tokens` of `forward(head=SequenceLogps())`); trl's KTO sums the log-probs and uses none.
 
 Shapes: B records; R = 2B rows with `kl` (B without); L the padded width; I the images of the B prompts.
 """

@@ -63,9 +63,9 @@ from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import first_usable, inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
-from mmadapt.train.objectives.policy_gradient import PolicyLoss, PolicyStats, group_advantages, policy_loss
+from mmadapt.train.objectives.grpo.loss import PolicyLoss, PolicyStats, group_advantages, policy_loss
+from mmadapt.train.objectives.grpo.view import AnswerScorer, control_rewards
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
-from mmadapt.train.objectives.reward_view import AnswerScorer, control_rewards
 from mmadapt.train.objectives.rollout import (
     Encoded,
     Rollouts,
@@ -302,7 +302,7 @@ class GrpoObjective(Objective):
         if batch_rewards is None:
             return group_advantages(total, s.num_generations, s.scale_rewards)
         local = group_advantages(total, s.num_generations, "none")  # r - the group's mean
-        from mmadapt.train.objectives.policy_gradient import STD_EPSILON, nanstd
+        from mmadapt.train.objectives.grpo.loss import STD_EPSILON, nanstd
 
         std = nanstd(batch_rewards).expand_as(total)
         scaled = torch.nan_to_num(local.advantages / (std + STD_EPSILON), nan=0.0)
