@@ -81,8 +81,9 @@ def _child(objective: str, training: str, config_name: str, quick: bool, steps: 
     from mmadapt.data import Collator
     from mmadapt.data.preference import PairCollator
     from mmadapt.train.batches import inputs_of
-    from mmadapt.train.config import DpoSection, RunConfig
+    from mmadapt.train.config import RunConfig
     from mmadapt.train.objectives import PairScorer, ReferenceTable
+    from mmadapt.train.objectives.dpo.settings import DpoSettings
     from mmadapt.train.stages import apply_stages
 
     config = CONFIGS[config_name]
@@ -108,7 +109,7 @@ def _child(objective: str, training: str, config_name: str, quick: bool, steps: 
             with torch.no_grad():
                 logps = model(**inputs_of(batch), head=SequenceLogps()).logps
             table = ReferenceTable({"train": torch.stack(logps.chunk(2), dim=1)}, {})
-        dpo = PairScorer(DpoSection(), model, reference, table)
+        dpo = PairScorer(DpoSettings(), model, reference, table)
     _trim_heap()
     reference_cost = _status_kib("VmRSS") - resident_model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

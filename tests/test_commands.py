@@ -305,7 +305,7 @@ def test_a_run_directory_given_is_the_runs_train_out_and_a_users_config_keeps_it
 
 # ---- plan and the code a config names --------------------------------------------------------------------------------
 def test_plan_imports_no_reward_code_unless_asked(tmp_path, monkeypatch, capsys):
-    """A GRPO run whose train.rewards names `planted_reward:score`, a module that writes a marker when imported:
+    """A GRPO run whose grpo.rewards names `planted_reward:score`, a module that writes a marker when imported:
     `mmadapt plan RUN` leaves it out (one line saying so) and the marker is never written; `--rewards` imports it."""
     marker = tmp_path / "imported"
     (tmp_path / "code").mkdir()
@@ -326,7 +326,7 @@ def test_plan_imports_no_reward_code_unless_asked(tmp_path, monkeypatch, capsys)
     assert main(["plan", str(run), "--device", "cpu", "--json"]) == 0
     plain = capsys.readouterr()
     assert not marker.exists() and "planted_reward" not in sys.modules
-    assert "train.rewards names code ['planted_reward:score'], not imported" in plain.err
+    assert "grpo.rewards names code ['planted_reward:score'], not imported" in plain.err
     assert "--rewards accuracy,planted_reward:score" in plain.err
     assert json.loads(plain.out)["per_gpu"]["total"] > 0
     assert main(["plan", str(run), "--device", "cpu", "--json", "--rewards", "accuracy,planted_reward:score"]) == 0

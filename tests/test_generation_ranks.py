@@ -51,7 +51,7 @@ def root(tmp_path_factory):
     train, held = prompts("train.jsonl", [SHORT, LONG]), prompts("eval.jsonl", [SHORT, LONG, "q3"])
     bad = json.dumps({"id": "bad", "problem": "<image>Go?", "answer": "A", "images": ["missing.png"]})
     (root / "with-bad.jsonl").write_text(train.read_text().splitlines()[0] + "\n" + bad)  # SHORT, a counted problem
-    cfg = RunConfig.load(None, [f"train.out={root / 'build'}", "train.objective=grpo", "train.rewards=[accuracy]",
+    cfg = RunConfig.load(None, [f"train.out={root / 'build'}", "train.objective=grpo", "grpo.rewards=[accuracy]",
                                 f"data.train={train}", f"data.image_root={root}", "data.max_length=128",
                                 f"grpo.max_completion_length={MAX_TOKENS}"])
     torch.manual_seed(0)
@@ -63,9 +63,8 @@ def root(tmp_path_factory):
     (root / "base.yaml").write_text(
         f"model: {{pretrained: {root / 'model'}}}\n"
         f"data: {{train: {train}, eval: {held}, image_root: {root}, max_length: 128}}\n"
-        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo, "
-        "rewards: [accuracy, 'test_grpo:length']}\n"
-        f"grpo: {{num_generations: 2, max_completion_length: {MAX_TOKENS}}}\n")
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo}\n"
+        f"grpo: {{num_generations: 2, max_completion_length: {MAX_TOKENS}, rewards: [accuracy, 'test_grpo:length']}}\n")
     return root
 
 
@@ -183,9 +182,8 @@ def mixed(tmp_path_factory):
         {"id": "m1", "problem": "Which colour is red?", "answer": "red", "images": []})))
     (root / "base.yaml").write_text(
         f"data: {{train: {prompts}, eval: {prompts}, image_root: {root}, max_length: 128}}\n"
-        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo, "
-        "rewards: [accuracy, 'test_grpo:length']}\n"
-        "grpo: {num_generations: 2, max_completion_length: 5}\n")
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, eval_every: 1, objective: grpo}\n"
+        "grpo: {num_generations: 2, max_completion_length: 5, rewards: [accuracy, 'test_grpo:length']}\n")
     return root
 
 

@@ -39,7 +39,7 @@ def prompts_file(root, n: int = 8):
 def config(tmp_path, *overrides):
     path = prompts_file(tmp_path)
     return RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
-                                 "train.rewards=[accuracy, {name: format, weight: 0.1}, 'test_grpo:length']",
+                                 "grpo.rewards=[accuracy, {name: format, weight: 0.1}, 'test_grpo:length']",
                                  f"data.train={path}",
                                  f"data.eval={path}", f"data.image_root={tmp_path}", "data.batch_size=2",
                                  "data.max_length=128", "grpo.num_generations=3", "grpo.max_completion_length=6",
@@ -97,8 +97,8 @@ def test_the_logged_loss_is_the_steps_however_it_is_accumulated(tmp_path, loss_t
     (["grpo.num_iterations=0"], "num_iterations must be >= 1"),
     (["grpo.beta=0.04"], "needs a reference"),
     (["grpo.beta=0.04", "stages.backbone=lora"], "but ['projector'] train fully"),
-    (["train.rewards=[]"], "needs train.rewards"),
-    (["train.rewards=[nonsense]"], "accuracy"),
+    (["grpo.rewards=[]"], "needs grpo.rewards"),
+    (["grpo.rewards=[nonsense]"], "accuracy"),
 ])
 def test_what_grpo_cannot_do_is_refused_naming_the_setting(tmp_path, overrides, words):
     with pytest.raises((ValueError, KeyError)) as refused:
@@ -134,7 +134,7 @@ def test_num_iterations_reuses_a_rollout_for_that_many_steps_clipped_against_its
             with torch.no_grad():
                 logps = run.model(**{k: v for k, v in batch.items() if k not in ("meta", "rollout", "logged",
                                                                                   "encoded")},
-                                  head=TokenLogps(cfg.grpo.temperature)).logps
+                                  head=TokenLogps(run.objective.settings.temperature)).logps
             rolled.append(completion_logps(logps, batch["labels"], batch["rollout"]["rollouts"]))
         return out
 
@@ -171,7 +171,7 @@ def test_sees_on_prompts_prints_the_reward_view_with_the_runs_rewards(tmp_path, 
     the command line names it); `mmadapt eval --json` writes it."""
     from mmadapt.cli import main
 
-    config(tmp_path, "train.steps=1", "train.rewards=['test_grpo:length']").save(tmp_path / "run.yaml")
+    config(tmp_path, "train.steps=1", "grpo.rewards=['test_grpo:length']").save(tmp_path / "run.yaml")
     assert main(["train", str(tmp_path / "run.yaml")]) == 0
     prompts = str(tmp_path / "prompts.jsonl")
     view = ["sees", str(tmp_path / "out" / "model"), prompts, "--batches", "1", "--batch-size", "4"]
@@ -208,8 +208,8 @@ def test_ddp_and_fsdp2_with_two_processes_equal_one_process(tmp_path):
     path = prompts_file(tmp_path)
     (tmp_path / "base.yaml").write_text(
         f"data: {{train: {path}, image_root: {tmp_path}, max_length: 128}}\n"
-        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, objective: grpo, "
-        "rewards: [accuracy, 'test_grpo:length']}\ngrpo: {num_generations: 2, max_completion_length: 5}\n")
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, objective: grpo}\n"
+        "grpo: {num_generations: 2, max_completion_length: 5, rewards: [accuracy, 'test_grpo:length']}\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
 
@@ -276,7 +276,7 @@ def test_grpo_learns_to_answer_from_the_image_and_the_reward_rests_on_it(tmp_pat
     Trainer(parts.model, first, parts.train_data, parts.collate).fit()
     then = RunConfig.load(None, [*common, f"train.out={tmp_path / 'grpo'}", f"data.train={tmp_path / 'train.jsonl'}",
                                  f"data.eval={tmp_path / 'held.jsonl'}", "train.objective=grpo",
-                                 "train.rewards=[accuracy]", "train.steps=60", "data.batch_size=4", "train.lr=1e-3",
+                                 "grpo.rewards=[accuracy]", "train.steps=60", "data.batch_size=4", "train.lr=1e-3",
                                  "grpo.num_generations=4", "grpo.max_completion_length=1", "grpo.loss_type=grpo"])
     parts = build_run(then, model=parts.model)
     trainer = Trainer(parts.model, then, parts.train_data, parts.collate, eval_data=parts.eval_data,
@@ -324,7 +324,7 @@ def test_each_picture_is_encoded_once_per_step_for_the_rollout_the_reference_and
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
-                                "train.rewards=['test_grpo:length']", f"data.train={path}",
+                                "grpo.rewards=['test_grpo:length']", f"data.train={path}",
                                 f"data.image_root={tmp_path}", "data.batch_size=3", "train.grad_accum=2",
                                 "data.max_length=256", "data.video.fps=4", "data.video.max_pixels=32768",
                                 f"grpo.num_generations={g}", "grpo.max_completion_length=4", *stages,
@@ -372,7 +372,7 @@ def test_the_vision_side_runs_once_per_micro_batch_with_or_without_pictures(tmp_
         {"id": "m0", "problem": "<image>Which colour?", "answer": "red", "images": ["0.png"]},
         {"id": "m1", "problem": "Which colour is red?", "answer": "red", "images": []})))
     cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
-                                "train.rewards=['test_grpo:length']", f"data.train={path}", f"data.eval={path}",
+                                "grpo.rewards=['test_grpo:length']", f"data.train={path}", f"data.eval={path}",
                                 f"data.image_root={tmp_path}", "data.batch_size=1", "train.grad_accum=2",
                                 "data.max_length=128", "grpo.num_generations=2", "grpo.max_completion_length=4",
                                 "train.steps=2", *stages])
@@ -420,3 +420,21 @@ def test_the_vision_side_runs_once_per_micro_batch_with_or_without_pictures(tmp_
     assert runs == {"train": micro_batches, "rollout": 0, "eval": 3 * (2 if every_batch else 1)}, runs
     assert gradients == {"train": micro_batches, "rollout": 0, "eval": 0}, gradients
     assert all(math.isfinite(record["loss"]) for record in history), history
+
+
+def test_the_rewards_of_a_config_before_0_24_are_read_as_grpo_rewards(caplog):
+    """GRPO's settings and rewards are its own section (`grpo:`, parsed by `GrpoSettings`); a run file of before
+    0.24 (`train.rewards`) is read once, at the boundary, with a warning; both at once is refused."""
+    from mmadapt.train.objectives import objective_for
+
+    with caplog.at_level("WARNING"):
+        cfg = RunConfig.load(None, ["train.objective=grpo", "train.rewards=[accuracy]"])
+    assert "train.rewards is now grpo.rewards" in caplog.text
+    assert cfg.sections["grpo"] == {"rewards": ["accuracy"]} and "rewards" not in cfg.to_dict()["train"]
+    objective = objective_for(cfg)
+    assert objective.settings.rewards == ["accuracy"]
+    saved = objective.config.to_dict()["grpo"]  # the run saves its section resolved: every default written out
+    assert saved["rewards"] == ["accuracy"] and saved["num_generations"] == 8 and saved["loss_type"] == "dapo"
+    assert RunConfig.from_dict(objective.config.to_dict()).sections["grpo"] == saved
+    with pytest.raises(ValueError, match="both train.rewards and grpo.rewards"):
+        RunConfig.load(None, ["train.rewards=[accuracy]", "grpo.rewards=[format]"])

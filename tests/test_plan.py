@@ -331,7 +331,7 @@ def test_a_grpo_run_is_planned_with_g_rows_per_prompt_one_image_and_its_rollout(
 
     overrides = ["data.batch_size=2", "data.max_length=512"]
     sft = RunConfig.load(None, overrides)
-    grpo = RunConfig.load(None, [*overrides, "train.objective=grpo", "train.rewards=[accuracy]",
+    grpo = RunConfig.load(None, [*overrides, "train.objective=grpo", "grpo.rewards=[accuracy]",
                                  "grpo.num_generations=8"])
     model = build_model_from(sft)
     one, eight = workload(sft, model), workload(grpo, model)

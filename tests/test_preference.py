@@ -39,6 +39,7 @@ from mmadapt.train.batches import inputs_of
 from mmadapt.train.objectives import (
     ReferenceTable,
     adapters_disabled,
+    objective_for,
     preference_losses,
     reference_kind,
 )
@@ -215,13 +216,13 @@ def test_the_prompts_images_are_decoded_and_encoded_once_per_pair(encoder, model
 
 def test_a_batch_whose_rows_disagree_about_a_pairs_images_is_refused(encoder, model):
     from mmadapt.contract import ImageTokenContractError
-    from mmadapt.train.config import DpoSection
     from mmadapt.train.objectives import PairScorer
+    from mmadapt.train.objectives.dpo.settings import DpoSettings
 
     pairs = PairEncoder(encoder)
     batch = PairCollator.for_model(model, encoder.pad_token_id)([pairs.encode(trl_record(), 0),
                                                                  pairs.encode(trl_record(images=["1.png"]), 1)])
-    objective = PairScorer(DpoSection(loss_type="simpo"), model, None)
+    objective = PairScorer(DpoSettings(loss_type="simpo"), model, None)
     objective.terms(model, batch, torch.device("cpu"))  # as collated: fine
     swapped = {**batch, "image_index": torch.tensor([0, 1, 1, 0])}  # rejected rows read the other pair's image
     with pytest.raises(ImageTokenContractError, match=r"pair 'p' .*reading other encoded images"):
@@ -421,8 +422,12 @@ def test_reference_settings_are_checked(model):
     assert reference_kind("auto", "simpo", {"backbone": "full"}, lora) is None
     with pytest.raises(ValueError, match="precomputed"):
         reference_kind("adapters", "sigmoid", {"projector": "full", "backbone": "lora"}, lora)
-    with pytest.raises(ValueError, match="label_smoothing"):
-        RunConfig.load(None, ["dpo.label_smoothing=0.5"])
+    with pytest.raises(ValueError, match="label_smoothing"):  # a section is parsed by its objective, when built
+        objective_for(RunConfig.load(None, ["dpo.label_smoothing=0.5"]))
+    with pytest.raises(ValueError, match=r"unknown config key 'dpo.betta'. Did you mean 'dpo.beta'\?"):
+        objective_for(RunConfig.load(None, ["train.objective=dpo", "dpo.betta=0.5"]))
+    with pytest.raises(ValueError, match=r"unknown config key 'dpoo'. Did you mean 'dpo'\?"):
+        objective_for(RunConfig.load(None, ["dpoo.beta=0.5"]))
     with pytest.raises(ValueError, match="packing"):
         build_run(RunConfig.load(None, ["train.objective=dpo", "data.train=x.jsonl", "data.packing=true"]))
 

@@ -28,8 +28,8 @@ from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
 from mmadapt.heads import SequenceLogps
 from mmadapt.processor import export_processor
 from mmadapt.train.batches import inputs_of
-from mmadapt.train.config import DpoSection
 from mmadapt.train.objectives import PairScorer, ReferenceTable
+from mmadapt.train.objectives.dpo.settings import DpoSettings
 
 trl = pytest.importorskip("trl")
 
@@ -143,7 +143,7 @@ def test_the_dpo_loss_and_gradients_equal_trls_dpo_trainer(family, tmp_path):
     table = torch.stack(start.chunk(2), dim=1)
     with torch.no_grad():
         model.backbone.get_output_embeddings().weight.add_(delta)
-    objective = PairScorer(DpoSection(beta=0.1), model, "precomputed", ReferenceTable({"train": table}, {}))
+    objective = PairScorer(DpoSettings(beta=0.1), model, "precomputed", ReferenceTable({"train": table}, {}))
     terms, _ = objective.terms(model, batch, torch.device("cpu"))
     loss = terms.losses.mean()
     loss.backward()

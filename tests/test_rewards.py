@@ -1,5 +1,5 @@
 """Verifiable rewards (`mmadapt.train.rewards`): `accuracy` on boxed, reasoning, plain and numeric answers; `format`
-equal to trl's `think_format_reward` on its own examples and more; `train.rewards` parsed (names, weights, options, a
+equal to trl's `think_format_reward` on its own examples and more; `grpo.rewards` parsed (names, weights, options, a
 user's `module:function`) with errors that list the known rewards; `score`'s weighted totals, None and NaN as trl
 treats them, and a raising reward counted per row, never fatal.
 """
@@ -117,7 +117,7 @@ def test_format_pattern_option():
         Format(pattern="(")
 
 
-# ---- train.rewards ---------------------------------------------------------------------------------------------------
+# ---- grpo.rewards ---------------------------------------------------------------------------------------------------
 def test_specs_from_names_and_mappings():
     specs = reward_specs(["accuracy", {"name": "format", "weight": 0.5, "pattern": "^<a>"}])
     assert [(s.name, s.weight) for s in specs] == [("accuracy", 1.0), ("format", 0.5)]
@@ -134,10 +134,10 @@ def test_a_users_reward_is_imported_by_its_dotted_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("value,message", [
-    (["accurate"], r"train.rewards\[0\]: unknown reward 'accurate'; known: accuracy, format; or 'package.module"),
+    (["accurate"], r"grpo.rewards\[0\]: unknown reward 'accurate'; known: accuracy, format; or 'package.module"),
     ("accuracy", "must be a non-empty list of reward names.*known rewards: accuracy, format"),
     ([], "must be a non-empty list"),
-    ([{"weight": 1}], r"train.rewards\[0\]: expected a reward name or a mapping with a 'name'.*accuracy, format"),
+    ([{"weight": 1}], r"grpo.rewards\[0\]: expected a reward name or a mapping with a 'name'.*accuracy, format"),
     ([{"name": "format", "weight": "high"}], "weight must be a finite number, got 'high'"),
     ([{"name": "format", "weight": math.inf}], "weight must be a finite number"),
     ([{"name": "format", "patern": "x"}], r"reward 'format' has no option \['patern'\]; its options: \['pattern'\]"),

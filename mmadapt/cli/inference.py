@@ -107,7 +107,7 @@ def prompt_records(records: list) -> bool:
 
 def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
     """The rewards and answer length of the reward view: `--rewards` / `--max-new-tokens`, else the GRPO run's
-    (`train.rewards`, `grpo.max_completion_length` of the config.yaml of the run `--model` belongs to), else
+    (`grpo.rewards`, `grpo.max_completion_length` of the config.yaml of the run `--model` belongs to), else
     accuracy and 64 tokens. A reward the run's config names as code (`package.module:function`) is never imported
     from the directory's say-so: only when the command line names it (`--rewards`)."""
     from mmadapt.run_directory import RunDirectory
@@ -116,9 +116,10 @@ def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
     run = RunDirectory.of(args.model)
     if run is not None and run.config_file.is_file():
         from mmadapt.train.config import RunConfig
+        from mmadapt.train.objectives.grpo import GrpoObjective
 
-        cfg = RunConfig.load(run.config_file, [])
-        rewards, length = cfg.train.rewards or None, cfg.grpo.max_completion_length
+        settings = GrpoObjective.parse_settings(RunConfig.load(run.config_file, []))
+        rewards, length = settings.rewards or None, settings.max_completion_length
     if args.rewards:
         rewards = [name.strip() for name in args.rewards.split(",") if name.strip()]
     elif rewards:
@@ -126,7 +127,7 @@ def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
 
         code = [n for n in (r.get("name") if isinstance(r, dict) else r for r in rewards) if n not in REWARDS.names()]
         if code:
-            raise ValueError(f"the run's train.rewards ({run.config_file}) name code: {code}. mmadapt does not import "
+            raise ValueError(f"the run's grpo.rewards ({run.config_file}) name code: {code}. mmadapt does not import "
                              "code a directory names; if you trust it, pass it yourself: --rewards "
                              f"{','.join(str(n) for n in code)} (or only built-ins: --rewards accuracy,format)")
     if getattr(args, "max_new_tokens", None):
@@ -220,7 +221,7 @@ def add_data_file_command(sub: argparse._SubParsersAction, name: str, helptext: 
                          "margins are subtracted: the DPO reward margin / beta)")
     command.add_argument("--rewards", default=None, help="RL prompts: the rewards to score answers with, comma-"
                          "separated (accuracy, format, package.module:function; default: the GRPO run's "
-                         "train.rewards, else accuracy)")
+                         "grpo.rewards, else accuracy)")
     add_data_arguments(command, helps={"image_root": "directory image and video paths are relative to (default: "
                                        "the data file's directory)"})
     return command

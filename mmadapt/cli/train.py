@@ -60,9 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaded = RunConfig.load(args.config, args.overrides)
     config, left_out = without_reward_code(loaded, named)
     if left_out:
-        every = ",".join(str(r.get("name") if isinstance(r, dict) else r) for r in loaded.train.rewards)
-        print(f"plan: train.rewards names code {left_out}, not imported (a reward does not change the memory); to "
-              f"import and check it: --rewards {every}", file=sys.stderr)
+        print(f"plan: {left_out}", file=sys.stderr)
     disabled = logging.root.manager.disable
     logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
     try:
@@ -85,7 +83,7 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
                            "above an idle process on this machine")
     plan.add_argument("--json", action="store_true", help="print {fits, per_gpu: {parameters, ..., total}} as JSON")
     plan.add_argument("--rewards", default=None, help="GRPO: the rewards to build, comma-separated (accuracy, format, "
-                      "package.module:function: imported, so run); default: train.rewards without the code it names, "
+                      "package.module:function: imported, so run); default: grpo.rewards without the code it names, "
                       "which is never imported from a config's say-so")
     plan.set_defaults(func=cmd_plan)
 

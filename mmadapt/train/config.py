@@ -115,12 +115,9 @@ class DataSection(DataConfig):
 class TrainSection:
     steps: int = 100
     # a registered objective (`mmadapt.train.objectives.OBJECTIVES`, checked when the run is built): sft, next-token
-    # loss on the answers; dpo, preference pairs (chosen / rejected answers, settings in section `dpo`); grpo, online
-    # RL from the rewards below (settings in section `grpo`)
+    # loss on the answers; dpo, preference pairs; grpo, online RL from verifiable rewards; ... Its settings are the
+    # section of its name (`dpo:`, `grpo:`), parsed by the objective (`RunConfig.sections`)
     objective: str = "sft"
-    # grpo's verifiable rewards (`mmadapt.train.rewards`): names (accuracy, format), {name, weight, ...options}, or a
-    # user's `package.module:function`
-    rewards: list[Any] = field(default_factory=list)
     # the run's length in epochs instead of steps (each epoch: the samples' full global batches); when set, it
     # decides the steps
     epochs: float | None = None
@@ -236,61 +233,6 @@ class LoraSection:
 
 
 @dataclass(kw_only=True)
-class DpoSection:
-    """The settings of the preference objective (`train.objective: dpo`, `mmadapt.train.objectives.dpo`, whose
-    `section` this is): the loss and its reference."""
-
-    # sigmoid (DPO), ipo, and the reference-free simpo and orpo
-    loss_type: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
-    # DPO / IPO: the KL strength (IPO's tau); SimPO: the reward scale; ORPO: the odds-ratio weight (its lambda)
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # sigmoid and simpo: the share of pairs assumed flipped (cDPO)
-    simpo_gamma: float = 0.5  # simpo: the target reward margin
-    # auto: the LoRA-disabled model when every trained part is LoRA, else precomputed; adapters; precomputed (the
-    # starting model's log-probs of every pair, computed before the first step and cached in OUT)
-    reference: Literal["auto", "adapters", "precomputed"] = "auto"
-
-    def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-
-
-@dataclass(kw_only=True)
-class GrpoSection:
-    """The settings of online RL from verifiable rewards (`train.objective: grpo`,
-    `mmadapt.train.objectives.grpo`, whose `section` this is), with trl's `GRPOConfig` names and defaults; the rewards
-    are `train.rewards`."""
-
-    num_generations: int = 8  # G: answers sampled per prompt (a group)
-    max_completion_length: int = 256  # tokens per answer; a prompt leaving less of data.max_length is dropped
-    temperature: float = 1.0  # sampling, and the log-probs the loss scores (trl's)
-    top_p: float = 1.0
-    beta: float = 0.0  # the KL weight to the reference (the model with its LoRA adapters off); 0: no reference
-    epsilon: float = 0.2  # the clip below 1 (and above, unless epsilon_high)
-    epsilon_high: float | None = None  # DAPO's clip-higher: 0.28
-    # grpo (per-answer mean), dapo (token mean over the step), dr_grpo (sum / max_completion_length), bnpo
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # the std advantages are divided by (none: Dr. GRPO)
-    num_iterations: int = 1  # optimizer steps per rollout (trl's mu), the later ones clipped against its log-probs
-    mask_truncated_completions: bool = False  # answers cut at max_completion_length add nothing to the loss
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError(f"grpo.num_generations must be >= 2 (advantages compare a group's answers), got "
-                             f"{self.num_generations}")
-        if self.max_completion_length < 1:
-            raise ValueError(f"grpo.max_completion_length must be >= 1, got {self.max_completion_length}")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"grpo.temperature must be > 0 and top_p in (0, 1], got {self.temperature} and "
-                             f"{self.top_p}")
-        if self.num_iterations < 1:
-            raise ValueError(f"grpo.num_iterations must be >= 1 (optimizer steps per rollout), got "
-                             f"{self.num_iterations}")
-
-
-@dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end
     keep: int = 2
@@ -317,20 +259,42 @@ class RunConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     stages: StagesSection = field(default_factory=StagesSection)
     lora: LoraSection = field(default_factory=LoraSection)
-    dpo: DpoSection = field(default_factory=DpoSection)
-    grpo: GrpoSection = field(default_factory=GrpoSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    # the objectives' settings by section name (`dpo: {beta: 0.1}`), as written: each is parsed by its objective's
+    # own settings class (`Objective.settings_class`, `parse_section`), which names unknown keys as this file does
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> RunConfig:
-        return _build(cls, data or {}, "")
+        data = dict(data or {})
+        _moved_rewards(data)
+        fixed = {f.name for f in fields(cls)} - {"sections"}
+        sections = {}
+        for name in [key for key in data if key not in fixed]:
+            typo = difflib.get_close_matches(name, sorted(fixed), n=1, cutoff=0.75)  # objective sections are checked
+            if typo:  # by their objective (`check_sections`); a fixed section's typo is named here
+                raise ValueError(f"unknown config key '{name}'. Did you mean '{typo[0]}'? Valid keys here: "
+                                 f"{sorted(fixed)} and the objectives' sections (dpo, grpo, ...)")
+            if not isinstance(data[name], dict | None):
+                raise ValueError(f"config section {name} must be a mapping, got {data[name]!r}")
+            sections[name] = dict(data.pop(name) or {})
+        config = _build(cls, data, "")
+        config.sections = sections
+        return config
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values, as a run file writes them (`data.video` flat, as users write it)."""
-        data = _plain(dataclasses.asdict(self))
+        """Plain values, as a run file writes them (`data.video` flat, as users write it; each objective's section at
+        the top level)."""
+        data = plain(dataclasses.asdict(self))
         data["data"]["video"] = self.data.video.to_dict()
-        return data
+        sections = data.pop("sections")
+        return {**data, **sections}
+
+    @staticmethod
+    def fixed_sections() -> list[str]:
+        """The sections every run has (an objective's section is its own)."""
+        return [f.name for f in fields(RunConfig) if f.name != "sections"]
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -384,6 +348,28 @@ class RunConfig:
         if data["data"]["image_root"] is None and (data["data"]["train"] or data["data"]["eval"]):
             data["data"]["image_root"] = os.getcwd()
         return RunConfig.from_dict(data)
+
+
+def _moved_rewards(data: dict[str, Any]) -> None:
+    """`train.rewards` (before 0.24) read as `grpo.rewards`, where GRPO's settings are: once, at the boundary."""
+    train = data.get("train")
+    if not isinstance(train, dict) or "rewards" not in train:
+        return
+    data["train"] = {k: v for k, v in train.items() if k != "rewards"}
+    if not train["rewards"]:
+        return
+    grpo = data.setdefault("grpo", {}) or {}
+    if not isinstance(grpo, dict) or grpo.get("rewards"):
+        raise ValueError("the config sets both train.rewards and grpo.rewards: keep grpo.rewards (train.rewards is its "
+                         "name before 0.24)")
+    data["grpo"] = {**grpo, "rewards": train["rewards"]}
+    log.warning("train.rewards is now grpo.rewards: read as grpo.rewards=%s", train["rewards"])
+
+
+def parse_section(cls: type, data: Any, where: str) -> Any:
+    """A section of the config as the dataclass `cls` (an objective's settings): unknown keys raise with the closest
+    valid key suggested, values are coerced as the run config's are; `where` is the section's prefix ("dpo.")."""
+    return _build(cls, data or {}, where)
 
 
 def _located(data: dict[str, Any], run: RunDirectory) -> None:
@@ -466,9 +452,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """Plain YAML values: mappings and lists of them, tuples as lists."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value

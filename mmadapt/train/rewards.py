@@ -1,5 +1,5 @@
 """Verifiable rewards for online RL (`train.objective: grpo`): plain callables that score completions, a registry of the
-built-in ones by exact name, the run config's `train.rewards` parsed into weighted specs, and `score`, which runs them
+built-in ones by exact name, the run config's `grpo.rewards` parsed into weighted specs, and `score`, which runs them
 on a batch without letting one failing row stop the run.
 
 A reward is a callable `(completions: list[str], **columns) -> list[float | None]`: one value per completion (its
@@ -15,7 +15,7 @@ one entry per completion: `solution=[...]`); None means "cannot score this row" 
   `think_format_reward`), default trl's `^<think>(?!.*<think>)(.*?)</think>.*$`: one reasoning block first, then
   the answer.
 
-`train.rewards` is a list of names or of mappings `{name, weight (1.0), ...options}` (`reward_specs`). A name with a
+`grpo.rewards` is a list of names or of mappings `{name, weight (1.0), ...options}` (`reward_specs`). A name with a
 colon, `package.module:function`, is the user's callable, imported from an installed module: that imports and runs
 the module the run config names, so a config file is code to trust as much as the module it names (no file paths are
 accepted, nothing is fetched). Its options, if any, must be bound in its module (a factory or `functools.partial`).
@@ -138,10 +138,10 @@ REWARDS.register("accuracy", Accuracy)
 REWARDS.register("format", Format)
 
 
-# ---- train.rewards ---------------------------------------------------------------------------------------------------
+# ---- grpo.rewards ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RewardSpec:
-    """One entry of `train.rewards`: its name (a registered reward, or `module:function`), weight, options and the
+    """One entry of `grpo.rewards`: its name (a registered reward, or `module:function`), weight, options and the
     callable they make."""
 
     name: str
@@ -150,7 +150,7 @@ class RewardSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, entry: Any, where: str = "train.rewards") -> RewardSpec:
+    def parse(cls, entry: Any, where: str = "grpo.rewards") -> RewardSpec:
         """A name, or a mapping `{name, weight, ...options}`."""
         if isinstance(entry, str):
             entry = {"name": entry}
@@ -165,16 +165,16 @@ class RewardSpec:
 
 
 def reward_specs(value: Any) -> tuple[RewardSpec, ...]:
-    """`train.rewards` (a non-empty list of names or mappings) as specs; `ValueError` naming the entry and the known
+    """`grpo.rewards` (a non-empty list of names or mappings) as specs; `ValueError` naming the entry and the known
     rewards."""
     if isinstance(value, str | Mapping) or not isinstance(value, Sequence) or not value:
-        raise ValueError(f"train.rewards must be a non-empty list of reward names or mappings {{name, weight, "
+        raise ValueError(f"grpo.rewards must be a non-empty list of reward names or mappings {{name, weight, "
                          f"...options}}, got {value!r}; known rewards: {', '.join(REWARDS.names())}")
-    specs = tuple(RewardSpec.parse(entry, f"train.rewards[{k}]") for k, entry in enumerate(value))
+    specs = tuple(RewardSpec.parse(entry, f"grpo.rewards[{k}]") for k, entry in enumerate(value))
     names = [spec.name for spec in specs]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"train.rewards names {repeated} more than once; list each reward once (its values are "
+        raise ValueError(f"grpo.rewards names {repeated} more than once; list each reward once (its values are "
                          "logged under its name)")
     return specs
 

@@ -117,6 +117,7 @@ class Trainer:
         if hasattr(model, "full_logits_loss"):
             model.full_logits_loss = config.train.full_logits
         self.objective = objective_for(config)
+        self.cfg = config = self.objective.config  # its settings resolved, as the run saves them
         self.objective.setup(model)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.mode)

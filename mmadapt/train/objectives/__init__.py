@@ -6,7 +6,7 @@
 
 `sft` (`SupervisedObjective`): next-token loss on the answers; `dpo` (`PreferenceObjective`): DPO, IPO, SimPO and
 ORPO on preference pairs (`dpo.loss_type`), with their reference; `grpo` (`GrpoObjective`): online RL from
-verifiable rewards (GRPO, DAPO, Dr. GRPO) on prompts, the policy's own answers scored by `train.rewards`.
+verifiable rewards (GRPO, DAPO, Dr. GRPO) on prompts, the policy's own answers scored by `grpo.rewards`.
 `Objective` (`base.py`) is the interface the trainer runs; a new objective is one module that subclasses it and
 registers itself (docs/extending.md).
 """
@@ -14,7 +14,7 @@ registers itself (docs/extending.md).
 from __future__ import annotations
 
 from mmadapt.train.config import RunConfig
-from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult
+from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult, check_sections
 from mmadapt.train.objectives.dpo import (
     STATS,
     PairScorer,
@@ -40,8 +40,11 @@ OBJECTIVES.register("grpo", GrpoObjective)
 
 
 def objective_for(config: RunConfig) -> Objective:
-    """The objective `config.train.objective` names (`UnknownComponentError` listing the registered ones)."""
-    return OBJECTIVES.get(config.train.objective)(config)
+    """The objective `config.train.objective` names (`UnknownComponentError` listing the registered ones), its
+    settings parsed from its section; every objective section of `config` is checked (`check_sections`)."""
+    cls = OBJECTIVES.get(config.train.objective)
+    check_sections(config)
+    return cls(config)
 
 
 __all__ = [

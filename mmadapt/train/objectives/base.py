@@ -24,8 +24,9 @@ the optimizer, checkpoints, logging); an objective says what one step learns. It
   (`eval_stat_names`), `eval_metrics` the metrics of their totals over the ranks (`eval_loss`, ...);
 - `state_dict()` / `load_state_dict(state)`: what it keeps across steps (JSON values), saved with every checkpoint
   (`TrainerState.objective`) and given back on resume;
-- `rows_per_sample` (the plan's rows per sample of a micro-batch) and `section` (the `RunConfig` section of its
-  settings, `settings`).
+- `rows_per_sample` (the plan's rows per sample of a micro-batch), `memory` (what it holds between steps, for the
+  plan), `section` and `settings_class` (the run config's section of its settings, parsed as `settings`), and
+  `without_code` (its config with no user code named, for `mmadapt plan`).
 
 `run` is the trainer, seen through `Run`: the config, the model (`model`, and `wrapped`, what DDP / FSDP2 made of
 it), the device, the ranks (`dist`), the datasets and collator, the precision context. A new objective is one file:
@@ -35,6 +36,8 @@ a subclass (often of `SupervisedObjective`, overriding one method) registered un
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -45,7 +48,7 @@ import torch
 
 from mmadapt.registry import Registry
 from mmadapt.train.batches import supervised_tokens
-from mmadapt.train.config import RunConfig
+from mmadapt.train.config import RunConfig, parse_section, plain
 
 
 class Run(Protocol):
@@ -118,19 +121,35 @@ class ObjectiveData:
 class Objective(ABC):
     """A training objective, built from the run config by `objective_for(config)` (see the module docstring)."""
 
-    section: ClassVar[str | None] = None  # the RunConfig section of its settings (e.g. "dpo")
+    section: ClassVar[str | None] = None  # the run config's section of its settings (e.g. "dpo")
+    settings_class: ClassVar[type | None] = None  # the dataclass that section is parsed as (`parse_section`)
     rows_per_sample: ClassVar[int] = 1  # rows of a micro-batch per sample (a preference pair: 2)
     steps_per_batch: int = 1  # optimizer steps each loader batch's rows serve (GRPO's num_iterations)
     shares_videos: ClassVar[bool] = False  # a sample's rows take its videos from one encoding (GRPO; a DPO pair's
     # rows each encode theirs)
 
     def __init__(self, config: RunConfig) -> None:
+        """`settings`: its section of `config` parsed (None without one); `config` keeps that section resolved (every
+        default written out), as the run saves it."""
+        self.settings = self.parse_settings(config)
+        if self.settings is not None:
+            resolved = plain(dataclasses.asdict(self.settings))
+            config = dataclasses.replace(config, sections={**config.sections, self.section: resolved})
         self.config = config
 
-    @property
-    def settings(self) -> Any:
-        """Its section of the run config (`section`), or None."""
-        return getattr(self.config, self.section) if self.section else None
+    @classmethod
+    def parse_settings(cls, config: RunConfig) -> Any:
+        """Its section of `config` as its `settings_class` (`ValueError` naming an unknown key and the closest one)."""
+        if cls.settings_class is None:
+            return None
+        return parse_section(cls.settings_class, config.sections.get(cls.section), f"{cls.section}.")
+
+    @classmethod
+    def without_code(cls, config: RunConfig, allowed: list[str] | None = None) -> tuple[RunConfig, str | None]:
+        """(`config` for a command that must not import code the config names - `mmadapt plan` -, a line saying what
+        was left out and how to allow it, or None); `allowed`: the names its command line gives, imported as the run
+        would. Nothing to leave out here."""
+        return config, None
 
     @abstractmethod
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
@@ -220,3 +239,17 @@ class Objective(ABC):
 
 
 OBJECTIVES: Registry[type[Objective]] = Registry("objective")
+
+
+def check_sections(config: RunConfig) -> None:
+    """Every objective section of `config` is a registered objective's and parses (`ValueError` naming an unknown
+    section, or key, with the closest one)."""
+    by_section = {cls.section: cls for cls in map(OBJECTIVES.get, OBJECTIVES.names()) if cls.section}
+    for name in config.sections:
+        if name not in by_section:
+            valid = sorted([*RunConfig.fixed_sections(), *by_section])
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"unknown config key '{name}'.{hint} Valid keys here: {valid}")
+        by_section[name].parse_settings(config)
+

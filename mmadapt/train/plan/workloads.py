@@ -10,7 +10,6 @@ the config names as code (`package.module:function`, which importing would run),
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from mmadapt.train.config import RunConfig
-from mmadapt.train.objectives import objective_for
+from mmadapt.train.objectives import OBJECTIVES, objective_for
 
 
 @dataclass
@@ -79,18 +78,10 @@ def workload(config: RunConfig, model: Any) -> Workload:
                     supervised=supervised, image_side=side, video_frames=frames)
 
 
-def without_reward_code(config: RunConfig, rewards: list[str] | None = None) -> tuple[RunConfig, list[str]]:
-    """(`config` for the plan, the rewards left out): `rewards` given (`mmadapt plan --rewards`), they are the run's
-    rewards, imported when the objective is built; otherwise every `train.rewards` entry naming code is left out
-    (built-ins stay; `accuracy` stands in when none does), so a plan runs no code a config names."""
-    if rewards:
-        return dataclasses.replace(config, train=dataclasses.replace(config.train, rewards=list(rewards))), []
-    named = [(entry.get("name") if isinstance(entry, dict) else entry, entry) for entry in config.train.rewards]
-    code = [str(name) for name, _ in named if isinstance(name, str) and ":" in name]
-    if not code:
-        return config, []
-    kept = [entry for name, entry in named if str(name) not in code] or ["accuracy"]
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, rewards=kept)), code
+def without_reward_code(config: RunConfig, rewards: list[str] | None = None) -> tuple[RunConfig, str | None]:
+    """(`config` for the plan, a line saying what code it left out, or None): the run's objective's `without_code` -
+    a plan runs no code a config names unless the command line names it (`rewards`)."""
+    return OBJECTIVES.get(config.train.objective).without_code(config, rewards)
 
 
 def video_workload(config: RunConfig, model: Any, processor: Any) -> tuple[int, int] | None:

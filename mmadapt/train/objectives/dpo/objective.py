@@ -1,5 +1,5 @@
 """`train.objective: dpo`: preference objectives (DPO and its variants) over chosen / rejected answer pairs; their
-settings are the run config's `dpo` section (`DpoSection`: the loss type, beta, the reference).
+settings are the run config's `dpo` section (`settings.py`: the loss type, beta, the reference).
 
 A batch is `mmadapt.data.preference.PairCollator`'s: B chosen rows then B rejected rows, each pair's prompt images
 encoded once (`image_index`). One forward of the policy over the 2B rows gives each row's sequence log-prob
@@ -41,6 +41,7 @@ from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
 from mmadapt.train.objectives.dpo.loss import PreferenceTerms, preference_losses
+from mmadapt.train.objectives.dpo.settings import DpoSettings
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
     adapters_disabled,
@@ -165,6 +166,7 @@ class PreferenceObjective(Objective):
     """`train.objective: dpo`: the loss of `dpo.loss_type` on preference pairs, with its reference."""
 
     section = "dpo"
+    settings_class = DpoSettings
     rows_per_sample = 2  # a pair is a chosen and a rejected row (the prompt's images encoded once)
 
     def __init__(self, config: Any) -> None:

@@ -1,6 +1,6 @@
 """`train.objective: grpo`: online RL from verifiable rewards (GRPO and its variants DAPO, Dr. GRPO, BNPO), with the
-settings of the run config's `grpo` section (`GrpoSection`, trl's `GRPOConfig` names and defaults) and the rewards of
-`train.rewards` (`mmadapt.train.rewards`).
+settings of the run config's `grpo` section (`settings.py`: trl's `GRPOConfig` names and defaults, and the rewards,
+`grpo.rewards`: `mmadapt.train.rewards`).
 
 A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 / ms-swift records, encoded once):
 
@@ -63,7 +63,15 @@ from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import first_usable, inputs_of, to_device
 from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
-from mmadapt.train.objectives.grpo.loss import PolicyLoss, PolicyStats, group_advantages, policy_loss
+from mmadapt.train.objectives.grpo.loss import (
+    STD_EPSILON,
+    PolicyLoss,
+    PolicyStats,
+    group_advantages,
+    nanstd,
+    policy_loss,
+)
+from mmadapt.train.objectives.grpo.settings import GrpoSettings
 from mmadapt.train.objectives.grpo.view import AnswerScorer, control_rewards
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
 from mmadapt.train.objectives.rollout import (
@@ -114,6 +122,7 @@ class GrpoObjective(Objective):
     """`train.objective: grpo` (the module docstring)."""
 
     section = "grpo"
+    settings_class = GrpoSettings
     shares_videos = True  # a group's rows take their prompt's videos from one encoding (video_index)
 
     def __init__(self, config: Any) -> None:
@@ -128,13 +137,32 @@ class GrpoObjective(Objective):
                              f"{s.num_iterations}")
         self.loss = PolicyLoss(loss_type=s.loss_type, beta=s.beta, epsilon=s.epsilon, epsilon_high=s.epsilon_high,
                                max_completion_length=s.max_completion_length)
-        if not config.train.rewards:
-            raise ValueError("train.objective grpo needs train.rewards: e.g. 'train.rewards=[accuracy]' (built-ins: "
+        if not s.rewards:
+            raise ValueError("train.objective grpo needs grpo.rewards: e.g. 'grpo.rewards=[accuracy]' (built-ins: "
                              "accuracy, format; or package.module:function)")
-        self.specs = reward_specs(config.train.rewards)
+        self.specs = reward_specs(s.rewards)
         self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
         self._stand_in: dict[str, Any] | None = None  # the collated prompt a rank without prompts answers (FSDP2)
+
+    @classmethod
+    def without_code(cls, config: Any, allowed: list[str] | None = None) -> tuple[Any, str | None]:
+        """`allowed` given (`mmadapt plan --rewards`), they are the run's rewards, imported when the objective is
+        built; otherwise every `grpo.rewards` entry naming code is left out (built-ins stay; `accuracy` stands in when
+        none does), so a plan runs no code a config names."""
+        section = dict(config.sections.get(cls.section) or {})
+        if allowed:
+            section["rewards"] = list(allowed)
+            return dataclasses.replace(config, sections={**config.sections, cls.section: section}), None
+        names = [str(entry.get("name") if isinstance(entry, dict) else entry) for entry in section.get("rewards", [])]
+        code = [name for name in names if ":" in name]
+        if not code:
+            return config, None
+        section["rewards"] = [entry for name, entry in zip(names, section["rewards"], strict=True)
+                              if name not in code] or ["accuracy"]
+        return dataclasses.replace(config, sections={**config.sections, cls.section: section}), (
+            f"grpo.rewards names code {code}, not imported (a reward does not change the memory); to import and check "
+            f"it: --rewards {','.join(names)}")
 
     def data(self, model: Any, encoder: Any) -> ObjectiveData:
         from mmadapt.data import Collator
@@ -302,8 +330,6 @@ class GrpoObjective(Objective):
         if batch_rewards is None:
             return group_advantages(total, s.num_generations, s.scale_rewards)
         local = group_advantages(total, s.num_generations, "none")  # r - the group's mean
-        from mmadapt.train.objectives.grpo.loss import STD_EPSILON, nanstd
-
         std = nanstd(batch_rewards).expand_as(total)
         scaled = torch.nan_to_num(local.advantages / (std + STD_EPSILON), nan=0.0)
         return local._replace(advantages=scaled, std=std, zero_std=torch.isclose(std, torch.zeros_like(std)))
