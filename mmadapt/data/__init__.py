@@ -15,10 +15,11 @@ from mmadapt.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mmadapt.data.collate import Collator
+    from mmadapt.data.config import DataConfig
     from mmadapt.data.geometry import Geometry
     from mmadapt.data.images import DEFAULT_MAX_PIXELS, image_size, load_image
     from mmadapt.data.mixture import Mixture, Source, parse_sources, training_set
-    from mmadapt.data.pipeline import DataConfig, SampleEncoder, VLMDataset, length_grouped_sampler
+    from mmadapt.data.pipeline import SampleEncoder, VLMDataset, length_grouped_sampler
     from mmadapt.data.problems import REASONS, DataProblem
     from mmadapt.data.processors import (
         FixedSizeProcessor,
@@ -52,7 +53,7 @@ EXPORTS: dict[str, str] = {
     "Source": "mmadapt.data.mixture",
     "parse_sources": "mmadapt.data.mixture",
     "training_set": "mmadapt.data.mixture",
-    "DataConfig": "mmadapt.data.pipeline",
+    "DataConfig": "mmadapt.data.config",
     "SampleEncoder": "mmadapt.data.pipeline",
     "VLMDataset": "mmadapt.data.pipeline",
     "length_grouped_sampler": "mmadapt.data.pipeline",
