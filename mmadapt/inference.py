@@ -1,9 +1,9 @@
 """Models for inference, answering a conversation, and a chat session: `load_for_inference(src)`, `respond`, `Chat`.
 
-What training leaves behind (a checkpoint, a run's newest valid one, a model directory) is read by
-`mmadapt.train.export.load_trained`: built as in training, loaded strictly, LoRA merged. This module adds what a
-user names on the command line: a run's adapters directory (its run), a run directory with an `OUT/model`, or a
-base model and `--adapters DIR` merged into it. `chat`, `eval`, `sees` and `explain` load through it.
+Loading is `mmadapt.loading.load_for_inference` (re-exported here): a model directory (mmadapt's or a transformers
+export), a run directory (its `OUT/model`, else its newest valid checkpoint), a checkpoint, a run's adapters directory,
+or a base model and `--adapters DIR` merged into it; built as in training, loaded strictly, LoRA merged. `chat`,
+`eval`, `sees`, `explain` and the server load through it, and import nothing of training.
 
 Answering itself is `mmadapt.answering` (`respond`, `answer_prompts`, `Sampling`, `Answer`, ...; re-exported here):
 the one answering function of the command line, the server, the page, `mmadapt eval`, the lmms-eval model and
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from mmadapt import directory as model_directory
 from mmadapt.answering import (  # noqa: F401  (answering's names, where callers of `respond` have found them)
     Answer,
     PromptInputs,
@@ -34,41 +33,12 @@ from mmadapt.answering import (  # noqa: F401  (answering's names, where callers
     respond,
 )
 from mmadapt.data.samples import IMAGE, VIDEO
+from mmadapt.loading import load_for_inference
 from mmadapt.model import VisionLanguageModel
 from mmadapt.processor import Processor
-from mmadapt.run_directory import RunDirectory
 from mmadapt.sampling import DEFAULT_SAMPLING
-from mmadapt.train.export import load_trained
-from mmadapt.train.stages import adapter_components, load_adapters
 
 log = logging.getLogger(__name__)
-
-
-def load_for_inference(src: str | Path, adapters: str | Path | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) for chat / eval / sees / explain: a model directory, a run directory (its OUT/model,
-    else its newest valid checkpoint), a checkpoint, or a run's adapters directory (its run); with `adapters`,
-    a base model from any of those and then the LoRA adapters of `adapters` merged into it (`load_adapters`)."""
-    src = Path(src)
-    if adapter_components(src):
-        if adapters is not None:
-            raise ValueError(f"{src} is an adapters directory; give the base model first: MODEL --adapters {src}")
-        if not RunDirectory(src.parent).exists():
-            raise ValueError(f"{src} holds only LoRA adapters, not a model: give the run directory it came from, or "
-                             f"the base model they were trained on and --adapters {src}")
-        src = src.parent
-    run = RunDirectory(src)
-    if run.exists() and (run.model_dir / model_directory.CONFIG_FILE).is_file():
-        src = run.model_dir
-    model, tokenizer = load_trained(src)
-    if adapters is not None:
-        if not Path(adapters).is_dir():
-            raise FileNotFoundError(f"--adapters {adapters} is not a directory")
-        load_adapters(model, adapters)
-        model.eval()
-    if tokenizer is None:
-        raise ValueError(f"{src} holds no tokenizer files; export it again from its run (mmadapt export), or save it "
-                         "with save_pretrained(dir, tokenizer=tokenizer)")
-    return model, tokenizer
 
 
 # ---- a chat session ------------------------------------------------------------------------------------------------

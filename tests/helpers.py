@@ -6,9 +6,10 @@
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
 `TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
 placeholder (below). `answer_table(model, ...)`: a tiny Qwen3.5 made to answer by construction (answers of 1, 2 or
-`max_new_tokens` tokens, by their seed); `run_bounded(cmd, timeout)`: a command (torchrun and its workers
-included) ended whole at its timeout, so a hang fails a test instead of holding CI. `pairwise(*axes)`: a test matrix
-whose every pair of values is in the fast tier, the other combinations marked slow (the full suite runs them all).
+`max_new_tokens` tokens, by their seed); `lora_run(out, stages)`: a tiny 3-step LoRA run; `run_bounded(cmd,
+timeout)`: a command (torchrun and its workers included) ended whole at its timeout, so a hang fails a test instead of
+holding CI. `pairwise(*axes)`: a test matrix whose every pair of values is in the fast tier, the other combinations
+marked slow (the full suite runs them all).
 Fixtures (tiny transformers checkpoints) live in conftest.py; the real tokenizers in real_tokenizers.py.
 """
 
@@ -160,3 +161,25 @@ def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None =
             os.killpg(process.pid, signal.SIGKILL)
             _, stderr = process.communicate()
         return None, stderr
+
+
+def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
+    """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer) in OUT/run, `stages` its `stages.` overrides;
+    returns the base model's directory (OUT/base)."""
+    import torch
+
+    import mmadapt
+    from mmadapt import Processor
+    from mmadapt.data import Collator, char_tokenizer
+    from mmadapt.synthetic import synthetic_samples
+    from mmadapt.train import RunConfig, Trainer
+
+    torch.manual_seed(seed)
+    model, tokenizer = mmadapt.build_model("clip", "mlp2x_gelu", "llama"), char_tokenizer()
+    Processor.for_model(model, tokenizer)
+    model.save_pretrained(out / "base", tokenizer=tokenizer)
+    config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=3",
+                                   "train.lr=5e-2", "lora.r=4", "data.batch_size=4", *stages])
+    samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[6, 9, 5, 8], seed=seed)
+    Trainer(model, config, samples, Collator.for_model(model, 0), tokenizer=tokenizer).fit()
+    return out / "base"

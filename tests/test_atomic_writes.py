@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import signal
@@ -234,9 +235,12 @@ def test_checksums_are_taken_while_writing_with_no_second_pass(models, tmp_path,
     (json.dumps({"step": 2, "files": {}}), r"config\.json is not in its COMPLETE marker"),
     (json.dumps({"step": 1, "files": {}}), r"marker is for step 1"),
 ], ids=["not-json", "no-files", "files-a-list", "files-empty", "other-step"])
-def test_a_marker_that_does_not_parse_is_unverified_never_trusted(marker, problem, models, tmp_path, caplog):
+def test_a_marker_that_does_not_parse_is_unverified_never_trusted(marker, problem, models, tmp_path, caplog,
+                                                                   monkeypatch):
     """The repro of the issue: NaN weights under a marker that does not parse were loaded. Now such a checkpoint is
     skipped by `latest_checkpoint(verify=True)` (what --resume uses), with a warning naming the problem."""
+    # a library that configured logging earlier in this process (dictConfig) may have disabled existing loggers
+    monkeypatch.setattr(logging.getLogger("mmadapt.loading"), "disabled", False)
     old, _ = models
     write_checkpoint(tmp_path, 1, old)
     newest = write_checkpoint(tmp_path, 2, old)

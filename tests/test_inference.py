@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from helpers import lora_run
 from PIL import Image
 
 import mmadapt
@@ -144,22 +145,6 @@ def test_sampling_is_reproducible_with_a_seed(model_dir, images):
     greedy_ids = model.generate(**inputs, max_new_tokens=6)
     nucleus_of_one = model.generate(**inputs, max_new_tokens=6, temperature=1.0, top_p=1e-9)
     assert torch.equal(greedy_ids, nucleus_of_one)  # top_p -> 0 keeps only the most likely token
-
-
-def lora_run(out, stages, seed=0):
-    """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer); returns the base model's directory."""
-    from mmadapt.synthetic import synthetic_samples
-    from mmadapt.train import RunConfig, Trainer
-
-    torch.manual_seed(seed)
-    model, tokenizer = mmadapt.build_model(*COMBOS[1]), char_tokenizer()
-    Processor.for_model(model, tokenizer)
-    model.save_pretrained(out / "base", tokenizer=tokenizer)
-    config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=3",
-                                   "train.lr=5e-2", "lora.r=4", "data.batch_size=4", *stages])
-    samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[6, 9, 5, 8], seed=seed)
-    Trainer(model, config, samples, Collator.for_model(model, 0), tokenizer=tokenizer).fit()
-    return out / "base"
 
 
 def test_chat_from_an_adapters_directory_and_from_a_base_model_with_adapters(tmp_path, images, capsys):

@@ -33,12 +33,13 @@ def method_from(args: argparse.Namespace) -> Any:
 
 
 def _method_table() -> dict[str, Callable[[argparse.Namespace], Any]]:
-    """The one place method names are read: --method NAME -> how to build it from its flag."""
-    from mmadapt.evidence import Integrated, Occlusion, Rise
+    """The one place method names are read: --method NAME -> how to build it from its flag; the first is the default
+    (the library's `DEFAULT_METHOD`). The methods (torch) are imported when one is built, not for `--help`."""
+    from mmadapt import evidence
 
-    return {"occlusion": lambda args: Occlusion(windows=args.windows),
-            "rise": lambda args: Rise(samples=args.samples),
-            "integrated": lambda args: Integrated(steps=args.steps)}
+    return {"occlusion": lambda args: evidence.Occlusion(windows=args.windows),
+            "rise": lambda args: evidence.Rise(samples=args.samples),
+            "integrated": lambda args: evidence.Integrated(steps=args.steps)}
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -84,9 +85,9 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def add_explain_command(sub: argparse._SubParsersAction) -> None:
-    from mmadapt.evidence import CURVE_STEPS, RULES, Integrated, Occlusion, Rise
+    from mmadapt.evidence.settings import CURVE_STEPS, DEFAULT_SAMPLES, DEFAULT_STEPS, OCCLUSION_SIZES, RULES
 
-    windows, samples, steps = Occlusion().windows, Rise().samples, Integrated().steps
+    windows, samples, steps, methods = OCCLUSION_SIZES, DEFAULT_SAMPLES, DEFAULT_STEPS, list(_method_table())
     explain_ = sub.add_parser("explain", help="answer a question about an image, map which parts of the image the "
                               "answer rests on (PNG) and measure how faithful the map is")
     add_model_arguments(explain_)
@@ -98,7 +99,7 @@ def add_explain_command(sub: argparse._SubParsersAction) -> None:
     explain_.add_argument("--max-new-tokens", type=int, default=32)
     explain_.add_argument("--rule", choices=RULES, default="positive",
                           help="positive: tokens that support the answer (default); absolute: any influence")
-    explain_.add_argument("--method", choices=list(_method_table()), default=Occlusion.name,
+    explain_.add_argument("--method", choices=methods, default=methods[0],
                           help="occlusion (default): windows of token cells set to the mean colour at the pixels, the "
                           "whole encoder inside the map; rise: random masks at the pixels; integrated: integrated "
                           "gradients at the visual tokens (where the LLM reads)")

@@ -161,7 +161,7 @@ def cmd_numerics_deepspeed_config(args: argparse.Namespace) -> int:
 
 
 def add_numerics_commands(sub: argparse._SubParsersAction) -> None:
-    from mmadapt.numerics.compare import BACKWARD_RTOL, FORWARD_RTOL, NOISE_FLOOR
+    from mmadapt.numerics.tolerances import BACKWARD_RTOL, FORWARD_RTOL, NOISE_FLOOR
 
     numerics = sub.add_parser("numerics", help="numerics debugging: dumps, comparisons, DeepSpeed config lint")
     commands = numerics.add_subparsers(dest="numerics_command", required=True)

@@ -35,18 +35,11 @@ from mmadapt.data.problems import DataProblem
 from mmadapt.data.records import open_records
 from mmadapt.data.stream import ShardRecords, is_shard_source
 from mmadapt.data.tables import HubDataset, TableRecords, is_hub_source, is_table_source
+from mmadapt.data.turns import IMAGE, VIDEO, Turn
 from mmadapt.data.video.decode import EmbeddedVideo
 
-IMAGE = "<image>"
-VIDEO = "<video>"
 VideoSource = str | EmbeddedVideo | tuple[str, ...]  # a video file (or its bytes), or its frames' image files in order
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
-@dataclass(frozen=True)
-class Turn:
-    role: str  # "system" | "user" | "assistant"
-    text: str
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from importlib import resources
 from typing import Any
 
 from mmadapt.data.problems import is_allocation_error
-from mmadapt.data.samples import IMAGE, Turn
+from mmadapt.data.turns import IMAGE, Turn
 from mmadapt.registry import Registry
 
 IGNORE = -100

@@ -30,12 +30,12 @@ from mmadapt.data.geometry import Box, Geometry
 from mmadapt.encoders.base import grid_coords
 from mmadapt.evidence.methods import DEFAULT_METHOD, GRADIENT_X_INPUT, Method
 from mmadapt.evidence.prompt import Prompt, answer_log_probs
+from mmadapt.evidence.settings import RULES
 from mmadapt.modes import eval_mode
 
 if TYPE_CHECKING:
     from mmadapt.data.processors import ImageProcessor
 
-RULES: Final[tuple[str, ...]] = ("positive", "absolute")
 QUADRANTS: Final[tuple[str, ...]] = ("top_left", "top_right", "bottom_left", "bottom_right")
 MIN_EFFECT: Final[float] = 0.1  # nats (a probability ratio of 1.1): below it an answer does not rest on the images
 

@@ -14,17 +14,15 @@ Shapes: C token cells of all images (row-major per image), K masked copies of th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 
 from mmadapt.evidence.maps import EvidenceMap, Faithfulness
 from mmadapt.evidence.prompt import Prompt, masked_objectives
+from mmadapt.evidence.settings import CURVE_STEPS, RANDOM_ORDERS
 from mmadapt.modes import eval_mode
-
-CURVE_STEPS: Final[int] = 8  # deletion / insertion: points on each curve
-RANDOM_ORDERS: Final[int] = 8  # deletion / insertion: random orders the map's order is compared with
 
 
 def faithfulness(model: Any, inputs: dict[str, Any], answer_ids: Any, maps: Sequence[EvidenceMap], *,

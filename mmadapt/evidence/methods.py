@@ -26,11 +26,7 @@ from typing import Any, ClassVar, Final
 import torch
 
 from mmadapt.evidence.prompt import Prompt, answer_log_probs, masked_objectives, report_batch
-
-DEFAULT_STEPS: Final[int] = 32  # integrated gradients: points on the path
-DEFAULT_SAMPLES: Final[int] = 128  # rise: random masks (forwards of the whole model)
-MASK_CELLS: Final[int] = 8  # occlusion and rise: at most 8 x 8 blocks of token cells per image
-OCCLUSION_SIZES: Final[tuple[int, ...]] = (1, 2)  # occlusion: windows of 1 x 1 and 2 x 2 blocks
+from mmadapt.evidence.settings import DEFAULT_SAMPLES, DEFAULT_STEPS, MASK_CELLS, OCCLUSION_SIZES
 
 
 class Method(ABC):

@@ -32,7 +32,6 @@ writes; every rank loads.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -40,7 +39,6 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +47,18 @@ import torch
 
 from mmadapt.atomic import HOST, StagedDirectory, clean_leftovers, open_unlinked, save_safetensors
 from mmadapt.atomic import CheckpointWriteError as CheckpointWriteError  # raised here; defined low for directory.py
+from mmadapt.loading import (  # noqa: F401  (verification is loading's: mmadapt.loading; imported from here too)
+    Unverified,
+    UnverifiedCheckpointError,
+    check_checkpoint,
+    file_sha256,
+    newest_verified,
+    none_verified,
+    unverified,
+    verify_checkpoint,
+)
 from mmadapt.run_directory import COMPLETE as MARKER  # the marker's one home is mmadapt.run_directory
-from mmadapt.run_directory import CONFIG, RunDirectory, step_of
+from mmadapt.run_directory import CONFIG, RunDirectory
 from mmadapt.weights import without_aliases
 
 log = logging.getLogger(__name__)
@@ -61,109 +69,12 @@ def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
     return RunDirectory(out).checkpoint(step)
 
 
-class UnverifiedCheckpointError(ValueError):
-    """A checkpoint (or every checkpoint of a run) fails verification: its files do not match the checksums its
-    `COMPLETE` marker recorded. It is never loaded."""
-
-
-@dataclass(frozen=True)
-class Unverified:
-    """Why `checkpoint` fails verification: the first `file` (relative to it) that fails, and the `problem`, which
-    names that file."""
-
-    checkpoint: Path
-    file: str
-    problem: str
-
-    @property
-    def path(self) -> Path:
-        return self.checkpoint / self.file
-
-
 def latest_checkpoint(out: str | os.PathLike, *, verify: bool = False) -> Path | None:
     """The newest complete checkpoint under OUT, or None. `verify`: the newest whose files match their checksums."""
     if verify:
         return newest_verified(out)[0]
     complete = RunDirectory(out).checkpoints(complete=True)
     return complete[-1] if complete else None
-
-
-def newest_verified(out: str | os.PathLike) -> tuple[Path | None, list[Unverified]]:
-    """The newest complete checkpoint under OUT whose files match their checksums (None: none), and why each newer one
-    fails, newest first (each skipped with a warning naming the problem)."""
-    failed = []
-    for path in reversed(RunDirectory(out).checkpoints(complete=True)):
-        problem = unverified(path)
-        if problem is None:
-            return path, failed
-        log.warning("skipping checkpoint %s: %s; trying the one before it", path, problem.problem)
-        failed.append(problem)
-    return None, failed
-
-
-def none_verified(out: str | os.PathLike, failed: list[Unverified]) -> str:
-    """What to say when every complete checkpoint of OUT fails verification (`failed`, newest first)."""
-    each = "; ".join(f"{f.checkpoint.name}: {f.problem}" for f in failed)
-    return (f"every checkpoint in {RunDirectory(out).checkpoints_dir} failed verification ({each}); the first failing "
-            f"file is {failed[0].path}")
-
-
-def check_checkpoint(path: str | os.PathLike) -> Path:
-    """`path`, a checkpoint given directly (to chat, export, serve), once its files match the checksums of its
-    `COMPLETE` marker; else `UnverifiedCheckpointError` naming the file that fails and what to do."""
-    path = Path(path)
-    problem = unverified(path)
-    if problem is not None:
-        run = RunDirectory.of(path)
-        instead = f"the run directory {run.path} (it loads the newest checkpoint that verifies)" if run else (
-            "another checkpoint")
-        raise UnverifiedCheckpointError(
-            f"checkpoint {path} failed verification: {problem.problem} ({problem.path}). mmadapt never loads a "
-            f"checkpoint whose files do not match the checksums written with them. Fix: give {instead}, or restore "
-            f"{problem.path} from a copy of the checkpoint")
-    return path
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """None when the marker parses, lists every file of the checkpoint and each matches its checksum; else what is
-    wrong, naming the file (`unverified`)."""
-    problem = unverified(path)
-    return None if problem is None else problem.problem
-
-
-def unverified(path: Path) -> Unverified | None:
-    """None when `path`'s marker parses, lists every file of the checkpoint and each matches its checksum; else the
-    first file that fails and why. A marker that does not parse (or lists no checksums) is a problem: unverified,
-    never trusted."""
-    try:
-        marker = json.loads((path / MARKER).read_text())
-        recorded = marker["files"]
-        if not isinstance(recorded, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in recorded.items()):
-            raise TypeError(f"'files' is {type(recorded).__name__}, not {{name: sha256}}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return Unverified(path, MARKER, f"its {MARKER} marker does not parse or lists no checksums ({e!r}), so its "
-                                        "files cannot be checked: unverified")
-    if marker.get("step") != step_of(path):
-        return Unverified(path, MARKER, f"its {MARKER} marker is for step {marker.get('step')!r}, not for this "
-                                        "directory's step")
-    present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MARKER}
-    unlisted = sorted(present - set(recorded))
-    if unlisted:
-        return Unverified(path, unlisted[0], f"{unlisted[0]} is not in its {MARKER} marker (a file added after the "
-                                             "checkpoint was written)")
-    for name, digest in sorted(recorded.items()):
-        if name not in present:
-            return Unverified(path, name, f"{name} is missing")
-        if file_sha256(path / name) != digest:
-            return Unverified(path, name, f"{name} is corrupt (its SHA-256 differs from the one recorded when it was "
-                                          "written)")
-    return None
 
 
 def rng_state() -> dict[str, Any]:

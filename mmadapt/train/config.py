@@ -19,27 +19,24 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
 from mmadapt.atomic import open_unlinked
 from mmadapt.config import DEFAULT_PARTS
 from mmadapt.data.config import DataConfig, about
+from mmadapt.lora import COMPONENT_MODES as COMPONENT_MODES  # the sections LoRA loading reads: mmadapt.lora
+from mmadapt.lora import STAGE_PRESETS as STAGE_PRESETS
+from mmadapt.lora import LoraSection, StagesSection
 from mmadapt.precision import FP32, Precision
 from mmadapt.run_directory import CONFIG, RunDirectory
+from mmadapt.sections import build_section
 
 log = logging.getLogger(__name__)
 
-COMPONENT_MODES = ("frozen", "full", "lora")
 REPORTERS = ("jsonl", "tensorboard", "wandb")  # train.report_to
 # The settings that name a file or directory; also each model part's `pretrained` and train.eval_tasks' task YAML files
 PATH_SETTINGS = (("model", "pretrained"), ("data", "train"), ("data", "eval"), ("data", "tokenizer"),
                  ("data", "image_root"), ("train", "out"))
-STAGE_PRESETS: dict[str, dict[str, str]] = {
-    # LLaVA-1.5: stage 1 aligns the projector alone, stage 2 tunes projector + LLM; the tower stays frozen.
-    "llava-stage1": {"encoder": "frozen", "projector": "full", "backbone": "frozen"},
-    "llava-stage2": {"encoder": "frozen", "projector": "full", "backbone": "full"},
-    "lora": {"encoder": "frozen", "projector": "full", "backbone": "lora"},
-}
 
 
 @dataclass(kw_only=True)
@@ -208,31 +205,6 @@ class PrecisionSection:
 
 
 @dataclass(kw_only=True)
-class StagesSection:
-    preset: str | None = None
-    encoder: Literal["frozen", "full", "lora"] = "frozen"
-    projector: Literal["frozen", "full", "lora"] = "full"
-    backbone: Literal["frozen", "full", "lora"] = "full"
-    # MoE routers stay frozen when the backbone trains fully (and are never LoRA targets); "full" trains them too
-    router: Literal["frozen", "full"] = "frozen"
-
-    def modes(self) -> dict[str, str]:
-        if self.preset is not None:
-            if self.preset not in STAGE_PRESETS:
-                raise ValueError(f"unknown stages.preset {self.preset!r}; known: {sorted(STAGE_PRESETS)}")
-            return dict(STAGE_PRESETS[self.preset])
-        return {"encoder": self.encoder, "projector": self.projector, "backbone": self.backbone}
-
-
-@dataclass(kw_only=True)
-class LoraSection:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    targets: list[str] | None = None  # None = the backbone's declared default targets
-
-
-@dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end
     keep: int = 2
@@ -279,7 +251,7 @@ class RunConfig:
             if not isinstance(data[name], dict | None):
                 raise ValueError(f"config section {name} must be a mapping, got {data[name]!r}")
             sections[name] = dict(data.pop(name) or {})
-        config = _build(cls, data, "")
+        config = build_section(cls, data, "")
         config.sections = sections
         return config
 
@@ -369,7 +341,7 @@ def _moved_rewards(data: dict[str, Any]) -> None:
 def parse_section(cls: type, data: Any, where: str) -> Any:
     """A section of the config as the dataclass `cls` (an objective's settings): unknown keys raise with the closest
     valid key suggested, values are coerced as the run config's are; `where` is the section's prefix ("dpo.")."""
-    return _build(cls, data or {}, where)
+    return build_section(cls, data or {}, where)
 
 
 def _located(data: dict[str, Any], run: RunDirectory) -> None:
@@ -402,54 +374,6 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ValueError(f"cannot set {key!r}: {part!r} is not a section")
     node[last] = value
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"config section {where.rstrip('.') or '(top level)'} must be a mapping, got {data!r}")
-    names = {f.name: f for f in fields(cls)}
-    hints = get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
-            hint = f" Did you mean '{where}{close[0]}'?" if close else ""
-            raise ValueError(f"unknown config key '{where}{key}'.{hint} Valid keys here: {sorted(names)}")
-        hint = hints[key]
-        kwargs[key] = _build(hint, value, f"{where}{key}.") if dataclasses.is_dataclass(hint) else _coerce(
-            value, hint, f"{where}{key}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Light type checking: numbers from YAML strings like '1e-4', lists to tuples, literal choices."""
-    origin = getattr(hint, "__origin__", None)
-    args = getattr(hint, "__args__", ())
-    if value is None:
-        return None
-    if origin is dict and not isinstance(value, dict):
-        raise ValueError(f"{key} must be a mapping, got {value!r}")
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list, got {value!r}")
-        return tuple(value) if origin is tuple else list(value)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{key} must be one of {list(args)}, got {value!r}")
-        return value
-    if hint is float or (float in args and not isinstance(value, bool)):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            if float in args and len(args) > 1:
-                return value
-            raise ValueError(f"{key} must be a number, got {value!r}") from None
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-    if hint is bool and not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
 
 
 def plain(value: Any) -> Any:

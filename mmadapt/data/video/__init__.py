@@ -19,24 +19,51 @@ is inconsistent, are listed in `decode` and `processing`.
 Shapes: F frames, V videos, C = 3, T temporal patch, P patch, m spatial merge.
 """
 
-from mmadapt.data.video.config import VideoConfig
-from mmadapt.data.video.decode import (
-    EmbeddedVideo,
-    FrameSource,
-    Video,
-    VideoHeader,
-    VideoLimits,
-    load_video,
-    probe_video,
-)
-from mmadapt.data.video.processing import (
-    ProcessedVideos,
-    VideoProcessor,
-    calculate_timestamps,
-    frame_text,
-    reverse_frames,
-)
-from mmadapt.data.video.sampling import FALLBACK_FPS, VideoSampling
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mmadapt.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from mmadapt.data.video.config import VideoConfig
+    from mmadapt.data.video.decode import (
+        EmbeddedVideo,
+        FrameSource,
+        Video,
+        VideoHeader,
+        VideoLimits,
+        load_video,
+        probe_video,
+    )
+    from mmadapt.data.video.processing import (
+        ProcessedVideos,
+        VideoProcessor,
+        calculate_timestamps,
+        frame_text,
+        reverse_frames,
+    )
+    from mmadapt.data.video.sampling import FALLBACK_FPS, VideoSampling
+
+EXPORTS: dict[str, str] = {
+    "VideoConfig": "mmadapt.data.video.config",
+    "EmbeddedVideo": "mmadapt.data.video.decode",
+    "FrameSource": "mmadapt.data.video.decode",
+    "Video": "mmadapt.data.video.decode",
+    "VideoHeader": "mmadapt.data.video.decode",
+    "VideoLimits": "mmadapt.data.video.decode",
+    "load_video": "mmadapt.data.video.decode",
+    "probe_video": "mmadapt.data.video.decode",
+    "ProcessedVideos": "mmadapt.data.video.processing",
+    "VideoProcessor": "mmadapt.data.video.processing",
+    "calculate_timestamps": "mmadapt.data.video.processing",
+    "frame_text": "mmadapt.data.video.processing",
+    "reverse_frames": "mmadapt.data.video.processing",
+    "FALLBACK_FPS": "mmadapt.data.video.sampling",
+    "VideoSampling": "mmadapt.data.video.sampling",
+}
+"""Each public name -> the module that defines it, imported when the name is first read (`mmadapt.lazy`)."""
+__getattr__, __dir__ = lazy_names(__name__, EXPORTS)
 
 __all__ = [
     "FALLBACK_FPS",

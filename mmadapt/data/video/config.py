@@ -10,11 +10,13 @@ with the known ones listed. `to_dict` gives the flat mapping back; the nested fo
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from mmadapt.data.video.decode import VideoLimits
-from mmadapt.data.video.processing import VideoProcessor
+from mmadapt.data.video.limits import VideoLimits
 from mmadapt.data.video.sampling import VideoSampling
+
+if TYPE_CHECKING:
+    from mmadapt.data.video.processing import VideoProcessor
 
 PARTS: Final[dict[str, type]] = {"sampling": VideoSampling, "limits": VideoLimits}
 """VideoConfig's nested parts, whose fields are written flat in `data.video`."""
@@ -92,6 +94,8 @@ class VideoConfig:
 
     def processor(self, image_processor: Any) -> VideoProcessor:
         """The `VideoProcessor` on an image processor's patch geometry and normalisation (a `QwenProcessor`)."""
+        from mmadapt.data.video.processing import VideoProcessor  # torchvision: when videos are processed
+
         factor = image_processor.patches.factor
         low = self.min_pixels if self.min_pixels is not None else 128 * factor**2
         high = self.max_pixels if self.max_pixels is not None else max(768 * factor**2, low)
