@@ -392,6 +392,11 @@ class PreferenceView:
                      "the preference does NOT rest on the images: it holds as well without them (text alone)")
         return "\n".join(lines)
 
+    def to_dict(self) -> dict[str, Any]:
+        """What `mmadapt eval --json` writes of it."""
+        return {"preference": {"pairs": self.pairs, "margin": self.margin, "accuracy": self.accuracy,
+                               "problems": self.problems, "rests_on_images": self.ok}}
+
 
 @torch.no_grad()
 def preference_view(model: nn.Module, batches: Sequence[dict[str, Any]], *,

@@ -204,3 +204,40 @@ def sft_records(pairs_path):
         {"from": "human", "value": row["prompt"][0]["content"]},
         {"from": "gpt", "value": row["chosen"][0]["content"]}]}) for k, row in enumerate(rows)))
     return out
+
+
+# ---- eval / sees ask the registry which objective's view a file of records gets ---------------------------------------
+def test_eval_and_sees_take_the_view_of_the_objective_that_claims_the_records_and_refuse_flags_it_does_not_read(
+        tmp_path, capsys):
+    """Pairs get DPO's view, RL prompts GRPO's, conversations the answers' view (`objectives.view_for`); a flag the
+    chosen view does not read (`--predictions` on prompts, `--reference` on conversations, `--rewards` on pairs) is
+    one line naming it and the file, exit 2, before anything is computed."""
+    from test_grpo import prompts_file
+    from test_preference import colour_pairs
+
+    from mmadapt.cli import main
+    from mmadapt.data import char_tokenizer, prepare_tokenizer
+    from mmadapt.train.objectives import GrpoObjective, PreferenceObjective, view_for
+
+    pairs = colour_pairs(tmp_path, "pairs", 4, 0)
+    prompts = prompts_file(tmp_path, 4)
+    conversations = sft_records(pairs)
+    read = {path: [json.loads(line) for line in path.read_text().splitlines()] for path in (pairs, prompts,
+                                                                                             conversations)}
+    assert view_for(read[pairs]) is PreferenceObjective and view_for(read[prompts]) is GrpoObjective
+    assert view_for(read[conversations]) is None
+    torch.manual_seed(0)
+    model, tokenizer = build_model("clip", "mlp2x_gelu", "llama"), char_tokenizer()
+    prepare_tokenizer(model, tokenizer)
+    model.save_pretrained(tmp_path / "model", tokenizer=tokenizer)
+    for command, path, flag in [("eval", prompts, ["--predictions", str(tmp_path / "p.jsonl")]),
+                                ("eval", conversations, ["--reference", str(tmp_path / "model")]),
+                                ("sees", pairs, ["--rewards", "accuracy"]),
+                                ("sees", conversations, ["--max-new-tokens", "4"])]:
+        capsys.readouterr()
+        assert main([command, str(tmp_path / "model"), str(path), "--image-root", str(tmp_path), *flag]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag[0] in err and str(path) in err and "remove it" in err, err
+    assert main(["sees", str(tmp_path / "model"), str(pairs), "--image-root", str(tmp_path), "--batches", "1",
+                 "--batch-size", "2"]) in (0, 1)
+    assert "preference view: 2 pairs" in capsys.readouterr().out

@@ -76,105 +76,51 @@ def _inference_data(args: argparse.Namespace) -> tuple:
     return model, encoder, Collator.for_model(model, encoder.pad_token_id), records
 
 
-def preference_records(records: list) -> bool:
-    from mmadapt.data.preference import is_preference_record
-
-    return any(is_preference_record(r) for r in records[:16])
-
-
-def preference_report(args: argparse.Namespace, model: Any, encoder: Any, records: list,
-                      batches: int | None, batch_size: int) -> Any:
-    """The preference view (`mmadapt.sees.preference_view`) of a file of preference pairs: margins of chosen over
-    rejected with real, blanked and shuffled images (minus `--reference`'s, when given)."""
-    from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
-    from mmadapt.inference import load_for_inference
-    from mmadapt.sees import preference_view
-
-    dataset = PreferenceDataset(records, PairEncoder(encoder))
-    collate = PairCollator.for_model(model, encoder.pad_token_id)
-    count = len(dataset) if batches is None else min(len(dataset), batches * batch_size)
-    chunks = [collate([dataset[i] for i in range(start, min(start + batch_size, count))])
-              for start in range(0, count, batch_size)]
-    reference = load_for_inference(args.reference, None)[0] if getattr(args, "reference", None) else None
-    return preference_view(model, chunks, reference=reference)
+# the flags of `eval` / `sees` that only one view reads: the answers' view (conversations) or an objective's
+# (`Objective.view_flags`); given to a view that does not read it, a flag is refused, never ignored
+VIEW_FLAGS = {"predictions": None, "plot": None, "margin": 0.2, "evidence": 0, "reference": None, "rewards": None,
+              "max_new_tokens": None}
+ANSWERS_VIEW = {"eval": {"predictions", "plot", "margin", "evidence", "max_new_tokens"}, "sees": set()}
 
 
-def prompt_records(records: list) -> bool:
-    from mmadapt.data.prompts import is_prompt_record
+def objective_view(args: argparse.Namespace, model: Any, encoder: Any, records: list) -> Any:
+    """The view of the objective that claims the records (`objectives.view_for`: preference pairs, RL prompts, ...),
+    or None for conversations (the answers' view); a flag the view does not read is a one-line error."""
+    from mmadapt.train.objectives import ViewOptions, view_for
 
-    return any(is_prompt_record(r) for r in records[:16])
-
-
-def run_rewards(args: argparse.Namespace) -> tuple[list, int]:
-    """The rewards and answer length of the reward view: `--rewards` / `--max-new-tokens`, else the GRPO run's
-    (`grpo.rewards`, `grpo.max_completion_length` of the config.yaml of the run `--model` belongs to), else
-    accuracy and 64 tokens. A reward the run's config names as code (`package.module:function`) is never imported
-    from the directory's say-so: only when the command line names it (`--rewards`)."""
-    from mmadapt.run_directory import RunDirectory
-
-    rewards, length = None, None
-    run = RunDirectory.of(args.model)
-    if run is not None and run.config_file.is_file():
-        from mmadapt.train.config import RunConfig
-        from mmadapt.train.objectives.grpo import GrpoObjective
-
-        settings = GrpoObjective.parse_settings(RunConfig.load(run.config_file, []))
-        rewards, length = settings.rewards or None, settings.max_completion_length
-    if args.rewards:
-        rewards = [name.strip() for name in args.rewards.split(",") if name.strip()]
-    elif rewards:
-        from mmadapt.train.rewards import REWARDS
-
-        code = [n for n in (r.get("name") if isinstance(r, dict) else r for r in rewards) if n not in REWARDS.names()]
-        if code:
-            raise ValueError(f"the run's grpo.rewards ({run.config_file}) name code: {code}. mmadapt does not import "
-                             "code a directory names; if you trust it, pass it yourself: --rewards "
-                             f"{','.join(str(n) for n in code)} (or only built-ins: --rewards accuracy,format)")
-    if getattr(args, "max_new_tokens", None):
-        length = args.max_new_tokens
-    return rewards or ["accuracy"], length or 64
-
-
-def reward_report(args: argparse.Namespace, model: Any, encoder: Any, records: list, batches: int | None,
-                  batch_size: int) -> Any:
-    """The reward view (`mmadapt.train.objectives.grpo.view`) of a file of RL prompts: the mean reward of greedy
-    answers with real, blanked and shuffled images."""
-    from mmadapt.data import Collator
-    from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
-    from mmadapt.train.objectives.grpo.view import AnswerScorer, reward_view
-    from mmadapt.train.rewards import reward_specs
-
-    names, length = run_rewards(args)
-    specs = reward_specs(names)
-    dataset = PromptDataset(records, PromptEncoder(encoder, length))
-    count = len(dataset) if batches is None else min(len(dataset), batches * batch_size)
-    collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
-    return reward_view(model, AnswerScorer.for_encoder(encoder, specs, length), [dataset[i] for i in range(count)],
-                       collate, batch_size=batch_size)
+    objective = view_for(records)
+    reads = ANSWERS_VIEW[args.command] if objective is None else objective.view_flags
+    given = sorted(name for name, default in VIEW_FLAGS.items() if getattr(args, name, default) != default)
+    unread = [name for name in given if name not in reads]
+    if unread:
+        what = "conversations (the answers' view)" if objective is None else (
+            f"records of the {objective.section or objective.__name__} objective's view")
+        flags = ", ".join("--" + name.replace("_", "-") for name in unread)
+        raise ValueError(f"{flags}: not read for {args.data}, which holds {what}; remove "
+                         f"{'it' if len(unread) == 1 else 'them'}")
+    if objective is None:
+        return None
+    rewards = [name.strip() for name in args.rewards.split(",") if name.strip()] if args.rewards else None
+    options = ViewOptions(args.command, args.model, batch_size=getattr(args, "batch_size", 8),
+                          batches=getattr(args, "batches", None) if args.command == "sees" else None,
+                          reference=args.reference, max_new_tokens=args.max_new_tokens, rewards=rewards)
+    return objective.view(model, encoder, records, options)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Answers with real / blanked / shuffled images, scored; exit 1 under --require-sees when images do not help.
-    A file of preference pairs gets the preference view instead (`preference_report`)."""
+    A file of records an objective claims (preference pairs, RL prompts, ...) gets its view (`objective_view`)."""
     import json
 
     from mmadapt.evaluate import evaluate_records, plot_report, write_predictions
 
     model, encoder, collate, records = _inference_data(args)
-    if prompt_records(records):
-        view = reward_report(args, model, encoder, records, None, 8)
+    view = objective_view(args, model, encoder, records)
+    if view is not None:
         print(view)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"rewards": view.to_dict()}, f, indent=2)
-        return 1 if args.require_sees and not view.ok else 0
-    if preference_records(records):
-        view = preference_report(args, model, encoder, records, None, 8)
-        print(view)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"preference": {"pairs": view.pairs, "margin": view.margin, "accuracy": view.accuracy,
-                                          "problems": view.problems, "rests_on_images": view.ok}}, f, indent=2)
+                json.dump(view.to_dict(), f, indent=2)
         return 1 if args.require_sees and not view.ok else 0
     report = evaluate_records(model, encoder, collate, records, margin=args.margin,
                               max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
@@ -197,12 +143,8 @@ def cmd_sees(args: argparse.Namespace) -> int:
     from mmadapt.sees import sees_records
 
     model, encoder, collate, records = _inference_data(args)
-    if prompt_records(records):
-        view = reward_report(args, model, encoder, records, args.batches, args.batch_size)
-        print(view)
-        return 0 if view.ok else 1
-    if preference_records(records):
-        view = preference_report(args, model, encoder, records, args.batches, args.batch_size)
+    view = objective_view(args, model, encoder, records)
+    if view is not None:
         print(view)
         return 0 if view.ok else 1
     report = sees_records(model, encoder, collate, records, batches=args.batches, batch_size=args.batch_size,

@@ -14,7 +14,15 @@ registers itself (docs/extending.md).
 from __future__ import annotations
 
 from mmadapt.train.config import RunConfig
-from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult, check_sections
+from mmadapt.train.objectives.base import (
+    OBJECTIVES,
+    Objective,
+    ObjectiveData,
+    Run,
+    StepResult,
+    ViewOptions,
+    check_sections,
+)
 from mmadapt.train.objectives.dpo import (
     STATS,
     PairScorer,
@@ -39,6 +47,16 @@ OBJECTIVES.register("dpo", PreferenceObjective)
 OBJECTIVES.register("grpo", GrpoObjective)
 
 
+def view_for(records: list) -> type[Objective] | None:
+    """The objective whose view `mmadapt eval` / `sees` shows for a file of `records`: the one that claims them
+    (`Objective.claims`), or None (conversations: the answers' view, `mmadapt.evaluate` / `mmadapt.sees`)."""
+    claimed = [name for name in OBJECTIVES.names() if OBJECTIVES.get(name).claims(records)]
+    if len({OBJECTIVES.get(name) for name in claimed}) > 1:
+        raise ValueError(f"the records are claimed by several objectives' views ({', '.join(claimed)}): a file holds "
+                         "one kind of record (conversations, preference pairs, RL prompts, ...)")
+    return OBJECTIVES.get(claimed[0]) if claimed else None
+
+
 def objective_for(config: RunConfig) -> Objective:
     """The objective `config.train.objective` names (`UnknownComponentError` listing the registered ones), its
     settings parsed from its section; every objective section of `config` is checked (`check_sections`)."""
@@ -49,7 +67,7 @@ def objective_for(config: RunConfig) -> Objective:
 
 __all__ = [
     "OBJECTIVES", "STATS", "GrpoObjective", "Objective", "ObjectiveData", "PairScorer", "PreferenceObjective",
-    "PreferenceTerms",
-    "ReferenceTable", "Run", "StepResult", "SupervisedObjective", "adapters_disabled", "check_pairs", "compute_table",
-    "data_checksum", "model_checksum", "objective_for", "preference_losses", "reference_kind",
+    "PreferenceTerms", "ReferenceTable", "Run", "StepResult", "SupervisedObjective", "ViewOptions",
+    "adapters_disabled", "check_pairs", "compute_table", "data_checksum", "model_checksum", "objective_for",
+    "preference_losses", "reference_kind", "view_for",
 ]

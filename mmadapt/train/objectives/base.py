@@ -109,6 +109,21 @@ class Terms:
     sums: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ViewOptions:
+    """What `mmadapt eval` / `mmadapt sees` give an objective's view of a file of records (`Objective.view`): the
+    command, the model's path, how much to read (`batches` x `batch_size`; all for `eval`), and the flags views use
+    (`Objective.view_flags`)."""
+
+    command: str
+    model: str
+    batch_size: int = 8
+    batches: int | None = None
+    reference: str | None = None
+    rewards: list[str] | None = None
+    max_new_tokens: int | None = None
+
+
 @dataclass
 class ObjectiveData:
     """The datasets and the collator an objective trains on."""
@@ -226,6 +241,20 @@ class Objective(ABC):
         """`mmadapt plan`: the bytes it holds between steps beyond the resident weights and optimizer state, by name
         (a rollout's generation cache), for this rank's own rows; the plan takes the step's peak or these."""
         return {}
+
+    # ---- its view of a file of records (`mmadapt eval` / `mmadapt sees`) -----------------------------------------
+    view_flags: ClassVar[frozenset[str]] = frozenset()  # the command's flags its view reads (`ViewOptions`' names)
+
+    @classmethod
+    def claims(cls, records: list[Any]) -> bool:
+        """Whether a file of these records (its first ones) is this objective's to view (`objectives.view_for`)."""
+        return False
+
+    @classmethod
+    def view(cls, model: Any, encoder: Any, records: list[Any], options: ViewOptions) -> Any:
+        """Its view of `records` for `model` (its `SampleEncoder`): printable, with `ok` (the view rests on the
+        images) and `to_dict()` (`--json`)."""
+        raise NotImplementedError(f"{cls.__name__} claims records but has no view")
 
     def state_dict(self) -> dict[str, Any]:
         """What it keeps across steps, as JSON values (saved with each checkpoint)."""

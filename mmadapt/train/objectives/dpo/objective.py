@@ -39,7 +39,7 @@ from mmadapt.heads import SequenceLogps
 from mmadapt.run_directory import RunDirectory
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, to_device
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms, ViewOptions
 from mmadapt.train.objectives.dpo.loss import PreferenceTerms, preference_losses
 from mmadapt.train.objectives.dpo.settings import DpoSettings
 from mmadapt.train.objectives.reference import (
@@ -239,6 +239,33 @@ class PreferenceObjective(Objective):
         log.info("reference log-probs of %s pairs computed in %.1f s (%s)", "+".join(str(len(t)) for t in
                  tables.values()), time.perf_counter() - started, file)
 
+    # ---- its view of a file of pairs (`mmadapt eval` / `sees`) -----------------------------------------------------
+    view_flags = frozenset({"reference"})
+
+    @classmethod
+    def claims(cls, records: list[Any]) -> bool:
+        from mmadapt.data.preference import is_preference_record
+
+        return any(is_preference_record(r) for r in records[:16])
+
+    @classmethod
+    def view(cls, model: Any, encoder: Any, records: list[Any], options: ViewOptions) -> Any:
+        """The preference view (`mmadapt.sees.preference_view`): margins of chosen over rejected with real, blanked and
+        shuffled images (minus `options.reference`'s, the model training started from, when given)."""
+        from mmadapt.data.preference import PairCollator, PairEncoder, PreferenceDataset
+        from mmadapt.loading import load_for_inference
+        from mmadapt.sees import preference_view
+
+        dataset = PreferenceDataset(records, PairEncoder(encoder))
+        collate = PairCollator.for_model(model, encoder.pad_token_id)
+        size = options.batch_size
+        count = len(dataset) if options.batches is None else min(len(dataset), options.batches * size)
+        chunks = [collate([dataset[i] for i in range(start, min(start + size, count))])
+                  for start in range(0, count, size)]
+        reference = load_for_inference(options.reference, None)[0] if options.reference else None
+        return preference_view(model, chunks, reference=reference)
+
+    # ---- a step ------------------------------------------------------------------------------------------------------
     def has_rows(self, batch: dict[str, Any]) -> bool:
         return bool(batch.get("pairs"))
 

@@ -62,7 +62,7 @@ import torch
 from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import first_usable, inputs_of, to_device
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
+from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms, ViewOptions
 from mmadapt.train.objectives.grpo.loss import (
     STD_EPSILON,
     PolicyLoss,
@@ -72,7 +72,7 @@ from mmadapt.train.objectives.grpo.loss import (
     policy_loss,
 )
 from mmadapt.train.objectives.grpo.settings import GrpoSettings
-from mmadapt.train.objectives.grpo.view import AnswerScorer, control_rewards
+from mmadapt.train.objectives.grpo.view import AnswerScorer, control_rewards, records_view
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
 from mmadapt.train.objectives.rollout import (
     Encoded,
@@ -144,6 +144,20 @@ class GrpoObjective(Objective):
         self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
         self._stand_in: dict[str, Any] | None = None  # the collated prompt a rank without prompts answers (FSDP2)
+
+    # ---- its view of a file of prompts (`mmadapt eval` / `sees`) ----------------------------------------------------
+    view_flags = frozenset({"rewards", "max_new_tokens"})
+
+    @classmethod
+    def claims(cls, records: list[Any]) -> bool:
+        from mmadapt.data.prompts import is_prompt_record
+
+        return any(is_prompt_record(r) for r in records[:16])
+
+    @classmethod
+    def view(cls, model: Any, encoder: Any, records: list[Any], options: ViewOptions) -> Any:
+        """The reward view (`view.records_view`): does the reward of greedy answers rest on the images?"""
+        return records_view(model, encoder, records, options)
 
     @classmethod
     def without_code(cls, config: Any, allowed: list[str] | None = None) -> tuple[Any, str | None]:

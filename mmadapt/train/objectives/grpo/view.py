@@ -117,8 +117,9 @@ class RewardView:
                                                       or real > self.reward[SHUFFLED.name])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts, "reward": self.reward, "moved": self.moved, "problems": self.problems,
-                "rests_on_images": self.ok}
+        """What `mmadapt eval --json` writes of it."""
+        return {"rewards": {"prompts": self.prompts, "reward": self.reward, "moved": self.moved,
+                            "problems": self.problems, "rests_on_images": self.ok}}
 
     def __str__(self) -> str:
         lines = [f"reward view: {self.prompts} prompts, the mean reward of one greedy answer each"
@@ -155,3 +156,45 @@ def reward_view(model: Any, scorer: AnswerScorer, prompts: Sequence[Any], collat
                          "with `mmadapt data check`")
     reward = {name: sum(v) / len(v) for name, v in totals.items() if v and (name != SHUFFLED.name or moved)}
     return RewardView(good, reward, moved, len(prompts) - good)
+
+
+# ---- `mmadapt eval` / `mmadapt sees` on a file of prompts ------------------------------------------------------------
+def view_rewards(model_path: str, rewards: list[str] | None, max_new_tokens: int | None) -> tuple[list, int]:
+    """The rewards and answer length of the reward view: the command line's (`--rewards`, `--max-new-tokens`), else
+    the GRPO run's (`grpo.rewards`, `grpo.max_completion_length` of the config.yaml of the run `model_path` belongs
+    to), else accuracy and 64 tokens. A reward the run's config names as code (`package.module:function`) is never
+    imported from the directory's say-so: only when the command line names it."""
+    from mmadapt.run_directory import RunDirectory
+    from mmadapt.train.config import RunConfig, parse_section
+    from mmadapt.train.objectives.grpo.settings import GrpoSettings
+    from mmadapt.train.rewards import REWARDS
+
+    saved, length = None, None
+    run = RunDirectory.of(model_path)
+    if run is not None and run.config_file.is_file():
+        config = RunConfig.load(run.config_file, [])
+        settings = parse_section(GrpoSettings, config.sections.get("grpo"), "grpo.")
+        saved, length = settings.rewards or None, settings.max_completion_length
+    if not rewards and saved:
+        code = [n for n in (r.get("name") if isinstance(r, dict) else r for r in saved) if n not in REWARDS.names()]
+        if code:
+            raise ValueError(f"the run's grpo.rewards ({run.config_file}) name code: {code}. mmadapt does not import "
+                             "code a directory names; if you trust it, pass it yourself: --rewards "
+                             f"{','.join(str(n) for n in code)} (or only built-ins: --rewards accuracy,format)")
+    return rewards or saved or ["accuracy"], max_new_tokens or length or 64
+
+
+def records_view(model: Any, encoder: Any, records: list[Any], options: Any) -> RewardView:
+    """The reward view of a file of RL prompts (`GrpoObjective.view`): the mean reward of greedy answers with real,
+    blanked and shuffled images."""
+    from mmadapt.data import Collator
+    from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
+    from mmadapt.train.rewards import reward_specs
+
+    names, length = view_rewards(options.model, options.rewards, options.max_new_tokens)
+    dataset = PromptDataset(records, PromptEncoder(encoder, length))
+    size = options.batch_size
+    count = len(dataset) if options.batches is None else min(len(dataset), options.batches * size)
+    collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
+    return reward_view(model, AnswerScorer.for_encoder(encoder, reward_specs(names), length),
+                       [dataset[i] for i in range(count)], collate, batch_size=size)
