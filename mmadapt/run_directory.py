@@ -11,7 +11,7 @@ The layout, declared here and nowhere else (every reader and writer of a run ask
     OUT/checkpoints/step-0000123/      an atomic checkpoint (`mmadapt.train.checkpoint`), loadable once its
                                        `COMPLETE` marker is written; its own copy of config.yaml inside
     OUT/model/                         the final model directory, LoRA merged (`mmadapt.train.export`)
-    OUT/adapters/                      the run's LoRA adapters (`mmadapt.train.stages.save_adapters`)
+    OUT/adapters/                      the run's LoRA adapters (`mmadapt.lora.save_adapters`)
     OUT/.lock                          the running process's claim on OUT (`mmadapt.train.checkpoint.OutLock`)
     OUT/reference_logps.safetensors    the starting model's log-probs of every preference pair (dpo, precomputed)
     OUT/plan.json                      the run's memory plan, when `mmadapt plan` cached its probe
