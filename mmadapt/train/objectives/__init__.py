@@ -24,6 +24,7 @@ from mmadapt.train.objectives.dpo import (
     preference_losses,
 )
 from mmadapt.train.objectives.grpo import GrpoObjective
+from mmadapt.train.objectives.kto import KtoObjective
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
     adapters_disabled,
@@ -37,6 +38,7 @@ from mmadapt.train.objectives.sft import SupervisedObjective
 OBJECTIVES.register("sft", SupervisedObjective)
 OBJECTIVES.register("dpo", PreferenceObjective)
 OBJECTIVES.register("grpo", GrpoObjective)
+OBJECTIVES.register("kto", KtoObjective)
 
 
 def objective_for(config: RunConfig) -> Objective:
