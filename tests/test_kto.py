@@ -218,3 +218,28 @@ def test_unpaired_records_trained_with_dpo_stop_the_run_naming_the_missing_field
     assert "not a preference pair: no 'rejected'" in parts.train_data[0].to_dict()["detail"]
     with pytest.raises(Exception, match="bad_format: not a preference pair"):
         Trainer(parts.model, cfg, parts.train_data, parts.collate).fit()
+
+
+def test_the_labelled_rows_and_the_kl_rows_of_a_batch_score_as_in_one_forward(root):
+    """`part`: the B labelled rows and the B KL rows, each with the images and videos they read, give the log-probs
+    the whole 2B-row batch gives (1e-5), a video prompt and image prompts mixed."""
+    from helpers import grey_clip
+
+    from mmadapt.heads import SequenceLogps
+    from mmadapt.train.objectives.kto import KtoEncoder
+    from mmadapt.train.objectives.kto.objective import model_inputs
+
+    grey_clip(root / "clip.mp4")
+    parts = build_run(config(root))
+    records = [json.loads(line) for line in (root / "train.jsonl").read_text().splitlines()[:3]]
+    records.insert(1, {"id": "v", "videos": ["clip.mp4"], "prompt": "<video>\nWhat happens?", "completion": "grey",
+                       "label": False})
+    rows = [KtoEncoder(parts.encoder).encode(r, i) for i, r in enumerate(records)]
+    batch = parts.collate(rows)
+    assert batch["videos_per_sample"].tolist() == [0, 1, 0, 0] * 2
+    device = torch.device("cpu")
+    with torch.no_grad():
+        whole = parts.model.eval()(**model_inputs(batch, device), head=SequenceLogps()).logps
+        halves = [parts.model(**model_inputs(part(batch, labelled), device), head=SequenceLogps()).logps
+                  for labelled in (True, False)]
+    assert torch.allclose(torch.cat(halves), whole, atol=1e-5)
