@@ -124,7 +124,7 @@ def step(trainer, micro, objective):
     for batch in micro:
         terms = objective.micro_loss(trainer, batch, totals)
         terms.loss.backward()
-        total += float(terms.loss)
+        total += float(terms.loss.detach())
     return total, lora_grads(trainer.model), micro
 
 
