@@ -32,6 +32,7 @@ from mmadapt.train.objectives.dpo import (
     preference_losses,
 )
 from mmadapt.train.objectives.grpo import GrpoObjective
+from mmadapt.train.objectives.kto import KtoObjective
 from mmadapt.train.objectives.reference import (
     ReferenceTable,
     adapters_disabled,
@@ -45,6 +46,7 @@ from mmadapt.train.objectives.sft import SupervisedObjective
 OBJECTIVES.register("sft", SupervisedObjective)
 OBJECTIVES.register("dpo", PreferenceObjective)
 OBJECTIVES.register("grpo", GrpoObjective)
+OBJECTIVES.register("kto", KtoObjective)
 
 
 def view_for(records: list) -> type[Objective] | None:
