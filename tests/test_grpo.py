@@ -436,5 +436,5 @@ def test_the_rewards_of_a_config_before_0_24_are_read_as_grpo_rewards(caplog):
     saved = objective.config.to_dict()["grpo"]  # the run saves its section resolved: every default written out
     assert saved["rewards"] == ["accuracy"] and saved["num_generations"] == 8 and saved["loss_type"] == "dapo"
     assert RunConfig.from_dict(objective.config.to_dict()).sections["grpo"] == saved
-    with pytest.raises(ValueError, match="both train.rewards and grpo.rewards"):
+    with pytest.raises(ValueError, match=r"both train\.rewards and grpo\.rewards"):
         RunConfig.load(None, ["train.rewards=[accuracy]", "grpo.rewards=[format]"])

@@ -414,7 +414,7 @@ def test_the_rollout_cache_keeps_gated_deltanet_states_as_transformers_does_unde
         assert layers == 3 and recurrent == {torch.float32} and conv == {torch.bfloat16}, seen
 
 
-# ---- one way to answer: the rollout's end ids, sampling and decoding are answering's ----------------------------------
+# ---- one way to answer: the rollout's end ids, sampling and decoding are answering's --------------------------------
 @pytest.fixture(scope="module")
 def qwen_real(tmp_path_factory):
     """A tiny Qwen3.5 model with Qwen3's real tokenizer and Qwen3.5's template, a batch of two prompts (one with an
