@@ -1,8 +1,12 @@
 """The one way a model answers: `answer_prompts` (a batch) and `respond` (one conversation), and `Sampling`.
 
 Every answering path runs through here: `mmadapt chat` and notebooks (`mmadapt.inference.Chat`), the server and its
-page (`mmadapt.serve`), `mmadapt eval` (`mmadapt.evaluate.predict`), the lmms-eval model (`mmadapt.lmms_eval`) and
-evidence maps (`mmadapt.evidence.explain`). So the same image, question and sampling give the same answer on each.
+page (`mmadapt.serve`), `mmadapt eval` (`mmadapt.evaluate.predict`), the lmms-eval model (`mmadapt.lmms_eval`),
+evidence maps (`mmadapt.evidence.explain`) and RL: GRPO's evals and `mmadapt sees` on prompts answer greedily with
+`answer_prompts` (`mmadapt.train.objectives.grpo.view`), and its rollouts (`mmadapt.train.objectives.rollout`), which
+sample G answers per prompt from one prefill, take `generate`'s settings from `generate_settings` (the same end and
+pad ids, the same `Sampling`) and their answers' texts from `decoded` (the same `Decoding`). So the same image,
+question and sampling give the same answer on each, and a reward scores the text a person would have been shown.
 
     prompt = PromptInputs.build(model, processor, [{"role": "user", "content": [
         {"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]}])
@@ -13,7 +17,8 @@ The steps, each written once: the prompt (`PromptInputs.build`: OpenAI-style mes
 model's chat template with its `template_kwargs`, as in training), `model.generate` (greedy or sampled, on the
 model's device, in eval mode), decoding (`Decoding`: ids -> text as `mmadapt.text_stream.TextStream` streams it at a
 constant cost per token, stop strings, the end tokens `Processor.eos_token_ids`, log-probs) and the end cut
-(`Answer.content_ids`: the answer's ids before its end token).
+(`Answer.content_ids`: the answer's ids before its end token). `decoded(processor, ids)` is the `Answer` that
+decoding gives for ids generated elsewhere (an RL rollout's).
 
 An image and a question are one prompt everywhere: the content parts `[{"type": "image"}, {"type": "text", "text":
 Q}]` (what an OpenAI request sends, and what transformers' processors take), rendered by the model's own template as
@@ -29,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -167,11 +172,29 @@ def answer_prompts(model: VisionLanguageModel, processor: Processor, prompt: Pro
         return torch.tensor([decoding.step(generated, row) for row, decoding in enumerate(decodings)])
 
     with eval_mode(model):
-        model.generate(**prompt.inputs, max_new_tokens=sampling.max_new_tokens, eos_token_id=processor.eos_token_ids,
-                       pad_token_id=processor.encoder.pad_token_id, temperature=sampling.temperature,
-                       top_p=sampling.top_p, generator=generator, repetition_penalty=sampling.repetition_penalty,
-                       logprobs=sampling.logprobs, on_step=step)
+        model.generate(**prompt.inputs, **generate_settings(processor, sampling), generator=generator, on_step=step)
     return [decoding.answer(usage) for decoding, usage in zip(decodings, prompt.usages, strict=True)]
+
+
+def generate_settings(processor: Processor, sampling: Sampling) -> dict[str, Any]:
+    """What `model.generate` takes of the processor and the sampling, for every answering path (`answer_prompts`,
+    an RL rollout): the end ids (`Processor.eos_token_ids`: the tokenizer's EOS and the template's end of turn), the
+    pad id (the encoder's, as training pads) and the `Sampling` settings that `generate` applies."""
+    return {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": processor.eos_token_ids,
+            "pad_token_id": processor.encoder.pad_token_id, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "repetition_penalty": sampling.repetition_penalty, "logprobs": sampling.logprobs}
+
+
+def decoded(processor: Processor, ids: Sequence[int], sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
+    """The `Answer` that `answer_prompts` gives a row for which `generate` chose `ids`: the same `Decoding` (end
+    tokens, `sampling.stop`, the text as `TextStream` gives it) fed the ids in order, none read after the answer's
+    end. For answers generated elsewhere (an RL rollout's G answers per prompt), so that what a reward scores is what
+    answering returns. Without log-probs (the ids alone), and `usage` counts no prompt."""
+    decoding = Decoding(processor, replace(sampling, logprobs=None), None, None, None)
+    for token in ids:
+        if decoding.take(int(token)):
+            break
+    return decoding.answer(Usage(0, 0, 0, 0))
 
 
 def respond(model: VisionLanguageModel, processor: Processor, messages: Sequence[Mapping[str, Any]] | PromptInputs,
@@ -279,6 +302,7 @@ class Decoding:
         self.processor, self.sampling, self.on_token, self.cancelled = processor, sampling, on_token, cancelled
         self.stream = TextStream(lambda ids: processor.tokenizer.decode(ids, skip_special_tokens=True), on_text,
                                  stop=sampling.stop)
+        self.streams = on_text is not None or bool(sampling.stop)  # else the text is decoded once, at the end
         self.ends = set(processor.eos_token_ids)
         self.ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
@@ -288,13 +312,16 @@ class Decoding:
         """Take row `row` of the step; True ends the answer (an end token, a stop string completed, cancelled)."""
         if self.reason is not None:
             return True  # generate fills a finished row with padding
-        token = int(step.tokens[row])
+        return self.take(int(step.tokens[row]), self.token_logprob(step, row) if step.logprobs is not None else None)
+
+    def take(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """The answer's next token (and its log-prob); True ends the answer."""
         self.ids.append(token)
-        if step.logprobs is not None:
-            self.logprobs.append(self.token_logprob(step, row))
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if self.on_token is not None:
-            self.on_token(token, self.logprobs[-1] if step.logprobs is not None else None)
-        if token in self.ends or self.stream.update(self.ids):
+            self.on_token(token, logprob)
+        if token in self.ends or (self.streams and self.stream.update(self.ids)):
             self.reason = "stop"
         elif self.cancelled is not None and self.cancelled():
             self.reason = "cancelled"

@@ -95,6 +95,9 @@ def test_the_logged_loss_is_the_steps_however_it_is_accumulated(tmp_path, loss_t
     (["grpo.num_generations=1"], "num_generations must be >= 2"),
     (["grpo.num_iterations=2", "checkpoint.every=3"], "a multiple of 2"),
     (["grpo.num_iterations=0"], "num_iterations must be >= 1"),
+    (["grpo.temperature=0"], "grpo.temperature must be > 0"),  # Sampling's own checks, named as the section names them
+    (["grpo.top_p=1.5"], "grpo.top_p must be in (0, 1], got 1.5"),
+    (["grpo.max_completion_length=0"], "grpo.max_completion_length must be >= 1, got 0"),
     (["grpo.beta=0.04"], "needs a reference"),
     (["grpo.beta=0.04", "stages.backbone=lora"], "but ['projector'] train fully"),
     (["grpo.rewards=[]"], "needs grpo.rewards"),
@@ -438,3 +441,17 @@ def test_the_rewards_of_a_config_before_0_24_are_read_as_grpo_rewards(caplog):
     assert RunConfig.from_dict(objective.config.to_dict()).sections["grpo"] == saved
     with pytest.raises(ValueError, match=r"both train\.rewards and grpo\.rewards"):
         RunConfig.load(None, ["train.rewards=[accuracy]", "grpo.rewards=[format]"])
+
+
+def test_grpos_sampling_is_a_sampling_with_its_defaults():
+    """`grpo.temperature`, `grpo.top_p` and `grpo.max_completion_length` (trl's names) are the rollout's `Sampling`,
+    its defaults `Sampling`'s but for the temperature (trl's 1.0); the evals answer greedily at the same length."""
+    from mmadapt.sampling import Sampling
+    from mmadapt.train.objectives.grpo.settings import GrpoSettings
+
+    defaults = GrpoSettings()
+    assert defaults.sampling == Sampling(max_new_tokens=Sampling().max_new_tokens, temperature=1.0)
+    assert defaults.greedy == Sampling()
+    chosen = GrpoSettings(max_completion_length=64, temperature=0.7, top_p=0.9)
+    assert chosen.sampling == Sampling(max_new_tokens=64, temperature=0.7, top_p=0.9)
+    assert chosen.greedy == Sampling(max_new_tokens=64)

@@ -15,6 +15,8 @@ from mmadapt.data.prompts import PromptEncoder
 from mmadapt.generation import placeholder_ids
 from mmadapt.heads import TokenLogps
 from mmadapt.loss import IGNORE_INDEX
+from mmadapt.processor import Processor
+from mmadapt.sampling import Sampling
 from mmadapt.train.objectives.rollout import check_groups, completion_logps, rollout, scored_rows
 
 QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
@@ -37,6 +39,11 @@ def setup(tmp_path_factory):
     batch = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(r, k).sample
                                                               for k, r in enumerate(PROMPTS)])
     return model, encoder, {k: v for k, v in batch.items() if k not in ("labels", "meta")}
+
+
+def processor_of(model, encoder):
+    """Answering's processor over `encoder`: the rollout's end ids (`Processor.eos_token_ids`) and pad id."""
+    return Processor(encoder, Collator.for_model(model, encoder.pad_token_id))
 
 
 def encoded_pictures(model):
@@ -102,8 +109,8 @@ def test_each_picture_is_encoded_once_for_the_g_answers_of_its_prompt(setup, g):
     model, encoder, batch = setup
     seen, hook = encoded_pictures(model)
     try:
-        done = rollout(model, batch, g, max_new_tokens=6, eos_token_id=encoder.tokenizer.eos_token_id,
-                       pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        done = rollout(model, processor_of(model, encoder), batch, g, Sampling(max_new_tokens=6, temperature=1.0),
+                   generator=torch.Generator().manual_seed(0))
     finally:
         hook.remove()
     assert seen == {"calls": 1, "pictures": 3}  # three pictures in the batch, whatever G
@@ -125,8 +132,8 @@ def test_no_answer_holds_a_vision_placeholder_even_from_a_head_that_wants_one(se
 
     hook = head.register_forward_hook(favour)
     try:
-        done = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=encoder.tokenizer.eos_token_id,
-                       pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(1))
+        done = rollout(model, processor_of(model, encoder), batch, 3, Sampling(max_new_tokens=8, temperature=1.0),
+                   generator=torch.Generator().manual_seed(1))
     finally:
         hook.remove()
     assert not torch.isin(done.completions[done.mask], torch.tensor(banned)).any()
@@ -135,16 +142,16 @@ def test_no_answer_holds_a_vision_placeholder_even_from_a_head_that_wants_one(se
 def test_scored_rows_equal_rows_that_each_encode_their_own_pictures(setup):
     """The shared layout's per-token log-probs and their gradients equal those of G separate encodings."""
     model, encoder, batch = setup
-    done = rollout(model, batch, 2, max_new_tokens=5, eos_token_id=encoder.tokenizer.eos_token_id,
-                   pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    done = rollout(model, processor_of(model, encoder), batch, 2, Sampling(max_new_tokens=5, temperature=1.0),
+                   generator=torch.Generator().manual_seed(2))
     check_shared_equals_separate_and_handed(model, batch, scored_rows(batch, done, encoder.pad_token_id), done,
                                             pictures=3)  # once each, for six rows
 
 
 def test_token_logps_are_the_tempered_log_softmax_of_the_full_logits(setup):
     model, encoder, batch = setup
-    done = rollout(model, batch, 2, max_new_tokens=4, eos_token_id=encoder.tokenizer.eos_token_id,
-                   pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(3))
+    done = rollout(model, processor_of(model, encoder), batch, 2, Sampling(max_new_tokens=4, temperature=1.0),
+                   generator=torch.Generator().manual_seed(3))
     rows = scored_rows(batch, done, encoder.pad_token_id)
     with torch.no_grad():
         scored = model(**rows, head=TokenLogps(0.7, entropy=True))
@@ -168,8 +175,8 @@ def test_the_rollouts_log_probs_equal_the_forward_over_the_rows_it_scores(setup,
     pictures are not the rollout's (blanked) are visibly off: what `sampling/sampling_logp_difference` watches in a
     run."""
     model, encoder, batch = setup if kind == "images" else with_videos
-    done = rollout(model, batch, 3, max_new_tokens=6, eos_token_id=encoder.tokenizer.eos_token_id,
-                   pad_token_id=encoder.pad_token_id, temperature=0.8, generator=torch.Generator().manual_seed(6))
+    done = rollout(model, processor_of(model, encoder), batch, 3, Sampling(max_new_tokens=6, temperature=0.8),
+                   generator=torch.Generator().manual_seed(6))
     rows = scored_rows(batch, done, encoder.pad_token_id)
     with torch.no_grad():
         forward = completion_logps(model(**rows, head=TokenLogps(0.8)).logps, rows["labels"], done)
@@ -185,8 +192,8 @@ def test_the_rollouts_log_probs_equal_the_forward_over_the_rows_it_scores(setup,
 
 def test_a_group_whose_rows_see_different_prompts_is_refused(setup):
     model, encoder, batch = setup
-    done = rollout(model, batch, 2, max_new_tokens=3, eos_token_id=encoder.tokenizer.eos_token_id,
-                   pad_token_id=encoder.pad_token_id, generator=torch.Generator().manual_seed(4))
+    done = rollout(model, processor_of(model, encoder), batch, 2, Sampling(max_new_tokens=3, temperature=1.0),
+                   generator=torch.Generator().manual_seed(4))
     rows = scored_rows(batch, done, encoder.pad_token_id)
     swapped = {**rows, "image_index": rows["image_index"].clone()}
     swapped["image_index"][2] = 2  # group 0's second row shows prompt 2's picture
@@ -204,11 +211,11 @@ def test_an_answer_sampled_from_its_own_seed_is_the_same_whatever_rows_are_besid
     alone = Collator.for_model(model, encoder.pad_token_id)([prompts.encode(PROMPTS[2], 2).sample])
     alone = {k: v for k, v in alone.items() if k not in ("labels", "meta")}
     ids = [r["id"] for r in PROMPTS]
-    settings = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=encoder.pad_token_id, temperature=1.0)
-    together = rollout(model, batch, 3, seeds=row_seeds(0, 5, ids, 3), **settings)
-    by_itself = rollout(model, alone, 3, seeds=row_seeds(0, 5, ids[2:], 3), **settings)
+    processor, sampling = processor_of(model, encoder), Sampling(max_new_tokens=8, temperature=1.0)
+    together = rollout(model, processor, batch, 3, sampling, seeds=row_seeds(0, 5, ids, 3))
+    by_itself = rollout(model, processor, alone, 3, sampling, seeds=row_seeds(0, 5, ids[2:], 3))
     assert torch.equal(together.completions[6:], by_itself.completions)
-    again = rollout(model, batch, 3, seeds=row_seeds(0, 6, ids, 3), **settings)  # the next step draws anew
+    again = rollout(model, processor, batch, 3, sampling, seeds=row_seeds(0, 6, ids, 3))  # the next step draws anew
     assert not torch.equal(together.completions, again.completions)
     assert len({tuple(row.tolist()) for row in together.completions[:3]}) > 1  # a group's answers differ
 
@@ -298,8 +305,8 @@ def test_videos_and_images_are_encoded_once_for_the_g_answers_and_score_as_separ
     model, encoder, batch = with_videos
     seen, hook = encoded_pictures(model)
     try:
-        done = rollout(model, batch, g, max_new_tokens=5, eos_token_id=encoder.tokenizer.eos_token_id,
-                       pad_token_id=encoder.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(5))
+        done = rollout(model, processor_of(model, encoder), batch, g, Sampling(max_new_tokens=5, temperature=1.0),
+                   generator=torch.Generator().manual_seed(5))
     finally:
         hook.remove()
     assert seen == {"calls": 1, "pictures": 4}
@@ -345,8 +352,8 @@ def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_t
     scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), max_new_tokens=8)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert end in scorer.eos_token_ids
-    done = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=scorer.eos_token_ids,
-                   pad_token_id=scorer.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    done = rollout(model, scorer.processor, batch, 3, Sampling(max_new_tokens=8, temperature=1.0),
+                   generator=torch.Generator().manual_seed(7))
     rows = scored_rows(batch, done, scorer.pad_token_id)
     check_groups(rows, 3, model.tokens.image_token_id)
     with torch.no_grad():
@@ -360,13 +367,13 @@ def test_a_rollout_with_qwens_real_tokenizer_ends_at_its_end_of_turn_and_keeps_t
     hook = head.register_forward_hook(lambda module, args, output: output.index_add(
         -1, torch.tensor([end]), torch.full((*output.shape[:-1], 1), 1e4)))
     try:  # a head that ends every answer at once
-        ended = rollout(model, batch, 3, max_new_tokens=8, eos_token_id=scorer.eos_token_ids,
-                        pad_token_id=scorer.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(8))
+        ended = rollout(model, scorer.processor, batch, 3, Sampling(max_new_tokens=8, temperature=1.0),
+                        generator=torch.Generator().manual_seed(8))
     finally:
         hook.remove()
     assert ended.lengths.tolist() == [1] * 6 and not ended.truncated.any()
-    assert scorer.texts(ended.completions, ended.mask) == [""] * 6
-    assert scorer.score(scorer.texts(ended.completions, ended.mask), batch, 3).total == [0.0] * 6
+    assert scorer.texts(ended) == [""] * 6
+    assert scorer.score(scorer.texts(ended), batch, 3).total == [0.0] * 6
 
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32 weights", "bf16 weights"])
@@ -396,8 +403,8 @@ def test_the_rollout_cache_keeps_gated_deltanet_states_as_transformers_does_unde
                inputs.register_forward_hook(lambda m, a, out: projected.append(out.dtype))]
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            rollout(model, {k: v for k, v in batch.items() if k in INPUTS}, 3, max_new_tokens=4,
-                    eos_token_id=None, pad_token_id=encoder.pad_token_id, temperature=1.0)
+            rollout(model, processor_of(model, encoder), {k: v for k, v in batch.items() if k in INPUTS}, 3,
+                    Sampling(max_new_tokens=4, temperature=1.0), generator=torch.Generator().manual_seed(0))
     finally:
         for handle in handles:
             handle.remove()
@@ -405,3 +412,138 @@ def test_the_rollout_cache_keeps_gated_deltanet_states_as_transformers_does_unde
     assert set(projected) == {torch.bfloat16}
     for _, recurrent, conv, layers in seen:
         assert layers == 3 and recurrent == {torch.float32} and conv == {torch.bfloat16}, seen
+
+
+# ---- one way to answer: the rollout's end ids, sampling and decoding are answering's --------------------------------
+@pytest.fixture(scope="module")
+def qwen_real(tmp_path_factory):
+    """A tiny Qwen3.5 model with Qwen3's real tokenizer and Qwen3.5's template, a batch of two prompts (one with an
+    image) and the GRPO scorer over them (`AnswerScorer`: answering's processor)."""
+    from real_tokenizers import real_tokenizer
+
+    from mmadapt.data.prompts import PromptCollator
+    from mmadapt.train.objectives.grpo.view import AnswerScorer
+    from mmadapt.train.rewards import reward_specs
+
+    root = tmp_path_factory.mktemp("qwen-real")
+    Image.new("RGB", (64, 32), (200, 40, 90)).save(root / "0.png")
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).eval()
+    encoder = SampleEncoder.for_model(model, real_tokenizer("qwen3"), chat_template="qwen3_5", image_root=str(root),
+                                      max_length=256)
+    prompts = PromptEncoder(encoder, completion_tokens=16)
+    records = [{"id": "a", "problem": "<image>How many?", "image": "0.png", "answer": "4"},
+               {"id": "b", "problem": "What is 2 + 2?", "answer": "4"}]
+    collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
+    batch = collate([prompts.encode(r, k) for k, r in enumerate(records)])
+    scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), 16,
+                                      collator=Collator.for_model(model, encoder.pad_token_id))
+    return model, encoder, batch, scorer
+
+
+def forcing(model, script):
+    """A hook on the head making `script[k]` by far the likeliest token of the k-th call (the prefill, then each
+    decoding step), for every row."""
+    calls = [0]
+
+    def force(module, args, output):
+        token = script[min(calls[0], len(script) - 1)]
+        calls[0] += 1
+        return output.index_add(-1, torch.tensor([token]), torch.full((*output.shape[:-1], 1), 1e4))
+
+    return model.backbone.get_output_embeddings().register_forward_hook(force)
+
+
+@pytest.mark.parametrize("end", ["<|im_end|>", None], ids=["ended", "cut at max_new_tokens"])
+def test_a_rollouts_texts_are_what_answering_returns_for_the_same_ids(qwen_real, end):
+    """The same ids (forced by the head: a llama emoji and 你好 split across byte-level BPE tokens, then the end of
+    turn and tokens after it) through the rollout (G = 2, sampled) and through `answer_prompts` (greedy, the one
+    way a model answers): the same ids up to the end, the same end cut (`Answer.content_ids`), and the same text -
+    special tokens removed, the split characters whole, nothing after the end."""
+    from mmadapt.answering import PromptInputs, answer_prompts
+    from mmadapt.train.objectives.rollout import INPUTS
+
+    model, encoder, batch, scorer = qwen_real
+    tokenizer = encoder.tokenizer
+    words = tokenizer.encode("The llama 🦙 says 你好", add_special_tokens=False)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in words)  # a character split across tokens
+    after = tokenizer.encode(" and more", add_special_tokens=False)
+    script = words + ([tokenizer.convert_tokens_to_ids(end)] if end else []) + after
+    length = len(words) + (4 if end else 0)  # room after the end; else cut inside the words' tail
+    hook = forcing(model, script)
+    try:
+        done = rollout(model, scorer.processor, batch, 2, Sampling(max_new_tokens=length, temperature=1.0),
+                       generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    hook = forcing(model, script)
+    try:
+        prompt = PromptInputs.of(model, scorer.processor, {k: v for k, v in batch.items() if k in INPUTS})
+        answers = answer_prompts(model, scorer.processor, prompt, sampling=Sampling(max_new_tokens=length))
+    finally:
+        hook.remove()
+    expected = "The llama 🦙 says 你好" if end else tokenizer.decode(script[:length]).strip()
+    assert scorer.texts(done) == [a.text for a in answers for _ in range(2)] == [expected] * 4
+    assert [a.finish_reason for a in answers] == ["stop" if end else "length"] * 2
+    for r, answer in enumerate(a for a in answers for _ in range(2)):
+        assert done.completions[r][done.mask[r]].tolist() == list(answer.token_ids)
+        assert done.truncated[r].item() == (answer.end_token is None)
+        assert list(answer.content_ids) == script[:len(words)] if end else list(answer.content_ids) == script[:length]
+
+
+def test_the_evals_greedy_answers_are_answerings_and_score_as_a_greedy_rollouts(qwen_real):
+    """`AnswerScorer.greedy` (the GRPO evals', `mmadapt sees`) answers through `answer_prompts`; its rewards equal
+    those of a greedy rollout's texts (one answer per prompt, temperature 0): the path changed, not the answers."""
+    model, encoder, batch, scorer = qwen_real
+    script = encoder.tokenizer.encode("4<|im_end|>", add_special_tokens=False)
+    hook = forcing(model, script)
+    try:
+        totals = scorer.greedy(model, batch)
+    finally:
+        hook.remove()
+    hook = forcing(model, script)
+    try:
+        done = rollout(model, scorer.processor, batch, 1, scorer.sampling)
+    finally:
+        hook.remove()
+    assert scorer.sampling.temperature == 0 and totals == [1.0, 1.0]
+    assert scorer.score(scorer.texts(done), batch).total == totals
+    from mmadapt.answering import PromptInputs, answer_prompts  # the model's own greedy answers, unforced
+    from mmadapt.train.objectives.rollout import INPUTS
+
+    prompt = PromptInputs.of(model, scorer.processor, {k: v for k, v in batch.items() if k in INPUTS})
+    free = [a.text for a in answer_prompts(model, scorer.processor, prompt, sampling=scorer.sampling)]
+    assert free == scorer.texts(rollout(model, scorer.processor, batch, 1, scorer.sampling)) and any(free)
+
+
+@pytest.mark.parametrize("name, template, end, pad", [("qwen3", "qwen3_5", ["<|im_end|>"], "<|endoftext|>"),
+                                                      ("llama2", None, ["</s>"], "</s>")])
+def test_the_rollout_ends_and_pads_with_answerings_ids_on_real_tokenizers(name, template, end, pad):
+    """One source of end and pad ids: the GRPO scorer's, the rollout's (`generate_settings`) and answering's
+    (`Processor.for_model`, what chat / serve / eval use) are one list. Qwen3's tokenizer: its EOS is the template's
+    end of turn `<|im_end|>` and its pad `<|endoftext|>`; Llama 2's: `</s>` (the vicuna template's end of turn), also
+    its pad (it has none of its own)."""
+    from real_tokenizers import real_tokenizer
+
+    from mmadapt.answering import generate_settings
+    from mmadapt.train.objectives.grpo.view import AnswerScorer
+    from mmadapt.train.rewards import reward_specs
+
+    model = mmadapt.build_model(*(QWEN if template else ("clip", "mlp2x_gelu", "llama")))
+    kw = {"chat_template": template} if template else {}
+    answering = Processor.for_model(model, real_tokenizer(name), **kw)
+    encoder = SampleEncoder.for_model(model, real_tokenizer(name), **kw)
+    scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), 8)
+    ids = encoder.tokenizer.convert_tokens_to_ids(end)
+    settings = generate_settings(scorer.processor, Sampling(max_new_tokens=8, temperature=1.0))
+    assert scorer.eos_token_ids == answering.eos_token_ids == settings["eos_token_id"] == ids
+    assert scorer.pad_token_id == answering.encoder.pad_token_id == settings["pad_token_id"] == \
+        encoder.tokenizer.convert_tokens_to_ids(pad)
+
+
+@pytest.mark.parametrize("setting, words", [({"repetition_penalty": 1.2}, "repetition_penalty 1.2"),
+                                            ({"stop": ("\n",)}, "stop strings"), ({"logprobs": 2}, "logprobs 2")])
+def test_a_rollout_refuses_sampling_the_training_forward_would_not_score(setup, setting, words):
+    model, encoder, batch = setup
+    with pytest.raises(ValueError, match=f"a rollout cannot sample with {words}"):
+        rollout(model, processor_of(model, encoder), batch, 2, Sampling(max_new_tokens=2, temperature=1.0, **setting))

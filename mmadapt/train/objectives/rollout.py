@@ -1,12 +1,15 @@
 """Rollouts for online RL: each prompt of a batch answered G times by the policy, and the rows the policy then scores.
 
-`rollout(model, prompts, G, ...)` answers a `Collator` batch of B generation prompts (`mmadapt.data.prompts`) with
-mmadapt's own `generate`: each prompt is prefilled once, with each of its pictures encoded once (or handed in,
-`encode_prompts`), and its cache copied G ways (`generate(repeats=G)`); the B x G answers (a group's rows side by
-side: row r answers prompt r // G) are sampled at the given temperature and nucleus, the vision placeholders and span
-tokens never generated (`generate` bans them). `Rollouts` holds the completions (R = B x G rows, T tokens, `pad`
-after the end), which tokens belong to each answer (its end token included) and which answers were cut at
-`max_new_tokens` without an end.
+`rollout(model, processor, prompts, G, sampling)` answers a `Collator` batch of B generation prompts
+(`mmadapt.data.prompts`) with mmadapt's own `generate`: each prompt is prefilled once, with each of its pictures
+encoded once (or handed in, `encode_prompts`), and its cache copied G ways (`generate(repeats=G)`); the B x G answers
+(a group's rows side by side: row r answers prompt r // G) are sampled as `sampling` says (`mmadapt.sampling.Sampling`:
+temperature, nucleus, `max_new_tokens`), the vision placeholders and span tokens never generated (`generate` bans
+them). The rest of `generate`'s settings are answering's (`mmadapt.answering.generate_settings`): the end ids
+`Processor.eos_token_ids` and the processor's pad id, so a rollout's answer ends where `answer_prompts`' would, and
+its text (`answer_texts`) is what answering returns for its ids (`mmadapt.answering.decoded`). `Rollouts` holds the
+completions (R = B x G rows, T tokens, `pad` after the end), which tokens belong to each answer (its end token
+included) and which answers were cut at `max_new_tokens` without an end.
 
 `scored_rows(prompts, rollouts)` lays out what the policy, the old policy and the reference score: per row its
 prompt's tokens then its completion, right-padded, the completion tokens as labels (nothing else supervised), the
@@ -23,12 +26,16 @@ Shapes: B prompts, G answers per prompt, R = B x G rows, L prompt tokens, T comp
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mmadapt.encoders import VisualTokens
 from mmadapt.loss import IGNORE_INDEX
+from mmadapt.sampling import Sampling
+
+if TYPE_CHECKING:
+    from mmadapt.processor import Processor
 
 
 @dataclasses.dataclass
@@ -155,30 +162,48 @@ def row_seeds(seed: int, step: int, sample_ids: list[str], num_generations: int)
     return torch.tensor([one(i, k) for i in sample_ids for k in range(num_generations)], dtype=torch.int64)
 
 
+def check_sampling(sampling: Sampling) -> None:
+    """A rollout samples what training scores (softmax(logits / temperature) of the model's own logits) and ends at
+    end tokens only: `ValueError` for the `Sampling` settings it cannot honour."""
+    refused = [f"repetition_penalty {sampling.repetition_penalty} (the training forward scores without it)"
+               if sampling.repetition_penalty != 1.0 else "",
+               f"stop strings {list(sampling.stop)} (an answer ends at an end token)" if sampling.stop else "",
+               f"logprobs {sampling.logprobs} (the rollout keeps its sampled tokens' own)"
+               if sampling.logprobs is not None else ""]
+    if any(refused):
+        raise ValueError("a rollout cannot sample with " + "; ".join(r for r in refused if r)
+                         + ": leave them at their defaults")
+
+
 @torch.no_grad()
-def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_new_tokens: int, eos_token_id: Any,
-            pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
+def rollout(model: Any, processor: Processor, prompts: dict[str, Any], num_generations: int, sampling: Sampling, *,
             generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
             encoded: Encoded | None = None) -> Rollouts:
-    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model`: each
-    prompt prefilled once and its cache copied G ways (`generate(repeats=G)`); with `seeds` (B x G,) each answer from
-    its own seed (`row_seeds`), else from `generator`; `encoded`: the prompts' pictures already encoded
-    (`encode_prompts`), else encoded here, once each."""
+    """G answers to each prompt of `prompts` (a `Collator` batch of generation prompts), sampled by `model` as
+    `sampling` says (`check_sampling`), ended and padded as `processor` answers (`generate_settings`): each prompt
+    prefilled once and its cache copied G ways (`generate(repeats=G)`); with `seeds` (B x G,) each answer from its own
+    seed (`row_seeds`), else from `generator` (`sampling.seed` is not read); `encoded`: the prompts' pictures already
+    encoded (`encode_prompts`), else encoded here, once each."""
+    from mmadapt.answering import generate_settings
+
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    check_sampling(sampling)
+    settings = generate_settings(processor, sampling)
     inputs = {k: v for k, v in prompts.items() if k in INPUTS and v is not None}
     given = encoded.for_rows(prompts) if encoded is not None else {}
     scores: list[torch.Tensor] = []
+    temperature = sampling.temperature
 
     def score(step: Any) -> None:  # the sampled token's log-prob as training scores it (temperature 0: as 1)
         logits = step.logits.float()
         logits = logits / temperature if temperature > 0 else logits
         scores.append(torch.log_softmax(logits, dim=-1).gather(-1, step.tokens[:, None])[:, 0])
 
-    completions = model.generate(**inputs, **given, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                 pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                                 generator=generator, row_seeds=seeds, repeats=num_generations, on_step=score)
-    ends = torch.tensor([] if eos_token_id is None else eos_token_id, device=completions.device).flatten()
+    completions = model.generate(**inputs, **given, **settings, generator=generator, row_seeds=seeds,
+                                 repeats=num_generations, on_step=score)
+    pad_token_id = settings["pad_token_id"]
+    ends = torch.tensor(settings["eos_token_id"], dtype=completions.dtype, device=completions.device)
     is_end = torch.isin(completions, ends)
     ended = is_end.any(dim=1)
     first_end = torch.where(ended, is_end.int().argmax(dim=1), completions.shape[1] - 1)
@@ -186,6 +211,15 @@ def rollout(model: Any, prompts: dict[str, Any], num_generations: int, *, max_ne
     mask = positions[None, :] <= first_end[:, None]
     logps = torch.stack(scores, dim=1).masked_fill(~mask, 0.0)
     return Rollouts(completions.masked_fill(~mask, pad_token_id), mask, ~ended, num_generations, logps)
+
+
+def answer_texts(processor: Processor, rollouts: Rollouts) -> list[str]:
+    """Each answer's text: what `answer_prompts` returns for its ids (`mmadapt.answering.decoded`: special tokens
+    skipped, whitespace stripped, cut at its end token)."""
+    from mmadapt.answering import decoded
+
+    return [decoded(processor, ids[m].tolist()).text
+            for ids, m in zip(rollouts.completions, rollouts.mask, strict=True)]
 
 
 def scored_rows(prompts: dict[str, Any], rollouts: Rollouts, pad_token_id: int) -> dict[str, Any]:

@@ -10,11 +10,13 @@ A step, for each micro-batch of B prompts (`mmadapt.data.prompts`: trl / EasyR1 
    differs);
 
 1. rollout (`training_rows`): the policy answers each prompt G = `num_generations` times with mmadapt's `generate`
-   (`mmadapt.train.objectives.rollout`: each prompt prefilled once and its cache copied G ways, sampled at
-   `temperature` / `top_p`, the vision placeholders and span tokens never generated); each answer samples from its
+   (`mmadapt.train.objectives.rollout`: each prompt prefilled once and its cache copied G ways, sampled as
+   `GrpoSettings.sampling` says - a `Sampling` of `temperature`, `top_p`, `max_completion_length` - and ended at
+   answering's end ids, the vision placeholders and span tokens never generated); each answer samples from its
    own seed (the run's seed, the step, the prompt's id, its place in the group), so it is the same on any rank and
    after a resume;
-2. rewards: each answer's text (special tokens removed) scored by the rewards with its prompt's columns; the weighted
+2. rewards: each answer's text (what answering returns for its ids: `mmadapt.answering.decoded`, special tokens
+   removed) scored by the rewards with its prompt's columns; the weighted
    total r, then the group-relative advantages A (`policy_gradient.group_advantages`, per `scale_rewards`; a group
    never leaves its rank, so "group" and "none" are local and "batch" gathers the step's rewards from every rank);
 3. backward: the policy's per-token log-probs of each answer at the sampling temperature (`forward(head=TokenLogps())`
@@ -28,8 +30,9 @@ Logged per step: `reward` and each reward's mean (`rewards/<name>/mean`, unscore
 from them), completion lengths (mean, max, truncated share), the time the rollout took (`rollout_s`) and how far its
 own log-probs are from the policy's forward (`sampling/sampling_logp_difference/mean|max`: the contract between
 them), at a rollout's first step; `entropy`, `kl` and the clip fractions at every step. `evaluate` answers each eval
-prompt once, greedily, with its real images, blanked and shuffled among the prompts, and logs the mean reward of each
-(`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`): a reward that rests on the image falls without it.
+prompt once, greedily (`answer_prompts`, the one way a model answers, at `GrpoSettings.greedy`), with its real
+images, blanked and shuffled among the prompts, and logs the mean reward of each (`eval_reward`,
+`eval_reward_blanked`, `eval_reward_shuffled`): a reward that rests on the image falls without it.
 
 With `num_iterations` k > 1 a rollout serves k optimizer steps (`Objective.steps_per_batch`: the loader's batch s is
 steps s*k ... s*k + k - 1): the first is on policy (ratio 1) and keeps the policy's per-token log-probs (and the
@@ -191,9 +194,12 @@ class GrpoObjective(Objective):
                              collate)
 
     def bind(self, encoder: Any, model: Any) -> None:
-        """What decoding and scoring answers need (`AnswerScorer`: the tokenizer, its pad and end ids, the rewards),
-        and the image token."""
-        self.scorer = AnswerScorer.for_encoder(encoder, self.specs, self.settings.max_completion_length)
+        """What answering and scoring need (`AnswerScorer`: answering's processor - its end and pad ids, its
+        decoding - the rewards and the evals' greedy `Sampling`), and the image token."""
+        from mmadapt.data import Collator
+
+        self.scorer = AnswerScorer.for_encoder(encoder, self.specs, self.settings.greedy,
+                                               collator=Collator.for_model(model, encoder.pad_token_id))
         self.image_token_id = model.tokens.image_token_id
 
     def setup(self, model: Any) -> None:
@@ -246,9 +252,7 @@ class GrpoObjective(Objective):
         model.eval()
         try:
             with run.precision_context(), gathered(run.wrapped):
-                done = [rollout(model, batch, s.num_generations, max_new_tokens=s.max_completion_length,
-                                eos_token_id=self.scorer.eos_token_ids, pad_token_id=self.scorer.pad_token_id,
-                                temperature=s.temperature, top_p=s.top_p,
+                done = [rollout(model, self.scorer.processor, batch, s.num_generations, s.sampling,
                                 encoded=None if pictures is None else pictures.detached(),
                                 seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
                                     "sample_ids"]], s.num_generations)) if batch["input_ids"].shape[0] else None
@@ -337,7 +341,7 @@ class GrpoObjective(Objective):
     def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
         if done is None:
             return None
-        return self.scorer.score(self.scorer.texts(done.completions, done.mask), batch, self.settings.num_generations)
+        return self.scorer.score(self.scorer.texts(done), batch, self.settings.num_generations)
 
     def advantages(self, total: torch.Tensor, batch_rewards: torch.Tensor | None) -> Any:
         s = self.settings

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from mmadapt.sampling import Sampling
+
+SAMPLING_NAMES = {"max_new_tokens": "max_completion_length", "temperature": "temperature", "top_p": "top_p"}
+"""The `Sampling` fields a GRPO run sets -> their names in the `grpo` section (trl's `GRPOConfig` names)."""
+
+
+def sampling_default(name: str) -> Any:
+    """The default `Sampling` declares for its field `name`."""
+    return next(f.default for f in fields(Sampling) if f.name == name)
 
 
 @dataclass(kw_only=True)
@@ -15,9 +26,12 @@ class GrpoSettings:
     rewards: list[Any] = field(default_factory=list)
 
     num_generations: int = 8  # G: answers sampled per prompt (a group)
-    max_completion_length: int = 256  # tokens per answer; a prompt leaving less of data.max_length is dropped
+    # the rollout's sampling (`sampling`: validated as `Sampling` validates it, the defaults Sampling's but for the
+    # temperature, trl's 1.0: greedy G answers would be one answer G times)
+    max_completion_length: int = sampling_default("max_new_tokens")  # tokens per answer; a prompt leaving less of
+    # data.max_length is dropped
     temperature: float = 1.0  # sampling, and the log-probs the loss scores (trl's)
-    top_p: float = 1.0
+    top_p: float = sampling_default("top_p")
     beta: float = 0.0  # the KL weight to the reference (the model with its LoRA adapters off); 0: no reference
     epsilon: float = 0.2  # the clip below 1 (and above, unless epsilon_high)
     epsilon_high: float | None = None  # DAPO's clip-higher: 0.28
@@ -31,11 +45,25 @@ class GrpoSettings:
         if self.num_generations < 2:
             raise ValueError(f"grpo.num_generations must be >= 2 (advantages compare a group's answers), got "
                              f"{self.num_generations}")
-        if self.max_completion_length < 1:
-            raise ValueError(f"grpo.max_completion_length must be >= 1, got {self.max_completion_length}")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"grpo.temperature must be > 0 and top_p in (0, 1], got {self.temperature} and "
-                             f"{self.top_p}")
+        try:
+            self.sampling  # noqa: B018 (validated as every Sampling is)
+        except ValueError as bad:
+            raise ValueError(re.sub(r"\b(" + "|".join(SAMPLING_NAMES) + r")\b",
+                                    lambda m: "grpo." + SAMPLING_NAMES[m.group(1)], str(bad))) from None
+        if not self.temperature > 0:
+            raise ValueError(f"grpo.temperature must be > 0 (GRPO compares a group's sampled answers; greedy ones "
+                             f"would be one answer G times), got {self.temperature}")
         if self.num_iterations < 1:
             raise ValueError(f"grpo.num_iterations must be >= 1 (optimizer steps per rollout), got "
                              f"{self.num_iterations}")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The rollout's sampling: `max_completion_length` tokens at most, at `temperature` from the `top_p`
+        nucleus (each answer from its own seed, `rollout.row_seeds`)."""
+        return Sampling(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p)
+
+    @property
+    def greedy(self) -> Sampling:
+        """The evals' sampling (`reward_view`): one greedy answer per prompt, as long as a rollout's."""
+        return Sampling(max_new_tokens=self.max_completion_length)

@@ -1,6 +1,8 @@
 """Does the reward rest on the image? Greedy answers to RL prompts scored with their real images, blanked and shuffled
 (`mmadapt.controls`), the view a GRPO run logs at each eval (`eval_reward`, `eval_reward_blanked`,
-`eval_reward_shuffled`) and `mmadapt sees` prints for a file of prompts.
+`eval_reward_shuffled`) and `mmadapt sees` prints for a file of prompts. The answers are `answer_prompts`' (the one
+way a model answers: its end ids, its `Sampling`, its decoding), and a rollout's texts are decoded as it decodes
+(`AnswerScorer.texts`), so a reward scores what a person asking the model would read.
 
     scorer = AnswerScorer.for_encoder(encoder, reward_specs(["accuracy"]), max_new_tokens=64)
     view = reward_view(model, scorer, prompts, collate)      # prompts: EncodedPrompt items (mmadapt.data.prompts)
@@ -20,32 +22,54 @@ from typing import Any
 import torch
 
 from mmadapt.controls import BLANKED, IMAGE_CONTROLS, REAL, SHUFFLED
+from mmadapt.sampling import Sampling
+from mmadapt.train.objectives.rollout import INPUTS, Rollouts, answer_texts
 from mmadapt.train.rewards import RewardSpec, Scores, score
 
 
 @dataclass
 class AnswerScorer:
-    """What decoding and scoring answers needs: the tokenizer, the pad and end ids (the tokenizer's EOS and the
-    template's end of turn), the rewards, and the answers' length."""
+    """What answering and scoring answers needs: the `processor` (its tokenizer, its end ids
+    `Processor.eos_token_ids` and its pad id: answering's, `mmadapt.answering.generate_settings`), the rewards, and
+    the evals' `sampling` (greedy by default, `max_new_tokens` as long as a rollout's answers)."""
 
-    tokenizer: Any
+    processor: Any
     specs: Sequence[RewardSpec]
-    eos_token_ids: list[int]
-    pad_token_id: int
-    max_new_tokens: int
+    sampling: Sampling
 
     @classmethod
-    def for_encoder(cls, encoder: Any, specs: Sequence[RewardSpec], max_new_tokens: int) -> AnswerScorer:
-        """From a `SampleEncoder` (its tokenizer, template and pad id)."""
-        end = encoder.template.end_of_turn(encoder.tokenizer)
-        ids = {encoder.tokenizer.eos_token_id, encoder.tokenizer.convert_tokens_to_ids(end) if end else None}
-        return cls(encoder.tokenizer, tuple(specs), sorted(i for i in ids if i is not None), encoder.pad_token_id,
-                   max_new_tokens)
+    def for_encoder(cls, encoder: Any, specs: Sequence[RewardSpec], max_new_tokens: int | Sampling, *,
+                    collator: Any = None) -> AnswerScorer:
+        """From a `SampleEncoder` (its tokenizer, template and pad id) and its batches' `Collator` (else one for the
+        encoder's tokens); `max_new_tokens`: the evals' greedy answers' length, or their whole `Sampling`."""
+        from mmadapt.data import Collator
+        from mmadapt.processor import Processor
 
-    def texts(self, completions: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        """Each answer's text, special tokens removed."""
-        return [self.tokenizer.decode(ids[m].tolist(), skip_special_tokens=True).strip()
-                for ids, m in zip(completions, mask, strict=True)]
+        collator = collator or Collator(pad_token_id=encoder.pad_token_id, image_token_id=encoder.image_token_id,
+                                        video_token_id=encoder.video_token_id)
+        sampling = max_new_tokens if isinstance(max_new_tokens, Sampling) else Sampling(max_new_tokens=max_new_tokens)
+        return cls(Processor(encoder, collator), tuple(specs), sampling)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end an answer: answering's (`Processor.eos_token_ids`)."""
+        return self.processor.eos_token_ids
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.processor.encoder.pad_token_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def texts(self, rollouts: Rollouts) -> list[str]:
+        """Each answer's text: what answering returns for its ids (`rollout.answer_texts`)."""
+        return answer_texts(self.processor, rollouts)
 
     def score(self, texts: list[str], batch: dict[str, Any], repeats: int = 1) -> Scores:
         """The rewards of `texts`: `repeats` answers per prompt of `batch`, its `columns` repeated to match."""
@@ -54,15 +78,18 @@ class AnswerScorer:
         return score(texts, columns, self.specs)
 
     def greedy(self, model: Any, batch: dict[str, Any]) -> list[float]:
-        """The total reward of one greedy answer to each prompt of a `PromptCollator` batch (NaN: no reward scored
-        it)."""
-        from mmadapt.train.objectives.rollout import rollout
+        """The total reward of one answer (`sampling`: greedy) to each prompt of a `PromptCollator` batch (NaN: no
+        reward scored it), answered by `answer_prompts`, the one way a model answers. Its batch stays one `generate`
+        call, and under FSDP2 that call steps with the other ranks' (`generate`'s `any_rank_decoding`): a rank
+        without prompts answers a stand-in (`mmadapt.train.steps.evaluate`), never nothing."""
+        from mmadapt.answering import PromptInputs, answer_prompts
 
         if not batch["input_ids"].shape[0]:
             return []
-        answers = rollout(model, batch, 1, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_ids,
-                          pad_token_id=self.pad_token_id, temperature=0.0)
-        return self.score(self.texts(answers.completions, answers.mask), batch).total
+        prompt = PromptInputs.of(model, self.processor, {k: v for k, v in batch.items()
+                                                         if k in INPUTS and v is not None})
+        answers = answer_prompts(model, self.processor, prompt, sampling=self.sampling)
+        return self.score([answer.text for answer in answers], batch).total
 
 
 @torch.no_grad()
