@@ -152,14 +152,18 @@ def test_no_objective_writes_its_own_accumulation_or_keeps_ranks_in_step():
         source = path.read_text()
         for written in (".backward(", "no_sync(", "all_reduce_sum(", "eval_rounds(", "placeholder_batch("):
             assert written not in source, f"{path.name} calls {written}: the trainer's (mmadapt.train.steps)"
-    for name in ("sft", "dpo", "grpo"):
+    assert set(OBJECTIVES.names()) == set(BUILT_IN), "a registered objective is missing from BUILT_IN (and its test)"
+    for name in BUILT_IN:
         cls = OBJECTIVES.get(name)
         assert not hasattr(cls, "backward") and not hasattr(cls, "evaluate"), name
         assert "micro_loss" in {n for klass in inspect.getmro(cls)[:-2] for n in vars(klass)}, name
 
 
+BUILT_IN = ("sft", "dpo", "kto", "grpo")  # every registered objective: each steps through the trainer's accumulation
+
+
 @pytest.mark.slow  # one step and one eval of each objective
-@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("name", BUILT_IN)
 def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulation(tmp_path, monkeypatch, name):
     from test_grpo import config as grpo_config
     from test_preference import colour_pairs
@@ -183,16 +187,18 @@ def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulati
         cfg = grpo_config(tmp_path, *common)
     else:
         path = colour_pairs(tmp_path, "train", 8, 0)
-        records = path if name == "dpo" else sft_records(path)
-        cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false",
+        records = sft_records(path) if name == "sft" else path  # kto reads pairs as unpaired rows
+        lora = ["stages.backbone=lora", "stages.projector=frozen"] if name == "kto" else []  # its KL needs the
+        cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false",  # reference per batch
                                     f"train.objective={name}", f"data.train={records}", f"data.eval={records}",
-                                    f"data.image_root={tmp_path}", *common])
+                                    f"data.image_root={tmp_path}", *common, *lora])
     parts = build_run(cfg)
     trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate, eval_data=parts.eval_data)
     monkeypatch.setattr(trainer.objective, "micro_loss", counted(trainer.objective.micro_loss, "micro_loss"))
     monkeypatch.setattr(trainer.objective, "eval_batch", counted(trainer.objective.eval_batch, "eval_batch"))
     summary = trainer.fit()
-    assert calls == {"accumulate": 1, "evaluate": 1, "micro_loss": 2, "eval_batch": 4}, calls
+    eval_batches = -(-len(parts.eval_data) // 2)
+    assert calls == {"accumulate": 1, "evaluate": 1, "micro_loss": 2, "eval_batch": eval_batches}, calls
     assert math.isfinite(summary["history"][0]["loss"])
 
 
@@ -206,7 +212,7 @@ def sft_records(pairs_path):
     return out
 
 
-# ---- eval / sees ask the registry which objective's view a file of records gets ---------------------------------------
+# ---- eval / sees ask the registry which objective's view a file of records gets --------------------------------------
 def test_eval_and_sees_take_the_view_of_the_objective_that_claims_the_records_and_refuse_flags_it_does_not_read(
         tmp_path, capsys):
     """Pairs get DPO's view, RL prompts GRPO's, conversations the answers' view (`objectives.view_for`); a flag the
