@@ -144,12 +144,12 @@ def test_help_answers_quickly():
 
 def test_every_help_answers_under_a_second():
     """`mmadapt [COMMAND [SUBCOMMAND]] --help` for every (sub)command the parser has, each a fresh process: the
-    slowest, each the best of 2 runs (the machine's other work), under 1 s (a command imports its library only when it
-    runs; torch alone takes longer than that)."""
+    slowest, each the best of up to 3 runs (a run over 1 s is tried again: the machine's other work, e.g. the other
+    test worker), under 1 s (a command imports its library only when it runs; torch alone takes longer than that)."""
     times = {}
     for command in help_commands():
         runs = []
-        for _ in range(2):
+        while len(runs) < 3 and (not runs or min(runs) >= 1.0):
             started = time.perf_counter()
             done = run_mmadapt(*command, "--help")
             runs.append(time.perf_counter() - started)
