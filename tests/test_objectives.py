@@ -152,14 +152,14 @@ def test_no_objective_writes_its_own_accumulation_or_keeps_ranks_in_step():
         source = path.read_text()
         for written in (".backward(", "no_sync(", "all_reduce_sum(", "eval_rounds(", "placeholder_batch("):
             assert written not in source, f"{path.name} calls {written}: the trainer's (mmadapt.train.steps)"
-    for name in ("sft", "dpo", "grpo"):
+    for name in ("sft", "dpo", "grpo", "distill"):
         cls = OBJECTIVES.get(name)
         assert not hasattr(cls, "backward") and not hasattr(cls, "evaluate"), name
         assert "micro_loss" in {n for klass in inspect.getmro(cls)[:-2] for n in vars(klass)}, name
 
 
 @pytest.mark.slow  # one step and one eval of each objective
-@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo", "distill"])
 def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulation(tmp_path, monkeypatch, name):
     from test_grpo import config as grpo_config
     from test_preference import colour_pairs
@@ -181,6 +181,13 @@ def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulati
     common = ["train.steps=1", "train.eval_every=1", "train.grad_accum=2", "data.batch_size=2"]
     if name == "grpo":
         cfg = grpo_config(tmp_path, *common)
+    elif name == "distill":
+        from test_distill import base_overrides, prompts_file, teacher_dir
+
+        prompts = prompts_file(tmp_path, 8)
+        cfg = RunConfig.load(None, [*base_overrides(tmp_path, prompts), f"train.out={tmp_path / 'out'}",
+                                    "train.objective=distill", f"distill.teacher={teacher_dir(tmp_path, prompts)}",
+                                    f"data.eval={prompts}", "distill.max_completion_length=4", *common])
     else:
         path = colour_pairs(tmp_path, "train", 8, 0)
         records = path if name == "dpo" else sft_records(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives.base import OBJECTIVES, Objective, ObjectiveData, Run, StepResult, check_sections
+from mmadapt.train.objectives.distill import DistillObjective
 from mmadapt.train.objectives.dpo import (
     STATS,
     PairScorer,
@@ -37,6 +38,8 @@ from mmadapt.train.objectives.sft import SupervisedObjective
 OBJECTIVES.register("sft", SupervisedObjective)
 OBJECTIVES.register("dpo", PreferenceObjective)
 OBJECTIVES.register("grpo", GrpoObjective)
+OBJECTIVES.register("distill", DistillObjective)
+OBJECTIVES.register("gkd", DistillObjective)  # trl's name for it
 
 
 def objective_for(config: RunConfig) -> Objective:
