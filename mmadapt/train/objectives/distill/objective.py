@@ -142,7 +142,11 @@ class DistillObjective(Objective):
         from mmadapt.generation import generation_bytes
 
         d, s = self.config.data, self.settings
-        teacher = teacher_parameters(s.teacher) * precision.hidden_bytes
+        try:
+            teacher = teacher_parameters(s.teacher) * precision.hidden_bytes
+        except (OSError, ValueError) as e:  # a recipe's teacher not here (like its absent checkpoints): not planned
+            log.warning("distill.teacher %s cannot be read (%s): its weights are not planned", s.teacher, e)
+            teacher = 0
         rollout_bytes = generation_bytes(model, d.batch_size, s.num_generations, d.max_length, precision.hidden_bytes)
         return {"rollout": rollout_bytes + teacher, "teacher": teacher}
 
