@@ -159,7 +159,7 @@ def test_no_objective_writes_its_own_accumulation_or_keeps_ranks_in_step():
         assert "micro_loss" in {n for klass in inspect.getmro(cls)[:-2] for n in vars(klass)}, name
 
 
-BUILT_IN = ("sft", "dpo", "kto", "grpo")  # every registered objective: each steps through the trainer's accumulation
+BUILT_IN = ("sft", "dpo", "kto", "grpo", "distill", "gkd")  # every registered objective (gkd: distill's alias)
 
 
 @pytest.mark.slow  # one step and one eval of each objective
@@ -185,6 +185,13 @@ def test_every_objective_steps_and_evaluates_through_the_trainers_one_accumulati
     common = ["train.steps=1", "train.eval_every=1", "train.grad_accum=2", "data.batch_size=2"]
     if name == "grpo":
         cfg = grpo_config(tmp_path, *common)
+    elif name in ("distill", "gkd"):
+        from test_distill import base_overrides, prompts_file, teacher_dir
+
+        prompts = prompts_file(tmp_path, 8)
+        cfg = RunConfig.load(None, [*base_overrides(tmp_path, prompts), f"train.out={tmp_path / 'out'}",
+                                    f"train.objective={name}", f"distill.teacher={teacher_dir(tmp_path, prompts)}",
+                                    f"data.eval={prompts}", "distill.max_completion_length=4", *common])
     else:
         path = colour_pairs(tmp_path, "train", 8, 0)
         records = sft_records(path) if name == "sft" else path  # kto reads pairs as unpaired rows

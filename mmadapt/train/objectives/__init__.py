@@ -23,6 +23,7 @@ from mmadapt.train.objectives.base import (
     ViewOptions,
     check_sections,
 )
+from mmadapt.train.objectives.distill import DistillObjective
 from mmadapt.train.objectives.dpo import (
     STATS,
     PairScorer,
@@ -47,6 +48,8 @@ OBJECTIVES.register("sft", SupervisedObjective)
 OBJECTIVES.register("dpo", PreferenceObjective)
 OBJECTIVES.register("grpo", GrpoObjective)
 OBJECTIVES.register("kto", KtoObjective)
+OBJECTIVES.register("distill", DistillObjective)
+OBJECTIVES.register("gkd", DistillObjective)  # trl's name for it
 
 
 def view_for(records: list) -> type[Objective] | None:
