@@ -39,10 +39,9 @@ from typing import Any
 
 import torch
 
-from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import first_usable, inputs_of, to_device
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms
+from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.objectives.base import Run, StepResult, StepTotals, Terms
 from mmadapt.train.objectives.distill.heads import CompletionStates, Divergence
 from mmadapt.train.objectives.distill.settings import DistillSettings
 from mmadapt.train.objectives.distill.teacher import (
@@ -51,8 +50,8 @@ from mmadapt.train.objectives.distill.teacher import (
     load_teacher,
     teacher_parameters,
 )
-from mmadapt.train.objectives.grpo.objective import gathered, is_sharded, vision_trains
 from mmadapt.train.objectives.grpo.view import AnswerScorer
+from mmadapt.train.objectives.online import ROLLOUT, OnlineObjective, gathered
 from mmadapt.train.objectives.rollout import (
     Encoded,
     Rollouts,
@@ -64,17 +63,14 @@ from mmadapt.train.objectives.rollout import (
 )
 
 log = logging.getLogger(__name__)
-ROLLOUT = "rollout"  # a scored micro-batch's key (`batches.NOT_INPUTS`): its rollouts, mask and the two encodings
 EVAL_NAMES = ("divergence", "tokens", "answers", "length")
 
 
-class DistillObjective(Objective):
+class DistillObjective(OnlineObjective):
     """`train.objective: distill` (the module docstring)."""
 
     section = "distill"
     settings_class = DistillSettings
-    shares_videos = True  # a group's rows take their prompt's videos from one encoding (video_index)
-
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.rows_per_sample = self.settings.num_generations  # the plan's rows per prompt
@@ -83,21 +79,8 @@ class DistillObjective(Objective):
         self.scorer: AnswerScorer | None = None  # the student's tokenizer, end and pad ids (no rewards)
         self.image_token_id: int | None = None
         self.tokenizer_checked = False
-        self._stand_in: dict[str, Any] | None = None
 
     # ---- data, the teacher ---------------------------------------------------------------------------------------
-    def data(self, model: Any, encoder: Any) -> ObjectiveData:
-        from mmadapt.data import Collator
-        from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
-
-        d = self.config.data
-        self.require_one_unpacked_file(" of prompts", "lays out each prompt's answers side by side")
-        self.bind(encoder, model)
-        prompts = PromptEncoder(encoder, self.settings.max_completion_length)
-        collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
-        return ObjectiveData(PromptDataset(d.train, prompts), PromptDataset(d.eval, prompts) if d.eval else None,
-                             collate)
-
     def bind(self, encoder: Any, model: Any) -> None:
         """The student's tokenizer, its end and pad ids (`AnswerScorer`, no rewards), and the image token."""
         self.scorer = AnswerScorer.for_encoder(encoder, (), self.settings.max_completion_length)
@@ -131,9 +114,7 @@ class DistillObjective(Objective):
             raise ValueError("train.objective distill trains on mmadapt.data.prompts.PromptDataset (its objective's "
                              "data(): mmadapt.train.run.build_run gives it), after setup() loaded the teacher")
         self.teacher.to(run.device)
-        if is_sharded(run.wrapped):  # FSDP2 sets itself up in the root's first forward: before any block runs alone
-            with torch.no_grad():
-                self.placeholder_loss(run)
+        self.first_forward(run)
 
     def memory(self, model: Any, precision: Any) -> dict[str, int]:
         """The rollout (the micro-batch's B prompts answered G times, `generation_bytes`) and the teacher's weights,
@@ -196,23 +177,6 @@ class DistillObjective(Objective):
         return {**rows, "meta": batch.get("meta", {}), "logged": {}, ROLLOUT: {
             "rollouts": done, "mask": done.mask, "student": pictures, "teacher": teacher, "stand_in": False}}
 
-    def stand_ins(self, run: Run, micro: list[dict[str, Any]]) -> dict[int, Any]:
-        """Under FSDP2, the micro-batches that hold no prompt, with their own meta (GRPO's rule: the other ranks'
-        encoding, rollout and forward gather parameters with this rank's); none elsewhere."""
-        if not is_sharded(run.wrapped):
-            return {}
-        return {k: batch.get("meta", {}) for k, batch in enumerate(micro) if not batch["input_ids"].shape[0]}
-
-    def stand_in(self, run: Run) -> dict[str, Any]:
-        """The training set's first good prompt, collated: what a rank without prompts answers (`masked_out`)."""
-        if self._stand_in is None:
-            found = first_usable(run.train_data)
-            if not found:
-                raise ValueError("no prompt of data.train can be answered (every record is a problem): check it with "
-                                 "`mmadapt data check`")
-            self._stand_in = run.collate_fn(found)
-        return to_device(self._stand_in, run.device)
-
     def masked_out(self, batch: dict[str, Any], done: Rollouts, pictures: Encoded | None, teacher: Encoded | None,
                    meta: Any) -> dict[str, Any]:
         """A stand-in's rows: scored like any rows but with no label (no position summed: zero loss, zero gradient,
@@ -223,20 +187,6 @@ class DistillObjective(Objective):
         rows[ROLLOUT].update(mask=torch.zeros_like(done.mask), stand_in=True)
         return {**rows, "meta": meta}
 
-    def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
-        """The student's one encoding of the batch's pictures (GRPO's `encode`): in training mode, with gradients
-        when its vision side trains; the vision side's run on no picture where every rank must run it."""
-        model = run.model
-        if not batch["input_ids"].shape[0]:
-            return None
-        was_training = model.training
-        model.train()
-        try:
-            with torch.set_grad_enabled(vision_trains(model)), run.precision_context(), gathered(run.wrapped):
-                return encode_prompts(model, batch)
-        finally:
-            model.train(was_training)
-
     def teacher_encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
         """The teacher's one encoding of the batch's pictures (its own vision side, no grad; None without any)."""
         if not batch["input_ids"].shape[0]:
@@ -245,13 +195,6 @@ class DistillObjective(Objective):
             return encode_prompts(self.teacher, batch)
 
     # ---- 2: the loss ---------------------------------------------------------------------------------------------
-    def units(self, batch: dict[str, Any]) -> int:
-        """A micro-batch's counted answer tokens (a stand-in's: none)."""
-        return int(batch[ROLLOUT]["mask"].sum()) if ROLLOUT in batch else 0
-
-    def tokens(self, batch: dict[str, Any]) -> int:
-        return self.units(batch)
-
     def stat_names(self, run: Run) -> tuple[str, ...]:
         return ("divergence",)
 
@@ -276,13 +219,6 @@ class DistillObjective(Objective):
         """The mean divergence per answer token, the answers' lengths and the rollout's time (every rank's)."""
         logged = {"divergence": float(sums["divergence"]) / totals.per_unit, **self.logged(micro)}
         return StepResult(loss, totals.per_unit, logged)
-
-    def placeholder_loss(self, run: Run) -> torch.Tensor:
-        pad = self.scorer.pad_token_id
-        ids = torch.tensor([[pad, pad]], device=run.device)
-        labels = torch.tensor([[-100, pad]], device=run.device)
-        scored = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, head=TokenLogps())
-        return scored.logps.sum() * 0
 
     def logged(self, micro: list[dict[str, Any]]) -> dict[str, float]:
         """The step's completion lengths (mean, max, truncated share) and the slowest rank's rollout seconds."""

@@ -64,8 +64,8 @@ import torch
 
 from mmadapt.heads import TokenLogps
 from mmadapt.train import distributed as dist_utils
-from mmadapt.train.batches import first_usable, inputs_of, to_device
-from mmadapt.train.objectives.base import Objective, ObjectiveData, Run, StepResult, StepTotals, Terms, ViewOptions
+from mmadapt.train.batches import inputs_of, to_device
+from mmadapt.train.objectives.base import Run, StepResult, StepTotals, Terms, ViewOptions
 from mmadapt.train.objectives.grpo.loss import (
     STD_EPSILON,
     PolicyLoss,
@@ -76,13 +76,13 @@ from mmadapt.train.objectives.grpo.loss import (
 )
 from mmadapt.train.objectives.grpo.settings import GrpoSettings
 from mmadapt.train.objectives.grpo.view import AnswerScorer, control_rewards, records_view
+from mmadapt.train.objectives.online import ROLLOUT, OnlineObjective, gathered, vision_trains
 from mmadapt.train.objectives.reference import adapters_disabled, lora_layers
 from mmadapt.train.objectives.rollout import (
     Encoded,
     Rollouts,
     check_groups,
     completion_logps,
-    encode_prompts,
     rollout,
     row_seeds,
     scored_rows,
@@ -90,44 +90,14 @@ from mmadapt.train.objectives.rollout import (
 from mmadapt.train.rewards import reward_specs
 
 log = logging.getLogger(__name__)
-ROLLOUT = "rollout"  # the key of a scored micro-batch that holds its rollouts, advantages and completion mask
 ENCODED = "encoded"  # ... and the step's one encoding of its prompts' pictures (`rollout.Encoded`)
 
 
-def is_sharded(wrapped: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(wrapped, FSDPModule)
-
-
-@contextlib.contextmanager
-def gathered(wrapped: Any) -> Iterator[None]:
-    """Under FSDP2, the root's own parameters (embeddings, head: those of no sharded unit) gathered while
-    the block runs: `generate` and `encode_images` are not the root's forward, whose hooks would gather them (each
-    block's forward still gathers its own)."""
-    if not is_sharded(wrapped):
-        yield
-        return
-    wrapped.unshard()
-    try:
-        yield
-    finally:
-        wrapped.reshard()
-
-
-def vision_trains(model: Any) -> bool:
-    """Whether the encoder or projector has trained parameters (its encoding then carries a graph, and changes with
-    each optimizer step)."""
-    return any(p.requires_grad for part in (model.encoder, model.projector) for p in part.parameters())
-
-
-class GrpoObjective(Objective):
+class GrpoObjective(OnlineObjective):
     """`train.objective: grpo` (the module docstring)."""
 
     section = "grpo"
     settings_class = GrpoSettings
-    shares_videos = True  # a group's rows take their prompt's videos from one encoding (video_index)
-
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         s = self.settings
@@ -146,7 +116,6 @@ class GrpoObjective(Objective):
         self.specs = reward_specs(s.rewards)
         self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
-        self._stand_in: dict[str, Any] | None = None  # the collated prompt a rank without prompts answers (FSDP2)
 
     # ---- its view of a file of prompts (`mmadapt eval` / `sees`) ----------------------------------------------------
     view_flags = frozenset({"rewards", "max_new_tokens"})
@@ -180,18 +149,6 @@ class GrpoObjective(Objective):
         return dataclasses.replace(config, sections={**config.sections, cls.section: section}), (
             f"grpo.rewards names code {code}, not imported (a reward does not change the memory); to import and check "
             f"it: --rewards {','.join(names)}")
-
-    def data(self, model: Any, encoder: Any) -> ObjectiveData:
-        from mmadapt.data import Collator
-        from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
-
-        d = self.config.data
-        self.require_one_unpacked_file(" of prompts", "lays out each prompt's answers side by side")
-        self.bind(encoder, model)
-        prompts = PromptEncoder(encoder, self.settings.max_completion_length)
-        collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
-        return ObjectiveData(PromptDataset(d.train, prompts), PromptDataset(d.eval, prompts) if d.eval else None,
-                             collate)
 
     def bind(self, encoder: Any, model: Any) -> None:
         """What answering and scoring need (`AnswerScorer`: answering's processor - its end and pad ids, its
@@ -227,9 +184,7 @@ class GrpoObjective(Objective):
         if run.step % k:
             log.warning("resumed at step %d, inside a rollout's %d steps (grpo.num_iterations): the loader's batch "
                         "%d is answered anew by the current policy", run.step, k, run.step // k)
-        if is_sharded(run.wrapped):  # FSDP2 sets itself up in the root's first forward: before any block runs alone
-            with torch.no_grad():
-                self.placeholder_loss(run)
+        self.first_forward(run)
 
     def memory(self, model: Any, precision: Any) -> dict[str, int]:
         """The rollout: the micro-batch's B prompts answered G times up to `data.max_length` (`generation_bytes`)."""
@@ -288,27 +243,6 @@ class GrpoObjective(Objective):
             rows[0]["logged"]["rollout_s"] = rollout_s
         return rows
 
-    def stand_ins(self, run: Run, micro: list[dict[str, Any]]) -> dict[int, Any]:
-        """Under FSDP2, the micro-batches that hold no prompt (every record of them a counted problem), with their own
-        meta: a stand-in answers for each (`stand_in`), since the other ranks' encoding, rollout and forward gather
-        parameters with this rank's. None elsewhere (one process; DDP runs no collective before the backward, where
-        the placeholder loss pairs)."""
-        if not is_sharded(run.wrapped):
-            return {}
-        return {k: batch.get("meta", {}) for k, batch in enumerate(micro) if not batch["input_ids"].shape[0]}
-
-    def stand_in(self, run: Run) -> dict[str, Any]:
-        """The micro-batch a rank answers in place of one without prompts: the training set's first good prompt,
-        encoded, answered and scored like any other, its every collective paired with the other ranks' (the vision
-        units', the blocks', the decoding steps' agreement), its answers then masked out (`masked_out`)."""
-        if self._stand_in is None:
-            found = first_usable(run.train_data)
-            if not found:
-                raise ValueError("no prompt of data.train can be answered (every record is a problem): check it with "
-                                 "`mmadapt data check`")
-            self._stand_in = run.collate_fn(found)
-        return to_device(self._stand_in, run.device)
-
     def masked_out(self, batch: dict[str, Any], done: Rollouts, pictures: Encoded | None,
                    meta: Any) -> dict[str, Any]:
         """A stand-in's rows (`stand_in`): scored like any rows, with no token counted (an all-False mask: zero loss,
@@ -320,23 +254,6 @@ class GrpoObjective(Objective):
         return {**scored, "meta": meta, "logged": {}, ROLLOUT: {
             "rollouts": done, "advantages": torch.zeros(done.mask.shape[0], device=done.mask.device),
             "mask": torch.zeros_like(done.mask), "prompts": batch, "stand_in": True}}
-
-    def encode(self, run: Run, batch: dict[str, Any]) -> Encoded | None:
-        """The micro-batch's pictures (images and videos) encoded once, by the policy in training mode, with
-        gradients when the vision side trains (its graph is kept for the backward; under FSDP2 the vision units'
-        hooks gather their parameters and reduce their gradients); without pictures, the vision side's run on no
-        picture where every rank must run it (`rollout.encode_prompts`), else None."""
-        model = run.model
-        if not batch["input_ids"].shape[0]:
-            return None
-        trains = vision_trains(model)
-        was_training = model.training
-        model.train()
-        try:
-            with torch.set_grad_enabled(trains), run.precision_context(), gathered(run.wrapped):
-                return encode_prompts(model, batch)
-        finally:
-            model.train(was_training)
 
     def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
         if done is None:
@@ -353,13 +270,6 @@ class GrpoObjective(Objective):
         return local._replace(advantages=scaled, std=std, zero_std=torch.isclose(std, torch.zeros_like(std)))
 
     # ---- 3: the loss ---------------------------------------------------------------------------------------------
-    def units(self, batch: dict[str, Any]) -> int:
-        """A micro-batch's counted completion tokens (a stand-in's: none)."""
-        return int(batch[ROLLOUT]["mask"].sum())
-
-    def tokens(self, batch: dict[str, Any]) -> int:
-        return self.units(batch)
-
     def stat_names(self, run: Run) -> tuple[str, ...]:
         return PolicyStats.NAMES
 
@@ -420,13 +330,6 @@ class GrpoObjective(Objective):
         gap = (per_token - done.logps.to(per_token.device)).abs()[done.mask.to(per_token.device)]
         batch.setdefault("logged", {}).update({"sampling/sampling_logp_difference/mean": float(gap.mean()),
                                                "sampling/sampling_logp_difference/max": float(gap.max())})
-
-    def placeholder_loss(self, run: Run) -> torch.Tensor:
-        pad = self.scorer.pad_token_id if self.scorer is not None else 0
-        ids = torch.tensor([[pad, pad]], device=run.device)
-        labels = torch.tensor([[-100, pad]], device=run.device)
-        scored = run.wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, head=TokenLogps())
-        return scored.logps.sum() * 0
 
     def logged(self, micro: list[dict[str, Any]], run: Run) -> dict[str, Any]:
         """The step's rewards and answers, every rank's (means over the micro-batches that had prompts)."""
