@@ -247,7 +247,7 @@ def same(one: list[dict], two: list[dict], strategy: str, keys: tuple[str, ...])
 
 
 # ---- 6: mmadapt plan -----------------------------------------------------------------------------------------------
-def test_a_distill_run_is_planned_with_its_rollout_and_the_teacher_on_every_gpu(tmp_path):
+def test_a_distill_run_is_planned_with_its_rollout_and_the_teacher_on_every_gpu(tmp_path, monkeypatch):
     """`mmadapt plan` of a distill run: the teacher's weights (its parameters x the compute dtype's bytes, the same on
     1 and 4 GPUs: replicated) and the rollout (G rows per prompt) counted beside the student's."""
     from mmadapt.generation import generation_bytes
@@ -263,7 +263,12 @@ def test_a_distill_run_is_planned_with_its_rollout_and_the_teacher_on_every_gpu(
     count = sum(p.numel() for p in VisionLanguageModel.from_pretrained(teacher).parameters())
     assert plan.per_gpu["teacher"] == 4 * count
     model = build_run(cfg).model
-    assert plan.per_gpu["rollout"] == generation_bytes(model, 2, 4, 128, 4) + 4 * count
+    assert plan.per_gpu["rollout"] == generation_bytes(model, 2, 4, 128, 4)  # between steps; the teacher throughout:
+    from mmadapt.train.objectives import DistillObjective
+
+    monkeypatch.setattr(DistillObjective, "resident_memory", lambda self, model, precision: {})
+    assert plan.per_gpu["total"] - predict(cfg, gpus=1, device="cpu").per_gpu["total"] == 4 * count  # at every moment
+    monkeypatch.undo()
     assert predict(cfg, gpus=4, device="cpu").per_gpu["teacher"] == plan.per_gpu["teacher"]
     from mmadapt.cli import main
 

@@ -242,6 +242,11 @@ class Objective(ABC):
         (a rollout's generation cache), for this rank's own rows; the plan takes the step's peak or these."""
         return {}
 
+    def resident_memory(self, model: Any, precision: Any) -> dict[str, int]:
+        """`mmadapt plan`: the bytes it keeps on every GPU throughout the run beside the model's (a teacher's
+        weights), by name; the plan adds them to every moment of the step."""
+        return {}
+
     # ---- its view of a file of records (`mmadapt eval` / `mmadapt sees`) -----------------------------------------
     view_flags: ClassVar[frozenset[str]] = frozenset()  # the command's flags its view reads (`ViewOptions`' names)
 

@@ -68,12 +68,15 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
     backward = peak + transient + recompute + loss
     # what the objective holds between steps (gradients freed), for this rank's own rows (not sharded): a GRPO
-    # rollout's generation cache and one prefill's working set
-    between = {name: size for name, size in objective_for(config).memory(model, precision).items() if size}
-    total = int(parameters + optimizer_state + sharding + max(backward, gradients + step_temp, *between.values()))
+    # rollout's generation cache and one prefill's working set; and what it keeps throughout (a teacher's weights)
+    objective = objective_for(config)
+    between = {name: size for name, size in objective.memory(model, precision).items() if size}
+    resident = {name: size for name, size in objective.resident_memory(model, precision).items() if size}
+    total = int(parameters + sum(resident.values()) + optimizer_state + sharding
+                + max(backward, gradients + step_temp, *between.values()))
     per_gpu = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state + step_temp,
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
-               **between, "total": total}
+               **resident, **between, "total": total}
     margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),

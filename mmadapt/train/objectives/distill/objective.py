@@ -117,19 +117,22 @@ class DistillObjective(OnlineObjective):
         self.first_forward(run)
 
     def memory(self, model: Any, precision: Any) -> dict[str, int]:
-        """The rollout (the micro-batch's B prompts answered G times, `generation_bytes`) and the teacher's weights,
-        whole on every GPU (replicated under FSDP2), in the compute dtype. The plan takes the largest entry beside the
-        step's peak, so the rollout's entry counts the teacher too (it is resident while the student samples)."""
+        """The rollout: the micro-batch's B prompts answered G times (`generation_bytes`)."""
         from mmadapt.generation import generation_bytes
 
         d, s = self.config.data, self.settings
+        return {"rollout": generation_bytes(model, d.batch_size, s.num_generations, d.max_length,
+                                            precision.hidden_bytes)}
+
+    def resident_memory(self, model: Any, precision: Any) -> dict[str, int]:
+        """The teacher's weights, whole on every GPU (replicated under FSDP2) throughout the run, in the compute
+        dtype (0, and a warning, for a teacher path that is not here: a recipe's, like its absent checkpoints)."""
+        s = self.settings
         try:
-            teacher = teacher_parameters(s.teacher) * precision.hidden_bytes
-        except (OSError, ValueError) as e:  # a recipe's teacher not here (like its absent checkpoints): not planned
+            return {"teacher": teacher_parameters(s.teacher) * precision.hidden_bytes}
+        except (OSError, ValueError) as e:
             log.warning("distill.teacher %s cannot be read (%s): its weights are not planned", s.teacher, e)
-            teacher = 0
-        rollout_bytes = generation_bytes(model, d.batch_size, s.num_generations, d.max_length, precision.hidden_bytes)
-        return {"rollout": rollout_bytes + teacher, "teacher": teacher}
+            return {"teacher": 0}
 
     # ---- 0-1: encodings and rollouts -----------------------------------------------------------------------------
     def training_rows(self, run: Run, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
