@@ -149,10 +149,14 @@ class Processor:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """The ids that end an answer: the tokenizer's EOS and the template's end of turn."""
-        end = self.encoder.template.end_of_turn(self.tokenizer)
-        ids = {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids(end)}
-        return sorted(i for i in ids if i is not None)
+        """The ids that end an answer: the tokenizer's EOS and the template's end of turn, when that is one token of
+        the vocabulary (an empty end, or one the tokenizer does not hold, would name its unknown token)."""
+        tokenizer = self.tokenizer
+        end = self.encoder.template.end_of_turn(tokenizer)
+        end_id = tokenizer.convert_tokens_to_ids(end) if end else None
+        if end_id is not None and end_id == tokenizer.unk_token_id and end != tokenizer.unk_token:
+            end_id = None
+        return sorted(i for i in {tokenizer.eos_token_id, end_id} if i is not None)
 
 
 def _is_message(value: Any) -> bool:

@@ -169,3 +169,22 @@ def test_mmadapt_chat_has_a_flag_for_every_sampling_setting_the_page_shows():
     assert shown == {s.name: s.default for s in sampling_settings()}
     given = sampling_from(parser.parse_args(["--repetition-penalty", "1.3", "--top-p", "0.5"]))
     assert (given.repetition_penalty, given.top_p) == (1.3, 0.5)
+
+
+def test_an_end_of_turn_the_vocabulary_does_not_hold_is_no_end_id():
+    """A template whose end of turn is empty or not one token of the vocabulary adds no end id: the tokenizer would
+    name its unknown token for it, and every answer would stop at an `<unk>` (Llama's real tokenizer)."""
+    from types import SimpleNamespace
+
+    from real_tokenizers import real_tokenizer
+
+    from mmadapt.processor import Processor
+
+    tokenizer = real_tokenizer("llama2")
+    for end, expected in [("", [tokenizer.eos_token_id]), ("<|im_end|>", [tokenizer.eos_token_id]),
+                          ("</s>", [tokenizer.eos_token_id]), (tokenizer.unk_token, sorted({tokenizer.eos_token_id,
+                                                                                           tokenizer.unk_token_id}))]:
+        encoder = SimpleNamespace(tokenizer=tokenizer, template=SimpleNamespace(end_of_turn=lambda _, e=end: e))
+        processor = Processor.__new__(Processor)
+        processor.encoder, processor.tokenizer = encoder, tokenizer
+        assert processor.eos_token_ids == expected, end
