@@ -154,7 +154,8 @@ class Processor:
         tokenizer = self.tokenizer
         end = self.encoder.template.end_of_turn(tokenizer)
         end_id = tokenizer.convert_tokens_to_ids(end) if end else None
-        if end_id is not None and end_id == tokenizer.unk_token_id and end != tokenizer.unk_token:
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        if end_id is not None and end_id == unknown and end != getattr(tokenizer, "unk_token", None):
             end_id = None
         return sorted(i for i in {tokenizer.eos_token_id, end_id} if i is not None)
 
