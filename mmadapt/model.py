@@ -71,6 +71,7 @@ from mmadapt.projectors import PROJECTORS
 
 if TYPE_CHECKING:
     from mmadapt.directory import ProcessorWriter
+    from mmadapt.sequence_parallel import SequenceParallel
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
                                          "backbone": self.backbone})
         self._full_logits_reason: str | None = None  # see loss_without_logits
         self.full_logits_loss = False  # True: the training loss from full logits, as transformers (train.full_logits)
+        # `mmadapt.sequence_parallel.SequenceParallel` when the ranks of a group share each sample's sequence
+        self.sequence_parallel: SequenceParallel | None = None
 
     @classmethod
     def from_names(cls, encoder: str | dict | ComponentConfig, projector: str | dict | ComponentConfig,
@@ -375,6 +378,10 @@ class VisionLanguageModel(nn.Module, GenerateMixin):
         (`runs_vision_for_every_batch`): it does not run again. `visual_videos`: the same for the rows'
         videos (one entry per video of the rows, its (t, h, w) grid; the rows still carry `video_grid_thw` and
         `videos_per_sample`, which the checks compare with it)."""
+        if self.sequence_parallel is not None:  # this rank decodes its shard of the sequence
+            return self.sequence_parallel.forward(self, VisionBatch.of(locals()), labels, head=head,
+                                                  return_logits=return_logits, visual=visual,
+                                                  visual_videos=visual_videos, kwargs=kwargs)
         inputs = self.prepare(VisionBatch.of(locals()), visual=visual,  # the inputs, by VisionBatch's fields
                               visual_videos=visual_videos)
         if head is not None:

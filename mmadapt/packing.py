@@ -28,6 +28,8 @@ from typing import Any, Final
 
 import torch
 
+from mmadapt.ulysses import Shards, ulysses_attention
+
 
 def require_bool_mask(mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
     """`mask` itself if it is bool; otherwise a `TypeError` saying why integers are refused (internal functions)."""
@@ -279,8 +281,11 @@ VARLEN = "mmadapt_sdpa"
 
 def varlen_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                packed_segments: PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention; with `packed_segments`, causal attention within each sample (varlen).
+                packed_segments: PackedRows | None = None, sequence_parallel: Shards | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention; with `packed_segments`, causal attention within each sample (varlen); with
+    `sequence_parallel` (`mmadapt.ulysses.Shards`: the layer holds its rank's shard of the tokens), Ulysses: the heads
+    exchanged for the whole sequence, this attention over it, the tokens exchanged back (`ulysses_attention`).
 
     query (B, H, L, Dh), key / value (B, H_kv, L, Dh) -> (B, L, H, Dh), transformers' layout.
     Paths (`packed_path`): flash-attn's varlen kernel over the flattened batch (CUDA, fp16 / bf16, flash-attn
@@ -289,6 +294,9 @@ def varlen_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if sequence_parallel is not None:
+        return ulysses_attention(varlen_sdpa, module, query, key, value, sequence_parallel, dropout=dropout,
+                                 scaling=scaling, **kwargs)
     if packed_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
