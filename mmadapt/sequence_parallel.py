@@ -113,12 +113,15 @@ class SequenceParallel:
                 logits, labels[:, :length], model.backbone.config.vocab_size, num_items_in_batch=num_items)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         top = self.top(hidden, labels, inputs, shards, output, num_items, model.full_logits_loss)
+        # an exact 0 that depends on the whole decoder: a shard without supervised positions still runs its backward
+        # through the exchanges, which the group's other ranks wait for
+        anchor = hidden[:1, :1, :1].sum() * 0 if torch.is_grad_enabled() and hidden.requires_grad else None
         if head is None:
-            return CausalLMOutputWithPast(loss=self.loss(top, num_items))
+            return CausalLMOutputWithPast(loss=self.loss(top, num_items, anchor))
         if isinstance(head, SequenceLogps) and head.reference is not None:
             head = replace(head, reference=(shards_of_supervised(head.reference[0], labels, shards),
                                             head.reference[1]))
-        return self.combine(head(top), labels, shards, length)
+        return self.combine(head(top), labels, shards, length, anchor)
 
     def shards(self, inputs: ModelInputs) -> Shards:
         """The layers' view of the whole sequence (`mmadapt.ulysses.Shards`)."""
@@ -144,23 +147,25 @@ class SequenceParallel:
                           valid=F.pad(shards.mine(inputs.valid), (0, 1), value=False),
                           num_items_in_batch=num_items, full_logits=full_logits)
 
-    def loss(self, top: HeadInputs, num_items: Any) -> torch.Tensor:
+    def loss(self, top: HeadInputs, num_items: Any, anchor: torch.Tensor | None) -> torch.Tensor:
         """The language-model loss: the shards' summed token losses / `num_items` (else / their count)."""
+        total = anchored(causal_lm_loss(top.hidden, top.output, top.labels, 1 if num_items is None else num_items,
+                                        embeds=top.inputs_embeds), anchor)
+        total = sum_replicated(total, self.group)
         if num_items is not None:
-            return sum_replicated(causal_lm_loss(top.hidden, top.output, top.labels, num_items,
-                                                 embeds=top.inputs_embeds), self.group)
-        total = sum_replicated(causal_lm_loss(top.hidden, top.output, top.labels, 1, embeds=top.inputs_embeds),
-                               self.group)
+            return total
         return total / sum_replicated(top.supervised_mask().sum().to(total), self.group)
 
-    def combine(self, result: Any, labels: torch.Tensor | None, shards: Shards, length: int) -> Any:
-        """One process's head result from every rank's: sums added, per-position results gathered."""
+    def combine(self, result: Any, labels: torch.Tensor | None, shards: Shards, length: int,
+                anchor: torch.Tensor | None = None) -> Any:
+        """One process's head result from every rank's: sums added, per-position results gathered (`anchor`: an
+        exact 0 added to each differentiable result, so that every rank's backward reaches its decoder)."""
         n = shards.shard_length
         if isinstance(result, SequenceLogProbs):
             states = result.states
             if states is not None:
                 states = gather_supervised(states, labels, shards)
-            return SequenceLogProbs(logps=sum_replicated(result.logps, self.group),
+            return SequenceLogProbs(logps=sum_replicated(anchored(result.logps, anchor), self.group),
                                     tokens=sum_replicated(result.tokens, self.group),
                                     kl=None if result.kl is None else sum_replicated(result.kl, self.group),
                                     states=states)
@@ -169,14 +174,20 @@ class SequenceParallel:
                 full = gather_sequence(x[:, 1:n + 1], self.group, self.size, self.rank)
                 return F.pad(full, (1, 0))[:, :length]
 
-            return TokenLogProbs(logps=joined(result.logps),
+            return TokenLogProbs(logps=joined(anchored(result.logps, anchor)),
                                  entropy=None if result.entropy is None else joined(result.entropy))
         if isinstance(result, TokenLossesOutput):
             if result.aux_loss is not None:
                 raise ValueError("an auxiliary loss is not combined under sequence parallelism")
             losses = gather_sequence(result.token_losses[:, :n], self.group, self.size, self.rank)[:, :length]
-            return TokenLossesOutput(loss=sum_replicated(result.loss, self.group), token_losses=losses)
+            return TokenLossesOutput(loss=sum_replicated(anchored(result.loss, anchor), self.group),
+                                     token_losses=losses)
         raise TypeError(f"no sequence-parallel combination for {type(result).__name__}")
+
+
+def anchored(x: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+    """`x` + `anchor` (an exact 0 in the decoder's graph), or `x` without one."""
+    return x if anchor is None else x + anchor.to(x.dtype)
 
 
 # ---- the batch: padded to a multiple of the group's size ------------------------------------------------------------

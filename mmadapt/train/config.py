@@ -217,10 +217,17 @@ class DistributedSection:
     # every collective gives up after this long (init_process_group's timeout; NCCL's default is 10 minutes): long
     # enough for rank 0 to write a checkpoint of a large model while the other ranks wait for it
     timeout_minutes: float = 30.0
+    # N ranks share each sample's sequence (Ulysses: tokens split across them, heads exchanged around attention and
+    # Gated DeltaNet); the world is then world / N data-parallel groups of N consecutive ranks
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not self.timeout_minutes > 0:
             raise ValueError(f"distributed.timeout_minutes must be > 0, got {self.timeout_minutes}")
+        if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int) or (
+                self.sequence_parallel < 1):
+            raise ValueError(f"distributed.sequence_parallel must be an integer >= 1 (ranks sharing each sample), got "
+                             f"{self.sequence_parallel!r}")
 
 
 @dataclass(kw_only=True)

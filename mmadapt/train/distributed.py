@@ -35,28 +35,60 @@ BLOCK_LISTS = ("layers", "blocks")  # ModuleLists whose children are transformer
 
 @dataclass(frozen=True)
 class DistContext:
+    """This process's place: `rank` of `world`, and with sequence parallelism (`sequence_parallel` N > 1) its group
+    of N consecutive ranks sharing each sample (`sequence_group`) and the data-parallel group of the ranks holding
+    other data (`data_group`: one rank of each sequence group, this one's position in each)."""
+
     rank: int
     world: int
     device: torch.device
+    sequence_parallel: int = 1
+    sequence_group: Any = None
+    data_group: Any = None  # None: every rank (no sequence parallelism)
 
     @property
     def active(self) -> bool:
         return self.world > 1
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank reads (the ranks of a sequence group read the same)."""
+        return self.rank // self.sequence_parallel
 
-def init(timeout_minutes: float = 30.0) -> DistContext:
+    @property
+    def data_world(self) -> int:
+        """How many shares the data is cut into: world / sequence_parallel."""
+        return self.world // self.sequence_parallel
+
+    @property
+    def sequence_rank(self) -> int:
+        return self.rank % self.sequence_parallel
+
+
+def init(timeout_minutes: float = 30.0, sequence_parallel: int = 1) -> DistContext:
     """The process group when launched by torchrun (every collective gives up after `timeout_minutes`), else one
-    process."""
+    process; with `sequence_parallel` N > 1, a (world / N, N) mesh: groups of N consecutive ranks share each sample."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if sequence_parallel > 1 and world % sequence_parallel:
+        raise ValueError(f"distributed.sequence_parallel: {sequence_parallel} does not divide the {world} processes "
+                         f"torchrun started. Fix: --nproc_per_node (x nodes) a multiple of {sequence_parallel}, or "
+                         f"one of {[n for n in range(1, world + 1) if world % n == 0]}")
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(minutes=timeout_minutes))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return DistContext(rank=rank, world=world, device=device)
+    if sequence_parallel <= 1 or world == 1:
+        return DistContext(rank=rank, world=world, device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // sequence_parallel, sequence_parallel),
+                            mesh_dim_names=("data", "sequence"))
+    return DistContext(rank=rank, world=world, device=device, sequence_parallel=sequence_parallel,
+                       sequence_group=mesh.get_group("sequence"), data_group=mesh.get_group("data"))
 
 
 def is_fsdp(module: nn.Module) -> bool:
@@ -139,10 +171,11 @@ class _FsdpNoSync:
         self.module.set_requires_gradient_sync(True)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The sum of `tensor` over `group`'s ranks (every rank: None); itself in one process."""
     tensor = tensor.clone()
     if dist.is_initialized():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     return tensor
 
 

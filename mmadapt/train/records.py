@@ -30,11 +30,11 @@ def learning_rates(scheduler: Any, optimizer: Any, lr: float, lr_by_part: dict[s
 
 
 def step_speed(model: Any, micro: list[dict[str, Any]], supervised: int, seconds: float, device: torch.device,
-               peak_tflops: float | None) -> dict[str, Any]:
+               peak_tflops: float | None, data_group: Any = None) -> dict[str, Any]:
     """Tokens, supervised tokens, samples and images per second over every rank; peak memory; for a VLM, this rank's
     FLOPs per part, the vision side's share, TFLOP/s and (with a known peak) MFU."""
     counts = torch.tensor([sum(batch_counts(b)[k] for b in micro) for k in range(3)], dtype=torch.float64)
-    tokens, samples, images = dist_utils.all_reduce_sum(counts.to(device)).tolist()
+    tokens, samples, images = dist_utils.all_reduce_sum(counts.to(device), data_group).tolist()  # each sample once
     out: dict[str, Any] = dict(tokens_per_s=tokens / seconds, supervised_per_s=supervised / seconds,
                                samples_per_s=samples / seconds, images_per_s=images / seconds,
                                peak_memory_mib=peak_memory_mib(device))

@@ -70,7 +70,7 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     import torch
 
     from mmadapt.data import SampleEncoder
-    from mmadapt.train.objectives import objective_for
+    from mmadapt.train.objectives import check_sequence_parallel, objective_for
 
     if config.data.train is None:
         raise ValueError("data.train is not set: give a LLaVA or messages .json/.jsonl file (data.train=PATH)")
@@ -78,6 +78,9 @@ def build_run(config: RunConfig, model: Any = None) -> RunParts:
     from mmadapt.data.config import DataConfig
 
     objective = objective_for(config)  # an unknown train.objective fails before anything is built
+    if config.distributed.sequence_parallel > 1:  # refused before any weight or record is read
+        check_sequence_parallel(objective, model if model is not None else model_structure(config),
+                                config.distributed.sequence_parallel)
     torch.manual_seed(config.train.seed)
     model = model if model is not None else build_model_from(config)
     tokenizer = tokenizer_for(tokenizer_source(config))

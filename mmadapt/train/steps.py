@@ -35,8 +35,8 @@ def accumulate(run: Run, objective: Objective, micro: list[dict[str, Any]], cloc
     `clock.backward_done()` after each micro-batch's backward."""
     counts = torch.tensor([[objective.units(b), objective.tokens(b)] if objective.has_rows(b) else [0, 0]
                            for b in micro], dtype=torch.float64).sum(0)
-    units, tokens = (int(v) for v in dist_utils.all_reduce_sum(counts.to(run.device)).tolist())
-    totals = StepTotals(units, tokens, len(micro) * run.dist.world)
+    units, tokens = (int(v) for v in dist_utils.all_reduce_sum(counts.to(run.device), run.dist.data_group).tolist())
+    totals = StepTotals(units, tokens, len(micro) * run.dist.data_world)
     names = objective.stat_names(run)
     summed = torch.zeros(1 + len(names), dtype=torch.float64, device=run.device)  # the loss, the sums: on the
     # device, no sync per micro-batch
@@ -55,7 +55,7 @@ def accumulate(run: Run, objective: Objective, micro: list[dict[str, Any]], cloc
             clock.backward_done()
         summed += torch.stack([torch.as_tensor(value, dtype=torch.float64, device=run.device)
                                for value in (loss.detach(), *(values.get(key, 0.0) for key in names))])
-    loss_sum, *sums = dist_utils.all_reduce_sum(summed).tolist()
+    loss_sum, *sums = dist_utils.all_reduce_sum(summed, run.dist.data_group).tolist()
     return objective.step_result(run, micro, loss_sum, dict(zip(names, sums, strict=True)), totals)
 
 
@@ -68,7 +68,8 @@ def evaluate(run: Run, objective: Objective) -> dict[str, float]:
     run = Evaluating(run)
     run.wrapped.eval()
     with run.precision_context(), objective.evaluating(run):
-        for items in eval_items(run.eval_data, run.cfg.data.batch_size, run.dist.rank, run.dist.world):
+        for items in eval_items(run.eval_data, run.cfg.data.batch_size, run.dist.data_rank,
+                                     run.dist.data_world):
             good = [item for item in items if usable(item)]
             batch = run.collate_fn(good) if good else None
             if batch is None or not objective.has_rows(batch):  # nothing of its own in this round
@@ -80,7 +81,7 @@ def evaluate(run: Run, objective: Objective) -> dict[str, float]:
             for key, value in objective.eval_batch(run, good, batch).items():
                 sums[key] += value
     reduced = dist_utils.all_reduce_sum(torch.tensor([sums[k] for k in names] or [0.0], dtype=torch.float64,
-                                                     device=run.device)).tolist()
+                                                     device=run.device), run.dist.data_group).tolist()
     return objective.eval_metrics(run, dict(zip(names, reduced, strict=False)))
 
 

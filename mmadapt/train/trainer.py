@@ -70,7 +70,7 @@ from mmadapt.train.cpu_memory import return_freed_memory
 from mmadapt.train.export import export
 from mmadapt.train.guard import NonFiniteError as NonFiniteError  # moved; imported from here too (mmadapt.train)
 from mmadapt.train.guard import drop_unseen_vision_gradients, non_finite_error
-from mmadapt.train.objectives import objective_for
+from mmadapt.train.objectives import check_sequence_parallel, objective_for
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups, total_steps, warmup_steps
 from mmadapt.train.optim import upcast_trainable as upcast_trainable  # moved; imported from here too (plan, benchmarks)
 from mmadapt.train.plots import plot_history
@@ -97,11 +97,11 @@ class Trainer:
         self.cfg, self.model, self.train_data, self.collate_fn = config, model, train_data, collate_fn
         self.tokenizer = tokenizer
         self.eval_data, self.evaluate = eval_data, evaluate
-        self.dist = dist_utils.init(config.distributed.timeout_minutes)
+        self.dist = dist_utils.init(config.distributed.timeout_minutes, config.distributed.sequence_parallel)
         if config.train.eval_tasks:  # lmms-eval (mmadapt.lmms_eval.tasks): checked before training starts
             from mmadapt.lmms_eval.tasks import check_eval_tasks
 
-            check_eval_tasks(config.train.eval_tasks, world=self.dist.world, tokenizer=tokenizer)
+            check_eval_tasks(config.train.eval_tasks, world=self.dist.data_world, tokenizer=tokenizer)
         self.device = self.dist.device
         if self.device.type == "cpu" and (done := return_freed_memory()) is not None:
             log.info(done)
@@ -119,6 +119,11 @@ class Trainer:
         self.objective = objective_for(config)
         self.cfg = config = self.objective.config  # its settings resolved, as the run saves them
         self.objective.setup(model)
+        if (size := self.dist.sequence_parallel) > 1:  # the ranks of a group share each sample's sequence
+            from mmadapt.sequence_parallel import SequenceParallel
+
+            check_sequence_parallel(self.objective, model, size)
+            model.sequence_parallel = SequenceParallel(self.dist.sequence_group, size, self.dist.sequence_rank)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.mode)
         if not any(p.requires_grad for p in self.wrapped.parameters()):
@@ -126,7 +131,7 @@ class Trainer:
         t = config.train
         groups = parameter_groups(model, self.wrapped, lr=t.lr, weight_decay=t.weight_decay, lr_by_part=t.lr_by_part)
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-        global_batch = config.data.batch_size * t.grad_accum * self.dist.world
+        global_batch = config.data.batch_size * t.grad_accum * self.dist.data_world
         # the dataset's size only when epochs ask for it (a stream counts its shards' samples for it)
         self.total_steps = total_steps(t, len(train_data) // global_batch if t.epochs is not None else 0)
         self.warmup_steps = warmup_steps(t, self.total_steps)
@@ -157,17 +162,17 @@ class Trainer:
 
     def stream_layout(self) -> StreamLayout:
         """What a stream's position means in this run (`mmadapt.data.stream`): ranks, loader workers, batching."""
-        return StreamLayout(self.dist.world, self.cfg.data.num_workers, self.cfg.data.batch_size,
+        return StreamLayout(self.dist.data_world, self.cfg.data.num_workers, self.cfg.data.batch_size,
                             self.cfg.train.grad_accum)
 
     def loader(self, start_step: int) -> Iterator[dict[str, Any]]:
         if isinstance(self.train_data, StreamingDataset):  # every stream starts where `start_step` left it
-            part = self.train_data.for_rank(self.dist.rank, self.stream_layout(), start_step)
+            part = self.train_data.for_rank(self.dist.data_rank, self.stream_layout(), start_step)
             return iter(DataLoader(part, batch_size=self.cfg.data.batch_size, collate_fn=self.collate_fn,
                                    num_workers=self.cfg.data.num_workers))
         sampler = GlobalBatchSampler(len(self.train_data), micro_batch=self.cfg.data.batch_size,
                                      grad_accum=self.cfg.train.grad_accum, seed=self.cfg.train.seed,
-                                     rank=self.dist.rank, world=self.dist.world, start_step=start_step,
+                                     rank=self.dist.data_rank, world=self.dist.data_world, start_step=start_step,
                                      epoch_indices=isinstance(self.train_data, Mixture))
         return iter(DataLoader(self.train_data, batch_sampler=sampler, collate_fn=self.collate_fn,
                                num_workers=self.cfg.data.num_workers))
@@ -291,7 +296,8 @@ class Trainer:
         """The step's time split (data / vision / llm / optimizer, and the whole step) and speed (`step_speed`); a
         one-time warning when the step waits for data more than `train.slow_data_share` of its time."""
         record["time"] = {"data": waited, **record["time"], "step": seconds}
-        record.update(step_speed(self.model, micro, record["tokens"], seconds, self.device, self.peak_tflops),
+        record.update(step_speed(self.model, micro, record["tokens"], seconds, self.device, self.peak_tflops,
+                                    self.dist.data_group),
                       skipped_steps=self.skipped, bad_samples=self.bad_samples)
         share = self.cfg.train.slow_data_share
         if self.step > 2 and not self.warned_slow_data and waited > share * seconds:
@@ -321,7 +327,7 @@ class Trainer:
             if p.get("source") in names:
                 per_source[len(names) + names.index(p["source"])] += 1
         counts = dist_utils.all_reduce_sum(torch.tensor([good + len(problems), len(problems), *per_source],
-                                                        device=self.device))
+                                                        device=self.device), self.dist.data_group)
         seen, bad, *per_source = (int(v) for v in counts.tolist())
         self.step_sources = {}
         for k, name in enumerate(names):

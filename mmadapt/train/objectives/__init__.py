@@ -13,6 +13,8 @@ registers itself (docs/extending.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives.base import (
     OBJECTIVES,
@@ -50,6 +52,21 @@ OBJECTIVES.register("grpo", GrpoObjective)
 OBJECTIVES.register("kto", KtoObjective)
 OBJECTIVES.register("distill", DistillObjective)
 OBJECTIVES.register("gkd", DistillObjective)  # trl's name for it
+
+
+def check_sequence_parallel(objective: Objective, model: Any, size: int) -> None:
+    """Refuse `distributed.sequence_parallel: size` for an objective or a model that cannot split their sequences
+    (`Objective.without_sequence_parallel`; heads that do not divide by it: `mmadapt.sequence_parallel.check_model`).
+    """
+    if size <= 1:
+        return
+    if objective.without_sequence_parallel:
+        name = objective.config.train.objective
+        raise ValueError(f"train.objective {name} does not run under distributed.sequence_parallel: {size}: "
+                         f"{objective.without_sequence_parallel}. Fix: distributed.sequence_parallel: 1")
+    from mmadapt.sequence_parallel import check_model
+
+    check_model(model, size)
 
 
 def view_for(records: list) -> type[Objective] | None:

@@ -142,6 +142,8 @@ class Objective(ABC):
     steps_per_batch: int = 1  # optimizer steps each loader batch's rows serve (GRPO's num_iterations)
     shares_videos: ClassVar[bool] = False  # a sample's rows take its videos from one encoding (GRPO; a DPO pair's
     # rows each encode theirs)
+    # why it cannot run with its samples' sequences split across ranks (`distributed.sequence_parallel`), or None
+    without_sequence_parallel: ClassVar[str | None] = None
 
     def __init__(self, config: RunConfig) -> None:
         """`settings`: its section of `config` parsed (None without one); `config` keeps that section resolved (every

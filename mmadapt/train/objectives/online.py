@@ -56,6 +56,8 @@ class OnlineObjective(Objective):
     `bind` (what answering its prompts needs) and `answer_length` (the most tokens an answer may have)."""
 
     shares_videos = True  # a group's rows take their prompt's videos from one encoding (video_index)
+    without_sequence_parallel = ("its rollout generates the answers token by token with a KV cache on each rank, "
+                                 "which a split sequence does not have")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

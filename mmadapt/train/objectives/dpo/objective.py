@@ -229,7 +229,7 @@ class PreferenceObjective(Objective):
             return
         started = time.perf_counter()
         tables = {name: compute_table(run.wrapped, data, run.collate_fn, batch_size=run.cfg.data.batch_size,
-                                      rank=run.dist.rank, world=run.dist.world, device=run.device,
+                                      rank=run.dist.data_rank, world=run.dist.data_world, device=run.device,
                                       precision=run.precision_context, gather=dist_utils.gather_objects)
                   for name, data in sets.items()}
         checksums = {"model": self.start_checksum, **{f"data.{k}": v for k, v in wanted.items()}}

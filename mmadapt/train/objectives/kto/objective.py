@@ -184,7 +184,7 @@ class KtoObjective(Objective):
         started = time.perf_counter()
         collate = TableRows(run.collate_fn)
         tables = {name: compute_table(run.wrapped, data, collate, batch_size=run.cfg.data.batch_size,
-                                      rank=run.dist.rank, world=run.dist.world, device=run.device,
+                                      rank=run.dist.data_rank, world=run.dist.data_world, device=run.device,
                                       precision=run.precision_context, gather=dist_utils.gather_objects)
                   for name, data in sets.items()}
         self.table = ReferenceTable(tables, {"model": self.start_checksum, **wanted})
