@@ -89,7 +89,7 @@ def dataset(tmp_path_factory):
         {"from": "gpt", "value": list(PHOTOS)[i % 4] + " indeed" * (i % 2)}]} for i in range(16)]
     (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     (root / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in records[:5]))  # 3 batches of 2: uneven on 2
-    pairs = [{"id": f"p{i}", "image": f"{list(PHOTOS)[i % 4]}.png",
+    pairs = [{"id": f"p{i}", "images": [f"{list(PHOTOS)[i % 4]}.png"],
               "prompt": "<image>\nWhat is this?" + " please" * (i % 3),
               "chosen": list(PHOTOS)[i % 4], "rejected": list(PHOTOS)[(i + 1) % 4] + " maybe" * (i % 2)}
              for i in range(16)]
