@@ -103,6 +103,7 @@ class SequenceParallel:
         shard = take(inputs, shards)
         if inputs.checked:
             check_shard(shard, shards)
+        del inputs  # the whole sequence's embeddings are freed: a rank keeps its shard's (`take` copies them)
         decoder = model.backbone.get_decoder()
         with probe(model, shard):
             hidden = decoder(**shard.inputs, sequence_parallel=shards, use_cache=False, **kwargs).last_hidden_state
@@ -112,7 +113,7 @@ class SequenceParallel:
             loss = None if labels is None else model.backbone.loss_function(
                 logits, labels[:, :length], model.backbone.config.vocab_size, num_items_in_batch=num_items)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
-        top = self.top(hidden, labels, inputs, shards, output, num_items, model.full_logits_loss)
+        top = self.top(hidden, labels, shard, shards, output, num_items, model.full_logits_loss)
         # an exact 0 that depends on the whole decoder: a shard without supervised positions still runs its backward
         # through the exchanges, which the group's other ranks wait for
         anchor = hidden[:1, :1, :1].sum() * 0 if torch.is_grad_enabled() and hidden.requires_grad else None
@@ -133,7 +134,7 @@ class SequenceParallel:
             mask = (causal & (inputs.valid[:, None, :] | eye))[:, None]
         return Shards(self.group, self.size, self.rank, inputs.valid, inputs.packed, mask)
 
-    def top(self, hidden: torch.Tensor, labels: torch.Tensor | None, inputs: ModelInputs, shards: Shards,
+    def top(self, hidden: torch.Tensor, labels: torch.Tensor | None, shard: Shard, shards: Shards,
             output: Any, num_items: Any, full_logits: bool) -> HeadInputs:
         """The shard's top for a head: one extra position at its end whose label is the next shard's first token, so
         that the heads' shift (position t predicts labels[t + 1]) predicts across the split exactly as in one
@@ -143,8 +144,8 @@ class SequenceParallel:
             labels = F.pad(labels[:, start:end + 1], (0, 1 if end == shards.length else 0), value=IGNORE_INDEX)
             labels = labels.to(hidden.device)
         return HeadInputs(hidden=F.pad(hidden, (0, 0, 0, 1)), labels=labels,
-                          output=output, inputs_embeds=inputs.inputs_embeds,
-                          valid=F.pad(shards.mine(inputs.valid), (0, 1), value=False),
+                          output=output, inputs_embeds=F.pad(shard.inputs["inputs_embeds"], (0, 0, 0, 1)),
+                          valid=F.pad(shards.mine(shards.valid), (0, 1), value=False),
                           num_items_in_batch=num_items, full_logits=full_logits)
 
     def loss(self, top: HeadInputs, num_items: Any, anchor: torch.Tensor | None) -> torch.Tensor:
@@ -244,7 +245,7 @@ def take(inputs: ModelInputs, shards: Shards) -> Shard:
     visual = inputs.visual
     features = None if visual is None else visual.features[held]
     levels = () if visual is None else tuple(level[held] for level in visual.levels)
-    decoder_inputs: dict[str, Any] = {"inputs_embeds": shards.mine(inputs.inputs_embeds),
+    decoder_inputs: dict[str, Any] = {"inputs_embeds": shards.mine(inputs.inputs_embeds).clone(),
                                       "position_ids": shards.mine(inputs.position_ids, dim=-1),
                                       "attention_mask": _no_mask(inputs.attention_mask)}
     if levels:

@@ -77,8 +77,8 @@ def test_heads_that_do_not_divide_are_refused_naming_the_numbers_and_the_sizes_t
 # ---- whole runs ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from test_distributed import PHOTOS
     from PIL import Image
+    from test_distributed import PHOTOS
 
     root = tmp_path_factory.mktemp("sp_runs")
     (root / "images").mkdir()

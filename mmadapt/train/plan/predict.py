@@ -37,10 +37,19 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     probe = probe if probe is not None else cached_probe(config)
     work = workload(config, model)
     strategy = "single" if gpus == 1 else ("ddp" if config.distributed.strategy == "ddp" else "fsdp2")
+    split = config.distributed.sequence_parallel
+    if gpus % split:
+        raise ValueError(f"distributed.sequence_parallel: {split} does not divide --gpus {gpus}")
+    if split > 1:
+        from mmadapt.sequence_parallel import check_model
+
+        check_model(model, split)
     forward = segments(model, probe)
     checkpointed = set(checkpointed_parts(config.train.activation_checkpointing))
-    vision = (work.images * work.patches_per_image, work.patches_per_image)
-    load = {"encoder": vision, "projector": vision, "backbone": (work.tokens, work.tokens / work.rows)}
+    vision = (work.images * work.patches_per_image, work.patches_per_image)  # replicated on every rank of a group
+    # a rank's decoder holds tokens / N of every row; attention sees whole rows for heads / N (Ulysses), so a
+    # quadratic term (c x s) also falls by N
+    load = {"encoder": vision, "projector": vision, "backbone": (work.tokens / split, work.tokens / work.rows)}
     shard = gpus if strategy == "fsdp2" else 1
     peak, acts = sweep(forward, load, checkpointed, shard)
     _, acts_off = sweep(forward, load, set(), shard)
@@ -58,7 +67,9 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     width = model.backbone.config.hidden_size
     vocab = model.backbone.get_output_embeddings().weight.shape[0]
     # the supervised rows' gradients (kept from the forward to the backward) and the chunk of logits
-    loss = work.supervised * width * precision.hidden_bytes + _chunk_bytes(work.supervised, vocab, precision)
+    supervised = -(-work.supervised // split)  # a rank's share of the supervised rows (evenly spread: the mean)
+    loss = supervised * width * precision.hidden_bytes + _chunk_bytes(supervised, vocab, precision)
+    exchange = exchange_bytes(model, work, split, precision)
     parameters = sum(by_dtype.values()) // shard
     gradients = trained_bytes // shard
     optimizer_state = 2 * trained_bytes // shard
@@ -66,7 +77,7 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     sharding = _sharding_bytes(strategy, forward, trained_bytes, precision)
     # the step's peak: the backward sweep (gradients appear as the saved activations go) with its temporaries and
     # the loss, or the optimizer step (every gradient + its temporaries); parameters and moments are there throughout
-    backward = peak + transient + recompute + loss
+    backward = peak + transient + recompute + loss + exchange
     # what the objective holds between steps (gradients freed), for this rank's own rows (not sharded): a GRPO
     # rollout's generation cache and one prefill's working set; and what it keeps throughout (a teacher's weights)
     objective = objective_for(config)
@@ -76,8 +87,14 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                 + max(backward, gradients + step_temp, *between.values()))
     per_gpu = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state + step_temp,
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
+               **({"exchange": exchange} if split > 1 else {}),
                **resident, **between, "total": total}
     margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
+    if split > 1:
+        per_row = work.tokens / work.rows
+        notes.append(f"sequence parallelism: {split} ranks share each sample ({gpus // split} data-parallel groups), "
+                     f"each decoding {per_row / split:,.0f} of every row's {per_row:,.0f} tokens; the vision side "
+                     "replicated (every rank of a group encodes the sample's pictures)")
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
@@ -93,7 +110,7 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
         except (OSError, ValueError) as e:  # a plan is a report: data it cannot read is a note
             plan.notes.append(f"data loading not planned: {e}")
     if plan.fits is False:
-        plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe)
+        plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe, gpu_memory=gpu_memory)
     return plan
 
 
@@ -129,6 +146,24 @@ def attention_paths(model: Any, forward: list[Segment], load: dict[str, tuple[fl
         else:
             out[part] = f"{path}; linear in length (no quadratic term at the probe's three lengths)"
     return out
+
+
+def exchange_bytes(model: Any, work: Any, split: int, precision: Precision) -> int:
+    """Ulysses' all-to-all buffers at their peak, one token-mixing layer at a time: the parts sent (a copy of the
+    layer's q / k / v - or Gated DeltaNet's projections - for this rank's tokens), the parts received and the joined
+    result, in the compute dtype (0 without sequence parallelism)."""
+    if split <= 1:
+        return 0
+    config = model.backbone.config
+    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
+    kv = max(getattr(config, "num_key_value_heads", None) or heads, split)  # fewer than N: replicated to N
+    widths = [(heads + 2 * kv) * head_dim]
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        key, value = config.linear_num_key_heads * config.linear_key_head_dim, (
+            config.linear_num_value_heads * config.linear_value_head_dim)
+        widths.append(2 * key + 2 * value + 2 * config.linear_num_value_heads)
+    return int(3 * max(widths) * work.tokens / split * precision.hidden_bytes)
 
 
 def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: Precision) -> int:
@@ -183,8 +218,10 @@ def _optimizer_temporaries(trained: list[nn.Parameter], device: str) -> int:
     return 2 * max(p.numel() * 4 for p in trained)
 
 
-def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any]) -> list[tuple[str, int]]:
-    """The usual changes that make a run fit, each planned alone: (change, its total per GPU)."""
+def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any],
+                gpu_memory: int | None = None) -> list[tuple[str, int]]:
+    """The usual changes that make a run fit, each planned alone: (change, its total per GPU); sequence parallelism
+    at the smallest size that fits `gpu_memory` (`smallest_sequence_parallel`)."""
     base, modes = config.to_dict(), config.stages.modes()
     candidates = [(f"data.max_length: {config.data.max_length // 2}",
                    {"data": {"max_length": config.data.max_length // 2}})]
@@ -198,10 +235,39 @@ def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, A
         plan = predict(RunConfig.from_dict(_merge(base, update)), gpus=gpus, device=device,
                        probe=probe if same_probe else None)
         changes.append((change, plan.per_gpu["total"]))
+    split = smallest_sequence_parallel(config, gpus=gpus, device=device, probe=probe, gpu_memory=gpu_memory)
+    if split is not None:
+        changes.append(split)
     if config.distributed.strategy != "ddp":  # DDP replicates: more GPUs do not lower its memory
         changes.append((f"--gpus {gpus * 2}", predict(config, gpus=gpus * 2, device=device, probe=probe).per_gpu[
             "total"]))
     return changes
+
+
+def smallest_sequence_parallel(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any],
+                               gpu_memory: int | None = None) -> tuple[str, int] | None:
+    """The smallest `distributed.sequence_parallel` above the run's that fits `gpu_memory` on `gpus` devices (its
+    change and total), else the largest one possible (the most it can do); None when no larger size is possible
+    (the GPUs, or the heads, do not divide)."""
+    from mmadapt.sequence_parallel import check_model
+
+    model, _ = planning_model(config)
+    base = config.to_dict()
+    tried = None
+    for size in range(config.distributed.sequence_parallel + 1, gpus + 1):
+        if gpus % size:
+            continue
+        try:
+            check_model(model, size)
+        except ValueError:
+            continue
+        total = predict(RunConfig.from_dict(_merge(base, {"distributed": {"sequence_parallel": size}})), gpus=gpus,
+                        device=device, probe=probe).per_gpu["total"]
+        tried = (f"distributed.sequence_parallel: {size}", total)
+        margin = CONTEXT_BYTES + FRAGMENTATION * total if device == "cuda" else 0
+        if gpu_memory is not None and total + margin <= gpu_memory:
+            return tried  # the smallest that fits
+    return tried
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
