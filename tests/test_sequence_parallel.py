@@ -156,10 +156,14 @@ def test_dpo_with_sequence_parallelism_equals_one_process(dataset):
     assert_equal_runs(one, split, ("loss", "grad_norm", "rewards/margins"))
 
 
-def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset, tmp_path):
-    result = launch(dataset, "grpo", "train.objective=grpo", "distributed.sequence_parallel=2",
-                    f"data.train={dataset / 'train.jsonl'}")
-    assert result.returncode != 0
+def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset):
+    result = launch(dataset, "grpo", "train.objective=grpo", "grpo.rewards=[accuracy]",
+                    "distributed.sequence_parallel=2")
     last = result.stderr.strip().splitlines()[-1]
-    assert "train.objective grpo does not run under distributed.sequence_parallel: 2" in last, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "train.objective grpo does not run under distributed.sequence_parallel: 2" in last, last
+    assert not (dataset / "grpo").exists()  # refused before the run wrote anything
+    result = launch(dataset, "world", "distributed.sequence_parallel=2")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "distributed.sequence_parallel: 2 does not divide the 1 processes" in last, last
