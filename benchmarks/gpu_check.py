@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py                          # on the GPU machine: about 5 minutes on one H200
     python benchmarks/gpu_check.py --device cpu --quick     # every check's logic on tiny configs, ~1.5 min, 2 cores
-    python benchmarks/gpu_check.py --only steps,packing     # a subset (sections: steps, packing, fsdp, speed)
+    python benchmarks/gpu_check.py --only steps,packing     # a subset (sections: steps, packing, fsdp, sp, speed)
 
 It installs and downloads nothing: every model is built from presets with random weights. It prints one markdown
 table (check, configuration, result, tolerance / target, pass) and exits 1 when a check fails.
@@ -25,7 +25,12 @@ Sections:
    process with the same global batch (batch 2 x grad_accum 2), tiny Qwen3.5, fp32, 3 steps: losses within 1e-4
    relative. Skipped with fewer than 2 GPUs; on a CPU it runs with gloo (about 40 s). `--quick`: the one-process
    run in this process (no start-up of its own).
-4. speed: tokens/s, MFU and peak memory of the real `Trainer`'s logged records (4 steps, the median of steps 2-4)
+4. sp: sequence parallelism (`distributed.sequence_parallel: 2`, issue 56): `torchrun --nproc_per_node 2 -m mmadapt
+   train` with the 2 ranks sharing each sample (Ulysses all-to-all over NCCL; on CUDA the packed rows' Gated DeltaNet
+   takes FLA's and causal-conv1d's varlen kernels when importable) against one process with the same batches, tiny
+   Qwen3.5 (Gated DeltaNet + attention), fp32, 3 steps, padded and packed rows: losses within 1e-4 relative. Skipped
+   with fewer than 2 GPUs; on a CPU it runs with gloo (about 1 minute).
+5. speed: tokens/s, MFU and peak memory of the real `Trainer`'s logged records (4 steps, the median of steps 2-4)
    at Qwen3.5-0.8B and Qwen3.5-2B full depth (ViT + merger + LLM presets `qwen3.5-0.8b` / `qwen3.5-2b`), bf16
    autocast, encoder frozen, projector and LLM full, 4 samples of 2,048 tokens with one image each (the image size
    `mmadapt plan` assumes), with and without packing (rows of 4,096 tokens) and activation checkpointing (`all`),
@@ -67,7 +72,7 @@ FAMILIES = {  # backbone family: (encoder, projector, backbone)
     "qwen3_vl": ("qwen3_vl_vit", "qwen_merger", "qwen3_vl"),
     "qwen3_vl_moe": ("qwen3_vl_vit", "qwen_merger", "qwen3_vl_moe"),
 }
-SECTIONS = ("steps", "packing", "fsdp", "speed")
+SECTIONS = ("steps", "packing", "fsdp", "sp", "speed")
 LOSS_TOL, GRAD_TOL = 2e-2, 5e-2
 PACKED_TOL = {"fp32": 1e-4, "bf16": 3e-2}
 ISOLATION_TOL = {"fp32": 1e-5, "bf16": 1e-3}
@@ -295,7 +300,35 @@ def check_fsdp(table: Table, device: Any, quick: bool = False) -> None:
               f"<= {FSDP_TOL:.0e}", diff <= FSDP_TOL)
 
 
-# ---- 4. speed at real sizes: the Trainer's records next to the plan -----------------------------------------------
+def check_sequence_parallel(table: Table, device: Any, quick: bool = False) -> None:
+    """2 ranks sharing each sample (SP = 2) against one process, padded and packed rows."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    backend = "NCCL" if device.type == "cuda" else "gloo"
+    for rows, packing in (("padded", ()), ("packed", ("data.packing=true", "data.max_tokens=192"))):
+        config = (f"tiny qwen3_5_vit+qwen_merger+qwen3_5, SP 2 over {backend} ({rows} rows), 2 procs sharing each "
+                  "batch of 4 vs 1 proc x batch 4")
+        if device.type == "cuda" and gpus < 2:
+            table.add("sp: 2 ranks sharing each sample == 1", config, f"skipped: {gpus} GPU",
+                      f"losses within {FSDP_TOL:.0e} rel", None)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            base = fsdp_dataset(Path(tmp))
+            try:
+                one = train_losses(base, Path(tmp) / "one", "data.batch_size=4", *packing, here=quick)
+                two = train_losses(base, Path(tmp) / "sp", "data.batch_size=4", "distributed.sequence_parallel=2",
+                                   *packing, procs=2)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                table.add("sp: 2 ranks sharing each sample == 1", config, f"run failed: {str(error)[-300:]!r}", "runs",
+                          False)
+                continue
+        diff = (max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True)) if len(one) == len(two)
+                else float("inf"))
+        table.add("sp: 2 ranks sharing each sample == 1", config,
+                  f"max rel diff {diff:.1e}; losses {', '.join(f'{x:.4f}' for x in two)}", f"<= {FSDP_TOL:.0e}",
+                  diff <= FSDP_TOL)
+
+
+# ---- 5. speed at real sizes: the Trainer's records next to the plan -----------------------------------------------
 def run_config(preset: str, packing: bool, checkpointing: bool, quick: bool, out: str) -> Any:
     from mmadapt.train.config import RunConfig
 
@@ -413,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         check_packing(table, device)
     if "fsdp" in args.only:
         check_fsdp(table, device, args.quick)
+    if "sp" in args.only:
+        check_sequence_parallel(table, device, args.quick)
     if "speed" in args.only:
         check_speed(table, device, args.quick)
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

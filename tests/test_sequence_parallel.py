@@ -94,6 +94,10 @@ def dataset(tmp_path_factory):
               "chosen": list(PHOTOS)[i % 4], "rejected": list(PHOTOS)[(i + 1) % 4] + " maybe" * (i % 2)}
              for i in range(16)]
     (root / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
+    unpaired = [{"id": f"k{i}", "images": [f"{list(PHOTOS)[i % 4]}.png"],
+                 "prompt": "<image>\nWhat is this?" + " please" * (i % 3),
+                 "completion": list(PHOTOS)[i % 4], "label": i % 4 != 1} for i in range(16)]
+    (root / "unpaired.jsonl").write_text("\n".join(json.dumps(r) for r in unpaired))
     (root / "base.yaml").write_text(yaml.safe_dump({
         "data": {"train": str(root / "train.jsonl"), "image_root": str(root / "images"), "max_length": 256},
         "train": {"steps": 3, "lr": 1.0e-3, "progress": False, "eval_every": 2},
@@ -147,13 +151,23 @@ def test_training_with_sequence_parallelism_equals_one_process_with_an_uneven_ev
     assert_equal_runs(one, split, ("loss", "eval_loss", "grad_norm"))
 
 
+PREFERENCE = {  # objective: (its data, the keys compared, its stages)
+    "dpo": ("pairs.jsonl", ("loss", "grad_norm", "rewards/margins"), ()),
+    # one process takes the same micro-batch of 4 (KTO's KL rows pair the rows of a micro-batch); its reference is
+    # the model with the adapters off, so nothing trains fully
+    "kto": ("unpaired.jsonl", ("loss", "grad_norm", "kl", "rewards/chosen"), ("stages.projector=frozen",)),
+}
+
+
 @pytest.mark.slow
-def test_dpo_with_sequence_parallelism_equals_one_process(dataset):
-    common = (*LLAVA, "train.objective=dpo", f"data.train={dataset / 'pairs.jsonl'}", "train.eval_every=0",
-              "stages.backbone=lora", "stages.encoder=frozen")
-    one = records(dataset, "dpo-one", *common, "data.batch_size=2", "train.grad_accum=2")
-    split = records(dataset, "dpo-sp2", *common, "data.batch_size=4", "distributed.sequence_parallel=2", procs=2)
-    assert_equal_runs(one, split, ("loss", "grad_norm", "rewards/margins"))
+@pytest.mark.parametrize("objective", list(PREFERENCE))
+def test_preference_objectives_with_sequence_parallelism_equal_one_process(dataset, objective):
+    data, keys, stages = PREFERENCE[objective]
+    common = (*LLAVA, f"train.objective={objective}", f"data.train={dataset / data}", "train.eval_every=0",
+              "stages.backbone=lora", "stages.encoder=frozen", *stages, "data.batch_size=4")
+    one = records(dataset, f"{objective}-one", *common)
+    split = records(dataset, f"{objective}-sp2", *common, "distributed.sequence_parallel=2", procs=2)
+    assert_equal_runs(one, split, keys)
 
 
 def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset):
