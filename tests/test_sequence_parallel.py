@@ -181,3 +181,35 @@ def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset):
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "distributed.sequence_parallel: 2 does not divide the 1 processes" in last, last
+
+
+def test_a_run_whose_heads_sp_does_not_divide_stops_when_its_config_loads(dataset):
+    result = launch(dataset, "heads", "distributed.sequence_parallel=3")  # tiny Qwen3.5: 4 heads, 2 KV heads
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "sequence_parallel: 3 does not divide the backbone's attention's 4 heads and 2 KV heads" in last, last
+    assert "Sizes that work: [2, 4]" in last and not (dataset / "heads").exists(), last
+
+
+@pytest.mark.slow
+def test_the_plan_divides_the_decoders_activations_and_suggests_the_smallest_size_that_fits():
+    from mmadapt.train.plan import predict
+    from test_plan import LONG_LLAMA, run_config
+
+    def plan(size: int, gpus: int = 4, memory: int | None = None):
+        config = run_config({"model": LONG_LLAMA, "data": {"max_length": 4096, "batch_size": 1}})
+        config = config.from_dict({**config.to_dict(), "distributed": {"sequence_parallel": size}})
+        return predict(config, gpus=gpus, device="cpu", gpu_memory=memory)
+
+    one, two, four = plan(1), plan(2), plan(4)
+    assert "exchange" not in one.per_gpu and two.per_gpu["exchange"] == 2 * four.per_gpu["exchange"] > 0
+    decoder = [p.activations_without_checkpointing for p in (one, two, four)]
+    assert decoder[0] > decoder[1] > decoder[2], decoder  # the decoder's tokens per rank: L, L / 2, L / 4
+    assert any("each decoding 1,024 of every row's 4,096 tokens" in note for note in four.notes), four.notes
+    # a budget between SP 2's total and SP 1's: SP 2 is the smallest that fits
+    memory = (one.per_gpu["total"] + two.per_gpu["total"]) // 2
+    suggested = dict(plan(1, memory=memory).suggestions)
+    assert suggested["distributed.sequence_parallel: 2"] == two.per_gpu["total"], suggested
+    assert "distributed.sequence_parallel: 4" not in suggested, suggested
+    with pytest.raises(ValueError, match="sequence_parallel: 3 does not divide --gpus 4"):
+        plan(3)
