@@ -193,8 +193,9 @@ def test_a_run_whose_heads_sp_does_not_divide_stops_when_its_config_loads(datase
 
 @pytest.mark.slow
 def test_the_plan_divides_the_decoders_activations_and_suggests_the_smallest_size_that_fits():
-    from mmadapt.train.plan import predict
     from test_plan import LONG_LLAMA, run_config
+
+    from mmadapt.train.plan import predict
 
     def plan(size: int, gpus: int = 4, memory: int | None = None):
         config = run_config({"model": LONG_LLAMA, "data": {"max_length": 4096, "batch_size": 1}})
