@@ -6,8 +6,8 @@ For each length L and size N: `mmadapt train` under torchrun with N processes an
 (one data-parallel group: the N ranks share the one sample of each step; DDP, so that parameters are replicated and
 what falls with N is the activations), on a long document: Qwen3-VL-2B's widths and vocabulary, the decoder and the
 ViT cut to one layer each (the table says so); the vendored Qwen3 tokenizer; one picture at the size the plan
-assumes (the largest the processor makes that fits) and a long question filling L tokens, a short answer supervised;
-LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same process after
+assumes (the largest the processor makes: 448 x 448, `max_pixels`) and a long question filling L tokens, a short
+answer supervised; LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same process after
 importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and optimizer step
 are all behind it), and the step's seconds (the trainer's `accumulate`, the first step: one sample). Predicted:
 `mmadapt plan --gpus N --device cpu` on the same run (`per_gpu.total`), its activations (with the loss and the
@@ -31,8 +31,8 @@ from pathlib import Path
 import yaml
 
 MIB = 1024**2
-MODEL = {"encoder": {"name": "qwen3_vl_vit", "preset": "qwen3-vl-2b",
-                     "options": {"depth": 1, "deepstack_visual_indexes": [0]}},
+MODEL = {"encoder": {"name": "qwen3_vl_vit", "preset": "qwen3-vl-2b",  # pictures up to 448 x 448 (196 tokens)
+                     "options": {"depth": 1, "deepstack_visual_indexes": [0], "max_pixels": 448 * 448}},
          "projector": "qwen_merger",
          "backbone": {"name": "qwen3_vl", "preset": "qwen3-vl-2b", "options": {"num_hidden_layers": 1}}}
 QUICK = {"encoder": "qwen3_vl_vit", "projector": "qwen_merger", "backbone": "qwen3_vl", "preset": "tiny"}

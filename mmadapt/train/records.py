@@ -32,7 +32,9 @@ def learning_rates(scheduler: Any, optimizer: Any, lr: float, lr_by_part: dict[s
 def step_speed(model: Any, micro: list[dict[str, Any]], supervised: int, seconds: float, device: torch.device,
                peak_tflops: float | None, data_group: Any = None) -> dict[str, Any]:
     """Tokens, supervised tokens, samples and images per second over every rank; peak memory; for a VLM, this rank's
-    FLOPs per part, the vision side's share, TFLOP/s and (with a known peak) MFU."""
+    FLOPs per part, the vision side's share, TFLOP/s and (with a known peak) MFU. Under sequence parallelism
+    (`model.sequence_parallel`) a rank runs its group's vision side whole and 1 / N of the LLM and the output layer.
+    """
     counts = torch.tensor([sum(batch_counts(b)[k] for b in micro) for k in range(3)], dtype=torch.float64)
     tokens, samples, images = dist_utils.all_reduce_sum(counts.to(device), data_group).tolist()  # each sample once
     out: dict[str, Any] = dict(tokens_per_s=tokens / seconds, supervised_per_s=supervised / seconds,
@@ -40,10 +42,11 @@ def step_speed(model: Any, micro: list[dict[str, Any]], supervised: int, seconds
                                peak_memory_mib=peak_memory_mib(device))
     if hasattr(model, "encoder"):
         flops = dict.fromkeys(PARTS, 0.0)
+        split = getattr(getattr(model, "sequence_parallel", None), "size", 1)
         for batch in micro:
             if batch["input_ids"].shape[0]:
                 for part, value in step_flops(model, batch).step.items():
-                    flops[part] += value
+                    flops[part] += value / (split if part in ("llm", "output") else 1)
         total = sum(flops.values())
         out.update(flops={**flops, "total": total}, vision_flops_share=(flops["vision"] + flops["projector"]) / max(
             total, 1.0), tflops_per_s=total / seconds / 1e12)
