@@ -7,8 +7,8 @@ For each length L and size N: `mmadapt train` under torchrun with N processes an
 what falls with N is the activations), on a long document: Qwen3-VL-2B's widths and vocabulary, the decoder and the
 ViT cut to one layer each (the table says so); the vendored Qwen3 tokenizer; one picture at the size the plan
 assumes (the largest the processor makes: 448 x 448, `max_pixels`) and a long question filling L tokens, a short
-answer supervised; LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same process after
-importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and optimizer step
+answer supervised; LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same
+process after importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and optimizer step
 are all behind it), and the step's seconds (the trainer's `accumulate`, the first step: one sample). Predicted:
 `mmadapt plan --gpus N --device cpu` on the same run (`per_gpu.total`), its activations (with the loss and the
 exchange buffers) beside. Target (issue 56): the plan within 15% of the measured peak; the activations per rank
