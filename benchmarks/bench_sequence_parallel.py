@@ -8,11 +8,11 @@ what falls with N is the activations), on a long document: Qwen3-VL-2B's widths 
 ViT cut to one layer each (the table says so); the vendored Qwen3 tokenizer; one picture at the size the plan
 assumes (the largest the processor makes: 448 x 448, `max_pixels`) and a long question filling L tokens, a short
 answer supervised; LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same
-process after importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and optimizer step
-are all behind it), and the step's seconds (the trainer's `accumulate`, the first step: one sample). Predicted:
-`mmadapt plan --gpus N --device cpu` on the same run (`per_gpu.total`), its activations (with the loss and the
-exchange buffers) beside. Target (issue 56): the plan within 15% of the measured peak; the activations per rank
-falling with N.
+process after importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and
+optimizer step are all behind it), and the step's seconds (the trainer's `accumulate`, the first step: one sample).
+Predicted: `mmadapt plan --gpus N --device cpu` on the same run (`per_gpu.total`), its activations (with the loss
+and the exchange buffers) beside. Target (issue 56): the plan within 15% of the measured peak; the activations per
+rank falling with N.
 
 The runs take about an hour on 2 CPU cores (N processes share the 2 cores, so step times measure the work, not a
 speed-up; the picture's ViT step is the same on every rank). `--quick`: the tiny Qwen3-VL at 512 / 1024 tokens (a
