@@ -57,10 +57,12 @@ def batch_for(case: str, model: VisionLanguageModel) -> dict:
     return batch
 
 
-def forward_and_grads(model: VisionLanguageModel, batch: dict, head: str) -> tuple[torch.Tensor, dict]:
+def forward_and_grads(model: VisionLanguageModel, batch: dict, head: str) -> tuple[torch.Tensor, dict, dict]:
+    """The loss, every parameter's gradient, and the head's side results (`extra`: DPO's reference states and KL)."""
     model.zero_grad()
     labels = batch["labels"]
     n = int((labels[:, 1:] != -100).sum())
+    extra = {}
     if head == "loss":
         loss = model(**batch, num_items_in_batch=n).loss
     elif head == "token_losses":
@@ -68,13 +70,20 @@ def forward_and_grads(model: VisionLanguageModel, batch: dict, head: str) -> tup
     elif head == "sequence":
         out = model(**batch, head=SequenceLogps())
         loss = (out.logps * torch.arange(1.0, out.logps.shape[0] + 1)).sum() / n  # rows weighed unequally
+    elif head == "sequence_kl":  # DPO's adapters reference: its states kept, then the policy's token KL to them
+        output = model.backbone.get_output_embeddings()
+        with torch.no_grad():
+            states = model(**batch, head=SequenceLogps(keep_states=True)).states
+        out = model(**batch, head=SequenceLogps(reference=(states * 3.0, output)))
+        loss = out.logps.sum() / n
+        extra = {"states": states, "kl": out.kl}
     else:
         out = model(**batch, head=TokenLogps(temperature=0.7))
         loss = (out.logps * torch.linspace(0.5, 1.5, out.logps.shape[1])).sum() / n
     loss.backward()
     # every parameter, a rank's shard possibly reaching none of some (no supervised position: not the output layer)
     return loss.detach(), {k: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-                           for k, p in model.named_parameters()}
+                           for k, p in model.named_parameters()}, extra
 
 
 def crossing(batch: dict, model: VisionLanguageModel, size: int) -> bool:
@@ -108,10 +117,10 @@ def run_case(case: str, out: Path, rank: int, size: int) -> None:
     head = head or "loss"
     model = model_for("llava" if family.startswith("llava") else family)
     batch = batch_for(family, model)
-    expected_loss, expected = forward_and_grads(model, batch, head)
+    expected_loss, expected, expected_extra = forward_and_grads(model, batch, head)
     model.sequence_parallel = SequenceParallel(dist.group.WORLD, size, rank)
     try:
-        loss, grads = forward_and_grads(model, batch, head)
+        loss, grads, extra = forward_and_grads(model, batch, head)
     except Exception as e:  # the error is the case's result (each rank's: rank 1's file last)
         errors = [None] * size
         dist.all_gather_object(errors, f"{type(e).__name__}: {e}")
@@ -129,6 +138,8 @@ def run_case(case: str, out: Path, rank: int, size: int) -> None:
         worst = max(expected, key=lambda k: float((grads.get(k, torch.zeros(())) - expected[k]).abs().max()))
         result = {"loss": float(loss), "expected_loss": float(expected_loss),
                   "loss_rel": abs(float(loss) - float(expected_loss)) / abs(float(expected_loss)),
+                  "extra_max": max((float((extra[k] - v).abs().max()) for k, v in expected_extra.items()), default=0.0),
+                  "kl": float(expected_extra["kl"].abs().sum()) if "kl" in expected_extra else None,
                   "grad_max": float((grads.get(worst, torch.zeros(())) - expected[worst]).abs().max()),
                   "worst": worst,
                   "length": int(batch["input_ids"].shape[1]), "crossing": crossing(batch, model, size)}

@@ -23,8 +23,8 @@ import yaml
 from helpers import run_bounded
 
 CASES = Path(__file__).with_name("sequence_parallel_cases.py")
-MODEL_CASES = ["llava", "llava_odd", "llava:token_losses", "llava:sequence", "llava:token_logps", "qwen3_vl",
-               "qwen3_vl:sequence", "qwen3_5", "qwen3_5:token_logps"]
+MODEL_CASES = ["llava", "llava_odd", "llava:token_losses", "llava:sequence", "llava:token_logps", "llava:sequence_kl",
+               "qwen3_vl", "qwen3_vl:sequence", "qwen3_5", "qwen3_5:token_logps"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,9 @@ def test_two_ranks_sharing_each_sequence_equal_one_process(model_results, case):
     assert "error" not in result, result
     assert result["loss_rel"] <= 1e-6, result
     assert result["grad_max"] <= 1e-5, result
+    assert result["extra_max"] <= 1e-5, result  # the reference's kept states and the token KL (sequence_kl)
+    if result["kl"] is not None:
+        assert result["kl"] > 1e-3, result  # a KL that is really there
     if case.startswith("llava"):
         assert result["crossing"], result  # an image span runs across the split point
     if case == "llava_odd":
