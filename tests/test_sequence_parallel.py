@@ -134,12 +134,10 @@ LLAVA = ["model.encoder=clip", "model.projector=mlp2x_gelu", "model.backbone=lla
 RUNS = {  # name: (overrides, processes, the one-process reference's overrides); Qwen3.5 unless LLaVA's parts
     "sft sp2 fsdp": (["distributed.sequence_parallel=2", "distributed.strategy=fsdp", "data.batch_size=4"], 2,
                      ["data.batch_size=2", "train.grad_accum=2"]),
-    "sft llava sp2 ddp": ([*LLAVA, "distributed.sequence_parallel=2", "distributed.strategy=ddp",
-                           "data.batch_size=4"], 2, [*LLAVA, "data.batch_size=2", "train.grad_accum=2"]),
     "sft llava sp2 x dp2 fsdp": ([*LLAVA, "distributed.sequence_parallel=2", "distributed.strategy=fsdp",
                                   "data.batch_size=2"], 4, [*LLAVA, "data.batch_size=2", "train.grad_accum=2"]),
-    "sft sp2 packed": (["distributed.sequence_parallel=2", "data.packing=true", "data.max_tokens=160",
-                        "data.batch_size=4"], 2, ["data.packing=true", "data.max_tokens=160", "data.batch_size=4"]),
+    "sft sp2 packed ddp": (["distributed.sequence_parallel=2", "distributed.strategy=ddp", "data.packing=true",
+                            "data.max_tokens=160", "data.batch_size=4"], 2, ["data.packing=true", "data.max_tokens=160", "data.batch_size=4"]),
 }
 
 

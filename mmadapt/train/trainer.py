@@ -101,7 +101,7 @@ class Trainer:
         if config.train.eval_tasks:  # lmms-eval (mmadapt.lmms_eval.tasks): checked before training starts
             from mmadapt.lmms_eval.tasks import check_eval_tasks
 
-            check_eval_tasks(config.train.eval_tasks, world=self.dist.data_world, tokenizer=tokenizer)
+            check_eval_tasks(config.train.eval_tasks, world=self.dist.world, tokenizer=tokenizer)
         self.device = self.dist.device
         if self.device.type == "cpu" and (done := return_freed_memory()) is not None:
             log.info(done)
