@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from mmadapt import contract, frames
 from mmadapt.batch import VisionBatch
+from mmadapt.contract import ImageTokenContractError as ContractError
 from mmadapt.encoders import VisualTokens
 
 MODES = ("replicated", "sharded")  # distributed.sequence_parallel_vision
@@ -56,17 +57,21 @@ class Piece:
 
 
 def shardable(model: Any, batch: VisionBatch) -> bool:
-    """Whether the batch's pictures can be cut as `assign` cuts them: pixels whose rows its grids account for (else
-    the replicated path runs, and the encoder's own checks name what is wrong)."""
+    """Whether the batch's pictures can be cut as `assign` cuts them: pixels the encoder takes, whose rows their grids
+    account for, with the placeholder tokens that receive them. Else the replicated path runs and its checks name what
+    is wrong, on every rank alike (a rank failing alone on its pieces would leave the others waiting in the gather)."""
     images, videos = batch.pixel_values, batch.pixel_values_videos
     if images is None and videos is None:
         return False
-    if not model.encoder.dynamic:
-        return videos is None and images.ndim == 4
-    for pixels, grids in ((images, batch.image_grid_thw), (videos, batch.video_grid_thw)):
-        if pixels is not None and (grids is None or pixels.ndim != 2 or grids.ndim != 2
-                                   or int(grids.prod(-1).sum()) != pixels.shape[0]):
-            return False
+    if (images is not None and model.tokens.image_token_id is None) or (
+            videos is not None and (model.tokens.video_token_id is None or not model.encoder.dynamic)):
+        return False
+    try:
+        for pixels, grids in ((images, batch.image_grid_thw), (videos, batch.video_grid_thw)):
+            if pixels is not None:
+                model.encoder.check_pixels(pixels, grids)
+    except ContractError:
+        return False
     return True
 
 

@@ -59,7 +59,8 @@ def batch_for(case: str, model: VisionLanguageModel) -> dict:
 
 def sharded_vision_batch(family: str, model: VisionLanguageModel) -> dict:
     """The batches of the sharded-vision cases: Qwen3-VL's with its first video's three temporal patches cut between
-    the ranks; "llava_one" one image only (rank 1 encodes nothing: its run on no picture); else the family's."""
+    the ranks; "llava_one" one image only (rank 0 encodes nothing: its run on no picture); "llava_shared" four rows
+    showing three encoded images; else the family's."""
     if family == "qwen3_vl":
         batch = synthetic_video_batch(model, (("video", "image"), ("video",)),
                                       video_shapes=((6, 32, 48), (4, 48, 32)), image_sides=((32, 32),),
@@ -67,6 +68,10 @@ def sharded_vision_batch(family: str, model: VisionLanguageModel) -> dict:
         return _with_token_types(batch, model)
     if family == "llava_one":
         return synthetic_batch(model, (1, 0), text_lengths=(7, 6))
+    if family == "llava_shared":  # rows sharing images, as a preference batch's pairs do (`image_index`)
+        batch = synthetic_batch(model, (1, 2), text_lengths=(7, 6))
+        rows = ("input_ids", "attention_mask", "labels", "images_per_sample")
+        return batch | {k: torch.cat([batch[k], batch[k]]) for k in rows} | {"image_index": torch.tensor([0, 1, 2] * 2)}
     return batch_for(family, model)
 
 

@@ -25,8 +25,8 @@ from helpers import run_bounded
 CASES = Path(__file__).with_name("sequence_parallel_cases.py")
 MODEL_CASES = ["llava", "llava_odd", "llava:token_losses", "llava:sequence", "llava:token_logps", "qwen3_vl",
                "qwen3_vl:sequence", "qwen3_5", "qwen3_5:token_logps"]
-SHARDED_VISION = ["llava:vision_sharded", "llava_one:vision_sharded", "qwen3_vl:vision_sharded",
-                  "qwen3_5:vision_sharded"]  # distributed.sequence_parallel_vision: sharded
+SHARDED_VISION = ["llava:vision_sharded", "llava_one:vision_sharded", "llava_shared:vision_sharded",
+                  "qwen3_vl:vision_sharded", "qwen3_5:vision_sharded"]  # distributed.sequence_parallel_vision: sharded
 MODEL_CASES += SHARDED_VISION
 
 
