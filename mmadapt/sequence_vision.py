@@ -97,7 +97,7 @@ def assign(model: Any, batch: VisionBatch, size: int) -> list[Piece]:
     """Every rank's pieces, in encoding order (ranks ascending): contiguous runs of units balanced by patches, a
     rank's consecutive temporal patches of one video joined into one sub-video."""
     found = units(model, batch)
-    total = sum(u[-1] for u in found)
+    total = max(1, sum(u[-1] for u in found))
     pieces: list[Piece] = []
     done = 0
     for video, index, frame, row, patches in found:
@@ -113,7 +113,8 @@ def assign(model: Any, batch: VisionBatch, size: int) -> list[Piece]:
 
 def encode_mine(model: Any, batch: VisionBatch, pieces: list[Piece]) -> VisualTokens:
     """This rank's pieces through the vision side in one call (images, then sub-videos); no piece: its run on no
-    picture (`vision_placeholder`, no token kept)."""
+    picture (`vision_placeholder`, no token kept), always - one small image, it gives the gather this rank's token
+    width and dtype too."""
     if not pieces:
         return model.vision_placeholder(batch.input_ids.device)
     dtype = (batch.pixel_values if batch.pixel_values is not None else batch.pixel_values_videos).dtype
@@ -124,7 +125,8 @@ def encode_mine(model: Any, batch: VisionBatch, pieces: list[Piece]) -> VisualTo
         source_grids = batch.video_grid_thw if piece.video else batch.image_grid_thw
         if source_grids is not None:
             grid = source_grids[piece.index].clone()
-            grid[0] = piece.frames if piece.video else grid[0]
+            if piece.video:  # a sub-video: its temporal patches only
+                grid[0] = piece.frames
             grids.append(grid)
     return model.encode_images(torch.cat(pixels), torch.stack(grids) if grids else None)
 
@@ -157,7 +159,7 @@ def whole_videos(grids: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
     out: list[torch.Tensor] = []
     for grid, piece, previous in zip(grids, pieces, [None, *pieces][:len(pieces)], strict=True):
         if previous is not None and previous.index == piece.index:
-            out[-1] = out[-1] + torch.stack([grid[0], grid[0] * 0, grid[0] * 0])
+            out[-1][0] += grid[0]
         else:
             out.append(grid.clone())
     return torch.stack(out) if out else grids.new_zeros(0, 3)
