@@ -7,7 +7,8 @@ the trainer for `distributed.sequence_parallel: N`). Every rank of the group hol
 1. pads the rows to a multiple of N tokens (`pad_batch`: padding tokens, mask 0, labels -100, a packed row's padding
    segment extended), which changes no real token's result;
 2. runs the model's one input path, `prepare`, on the *whole* sequence: the image spans, the vision side (replicated:
-   every rank encodes the sample's pictures), the contract, the injection, M-RoPE positions and the packed rows are
+   every rank encodes the sample's pictures; sharded: `mmadapt.sequence_vision` encodes them across the group's ranks
+   and hands `prepare` the gathered tokens), the contract, the injection, M-RoPE positions and the packed rows are
    computed exactly as in one process, before any split;
 3. takes its shard, tokens [r * n, (r + 1) * n) of every row (`take`): embeddings, positions, DeepStack levels (split
    with the tokens' image mask), and checks the contract on it (`check_shard`): every image position of the shard
@@ -51,6 +52,7 @@ from mmadapt.heads import (
 from mmadapt.loss import IGNORE_INDEX, causal_lm_loss, next_tokens
 from mmadapt.model_io import ModelInputs
 from mmadapt.packing import right_padded
+from mmadapt.sequence_vision import MODES, encode_sharded, shardable
 from mmadapt.ulysses import Shards, check_heads, gather_sequence, sum_replicated
 
 HEADS = (SequenceLogps, TokenLogps, TokenLosses)  # the heads whose results `combine` knows
@@ -68,17 +70,21 @@ class Shard:
 
 
 class SequenceParallel:
-    """A model's sequence parallelism: `group` (a process group of `size` ranks), `rank` this process's place in it.
-    Copied models (a frozen reference) share it; it holds no tensors."""
+    """A model's sequence parallelism: `group` (a process group of `size` ranks), `rank` this process's place in it;
+    `vision` how the group's ranks run the vision side (`mmadapt.sequence_vision.MODES`: "replicated", every rank
+    encodes the batch's pictures; "sharded", they are encoded across the ranks and gathered). Copied models (a frozen
+    reference) share it; it holds no tensors."""
 
-    def __init__(self, group: Any, size: int, rank: int) -> None:
-        self.group, self.size, self.rank = group, size, rank
+    def __init__(self, group: Any, size: int, rank: int, vision: str = "replicated") -> None:
+        if vision not in MODES:
+            raise ValueError(f"sequence-parallel vision {vision!r}: expected one of {', '.join(MODES)}")
+        self.group, self.size, self.rank, self.vision = group, size, rank, vision
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SequenceParallel:
         return self
 
     def __repr__(self) -> str:
-        return f"SequenceParallel(size={self.size}, rank={self.rank})"
+        return f"SequenceParallel(size={self.size}, rank={self.rank}, vision={self.vision!r})"
 
     # ---- the forward -----------------------------------------------------------------------------------------------
     def forward(self, model: Any, batch: VisionBatch, labels: torch.Tensor | None, *, head: Head | None,
@@ -98,6 +104,8 @@ class SequenceParallel:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "logits_to_keep", "output_router_logits")}
         num_items = kwargs.pop("num_items_in_batch", None)
         batch, labels = pad_batch(batch, labels, self.size, pad_id=free_token(model))
+        if self.vision == "sharded" and visual is None and visual_videos is None and shardable(model, batch):
+            visual, visual_videos = encode_sharded(model, batch, self.group, self.size, self.rank)
         inputs = model.prepare(batch, visual=visual, visual_videos=visual_videos)
         shards = self.shards(inputs)
         shard = take(inputs, shards)

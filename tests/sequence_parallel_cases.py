@@ -57,6 +57,42 @@ def batch_for(case: str, model: VisionLanguageModel) -> dict:
     return batch
 
 
+def sharded_vision_batch(family: str, model: VisionLanguageModel) -> dict:
+    """The batches of the sharded-vision cases: Qwen3-VL's with its first video's three temporal patches cut between
+    the ranks; "llava_one" one image only (rank 0 encodes nothing: its run on no picture); "llava_shared" four rows
+    showing three encoded images; else the family's."""
+    if family == "qwen3_vl":
+        batch = synthetic_video_batch(model, (("video", "image"), ("video",)),
+                                      video_shapes=((6, 32, 48), (4, 48, 32)), image_sides=((32, 32),),
+                                      text_lengths=(9, 5))
+        return _with_token_types(batch, model)
+    if family == "llava_one":
+        return synthetic_batch(model, (1, 0), text_lengths=(7, 6))
+    if family == "llava_shared":  # rows sharing images, as a preference batch's pairs do (`image_index`)
+        batch = synthetic_batch(model, (1, 2), text_lengths=(7, 6))
+        rows = ("input_ids", "attention_mask", "labels", "images_per_sample")
+        return batch | {k: torch.cat([batch[k], batch[k]]) for k in rows} | {"image_index": torch.tensor([0, 1, 2] * 2)}
+    return batch_for(family, model)
+
+
+def _with_token_types(batch: dict, model: VisionLanguageModel) -> dict:
+    ids = batch["input_ids"]
+    if "mm_token_type_ids" not in batch:
+        batch["mm_token_type_ids"] = (ids == model.tokens.image_token_id).int() + 2 * (
+            ids == model.tokens.video_token_id).int()
+    return batch
+
+
+def pieces(model: VisionLanguageModel, batch: dict, size: int) -> list[list]:
+    """How `mmadapt.sequence_vision.assign` cuts the batch's pictures: [rank, video, index, first frame, frames]."""
+    from mmadapt.batch import VisionBatch
+    from mmadapt.sequence_vision import assign
+
+    if batch.get("pixel_values") is None and batch.get("pixel_values_videos") is None:
+        return []
+    return [[p.rank, p.video, p.index, p.first, p.frames] for p in assign(model, VisionBatch.of(batch), size)]
+
+
 def forward_and_grads(model: VisionLanguageModel, batch: dict, head: str) -> tuple[torch.Tensor, dict, dict]:
     """The loss, every parameter's gradient, and the head's side results (`extra`: DPO's reference states and KL)."""
     model.zero_grad()
@@ -114,11 +150,14 @@ def run_case(case: str, out: Path, rank: int, size: int) -> None:
         finally:
             sequence_parallel.take = TAKE
     family, _, head = case.partition(":")
-    head = head or "loss"
+    vision = "sharded" if head == "vision_sharded" else "replicated"
+    head = "loss" if vision == "sharded" else head or "loss"
     model = model_for("llava" if family.startswith("llava") else family)
-    batch = batch_for(family, model)
+    batch = batch_for(family, model) if vision == "replicated" else sharded_vision_batch(family, model)
     expected_loss, expected, expected_extra = forward_and_grads(model, batch, head)
-    model.sequence_parallel = SequenceParallel(dist.group.WORLD, size, rank)
+    model.sequence_parallel = SequenceParallel(dist.group.WORLD, size, rank, vision=vision)
+    hook = model.encoder.register_forward_pre_hook(lambda _, args: encoded.append(int(args[0].shape[0])))
+    encoded: list[int] = []  # the pixel rows (or images) this rank's encoder took in the SP forward
     try:
         loss, grads, extra = forward_and_grads(model, batch, head)
     except Exception as e:  # the error is the case's result (each rank's: rank 1's file last)
@@ -132,6 +171,9 @@ def run_case(case: str, out: Path, rank: int, size: int) -> None:
         return
     finally:
         model.sequence_parallel = None
+        hook.remove()
+    seen = [None] * size
+    dist.all_gather_object(seen, encoded)
     for g in grads.values():
         dist.all_reduce(g)
     if rank == 0:
@@ -142,7 +184,8 @@ def run_case(case: str, out: Path, rank: int, size: int) -> None:
                   "kl": float(expected_extra["kl"].abs().sum()) if "kl" in expected_extra else None,
                   "grad_max": float((grads.get(worst, torch.zeros(())) - expected[worst]).abs().max()),
                   "worst": worst,
-                  "length": int(batch["input_ids"].shape[1]), "crossing": crossing(batch, model, size)}
+                  "length": int(batch["input_ids"].shape[1]), "crossing": crossing(batch, model, size),
+                  "encoded": seen, "pieces": pieces(model, batch, size)}
         (out / f"{case}.json").write_text(json.dumps(result))
 
 

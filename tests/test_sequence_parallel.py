@@ -25,6 +25,9 @@ from helpers import run_bounded
 CASES = Path(__file__).with_name("sequence_parallel_cases.py")
 MODEL_CASES = ["llava", "llava_odd", "llava:token_losses", "llava:sequence", "llava:token_logps", "llava:sequence_kl",
                "qwen3_vl", "qwen3_vl:sequence", "qwen3_5", "qwen3_5:token_logps"]
+SHARDED_VISION = ["llava:vision_sharded", "llava_one:vision_sharded", "llava_shared:vision_sharded",
+                  "qwen3_vl:vision_sharded", "qwen3_5:vision_sharded"]  # distributed.sequence_parallel_vision: sharded
+MODEL_CASES += SHARDED_VISION
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +53,21 @@ def test_two_ranks_sharing_each_sequence_equal_one_process(model_results, case):
         assert result["crossing"], result  # an image span runs across the split point
     if case == "llava_odd":
         assert result["length"] % 2 == 1, result  # padded to a multiple of 2 inside the forward
+
+
+@pytest.mark.slow
+def test_sharded_vision_encodes_each_picture_once_across_the_group(model_results):
+    """Each rank's encoder takes only its pieces: Qwen3-VL's first video cut between the ranks by temporal patches, a
+    lone image on one rank while the other runs its vision side on no picture (one placeholder image)."""
+    video = model_results["qwen3_vl:vision_sharded"]
+    assert [1, True, 0, 2, 1] in video["pieces"] and [0, True, 0, 0, 2] in video["pieces"], video
+    assert all(len(rows) == 1 for rows in video["encoded"]), video  # one call of the vision side per rank
+    assert sum(rows[0] for rows in video["encoded"]) == 16 + 3 * 24 + 2 * 24, video  # the batch's rows, once
+    one = model_results["llava_one:vision_sharded"]
+    assert one["pieces"] == [[1, False, 0, 0, 1]] and one["encoded"] == [[1], [1]], one
+    for case in ("llava:vision_sharded", "qwen3_5:vision_sharded"):
+        ranks = {piece[0] for piece in model_results[case]["pieces"]}
+        assert ranks == {0, 1}, model_results[case]
 
 
 @pytest.mark.slow
@@ -136,8 +154,11 @@ RUNS = {  # name: (overrides, processes, the one-process reference's overrides);
                      ["data.batch_size=2", "train.grad_accum=2"]),
     "sft llava sp2 x dp2 fsdp": ([*LLAVA, "distributed.sequence_parallel=2", "distributed.strategy=fsdp",
                                   "data.batch_size=2"], 4, [*LLAVA, "data.batch_size=2", "train.grad_accum=2"]),
+    "sft sp2 vision sharded": (["distributed.sequence_parallel=2", "distributed.sequence_parallel_vision=sharded",
+                                "data.batch_size=4"], 2, ["data.batch_size=2", "train.grad_accum=2"]),
     "sft sp2 packed ddp": (["distributed.sequence_parallel=2", "distributed.strategy=ddp", "data.packing=true",
-                            "data.max_tokens=160", "data.batch_size=4"], 2, ["data.packing=true", "data.max_tokens=160", "data.batch_size=4"]),
+                            "data.max_tokens=160", "data.batch_size=4"], 2,
+                           ["data.packing=true", "data.max_tokens=160", "data.batch_size=4"]),
 }
 
 

@@ -220,6 +220,9 @@ class DistributedSection:
     # N ranks share each sample's sequence (Ulysses: tokens split across them, heads exchanged around attention and
     # Gated DeltaNet); the world is then world / N data-parallel groups of N consecutive ranks
     sequence_parallel: int = 1
+    # how a group's ranks run the vision side: replicated (each encodes the batch's pictures) or sharded (the pictures
+    # - images, a video's temporal patches - encoded across the group's ranks and gathered: its activations / N)
+    sequence_parallel_vision: Literal["replicated", "sharded"] = "replicated"
 
     def __post_init__(self) -> None:
         if not self.timeout_minutes > 0:
@@ -228,6 +231,9 @@ class DistributedSection:
                 self.sequence_parallel < 1):
             raise ValueError(f"distributed.sequence_parallel must be an integer >= 1 (ranks sharing each sample), got "
                              f"{self.sequence_parallel!r}")
+        if self.sequence_parallel_vision == "sharded" and self.sequence_parallel == 1:
+            log.warning("distributed.sequence_parallel_vision: sharded has no effect with "
+                        "distributed.sequence_parallel: 1 (no group shares a sample's pictures)")
 
 
 @dataclass(kw_only=True)

@@ -123,7 +123,8 @@ class Trainer:
             from mmadapt.sequence_parallel import SequenceParallel
 
             check_sequence_parallel(self.objective, model, size)
-            model.sequence_parallel = SequenceParallel(self.dist.sequence_group, size, self.dist.sequence_rank)
+            model.sequence_parallel = SequenceParallel(self.dist.sequence_group, size, self.dist.sequence_rank,
+                                                       vision=config.distributed.sequence_parallel_vision)
         model.to(self.device)
         self.wrapped = dist_utils.wrap(model, self.dist, config.distributed.strategy, config.precision.mode)
         if not any(p.requires_grad for p in self.wrapped.parameters()):

@@ -46,7 +46,10 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
         check_model(model, split)
     forward = segments(model, probe)
     checkpointed = set(checkpointed_parts(config.train.activation_checkpointing))
-    vision = (work.images * work.patches_per_image, work.patches_per_image)  # replicated on every rank of a group
+    # the vision side replicated on every rank of a group, or its pictures spread across the group's ranks (sharded:
+    # patches / N each, as if evenly spread; a picture is cut no finer than an image or a video's temporal patch)
+    sharded = split > 1 and config.distributed.sequence_parallel_vision == "sharded"
+    vision = (work.images * work.patches_per_image / (split if sharded else 1), work.patches_per_image)
     # a rank's decoder holds tokens / N of every row; attention sees whole rows for heads / N (Ulysses), so a
     # quadratic term (c x s) also falls by N
     load = {"encoder": vision, "projector": vision, "backbone": (work.tokens / split, work.tokens / work.rows)}
@@ -94,7 +97,10 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
         per_row = work.tokens / work.rows
         notes.append(f"sequence parallelism: {split} ranks share each sample ({gpus // split} data-parallel groups), "
                      f"each decoding {per_row / split:,.0f} of every row's {per_row:,.0f} tokens; the vision side "
-                     "replicated (every rank of a group encodes the sample's pictures)")
+                     + (f"sharded (the batch's pictures spread across the {split} ranks of a group, by images and "
+                        f"video temporal patches: each encodes {1 / split:.0%} of the patches, as if evenly spread, "
+                        "and the visual tokens are gathered)" if sharded else
+                        "replicated (every rank of a group encodes the sample's pictures)"))
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
