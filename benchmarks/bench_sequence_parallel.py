@@ -9,10 +9,11 @@ ViT cut to one layer each (the table says so); the vendored Qwen3 tokenizer; one
 assumes (the largest the processor makes: 448 x 448, `max_pixels`) and a long question filling L tokens, a short
 answer supervised; LoRA on the LLM, the projector trained. Measured on every rank: `VmHWM` above the RSS of the same
 process after importing the libraries, read when the trainer first saves (after step 1, whose forward, backward and
-optimizer step are all behind it), and the step's seconds (the trainer's `accumulate`, the first step: one sample).
-Predicted: `mmadapt plan --gpus N --device cpu` on the same run (`per_gpu.total`), its activations (with the loss
-and the exchange buffers) beside. Target (issue 56): the plan within 15% of the measured peak; the activations per
-rank falling with N.
+optimizer step are all behind it), the same high-water mark above the rank's RSS just before that step (the step's
+own peak: activations, gradients, the exchange buffers, AdamW's state as it appears), and the step's seconds (the
+trainer's `accumulate`, the first step: one sample). Predicted: `mmadapt plan --gpus N --device cpu` on the same run
+(`per_gpu.total`), its activations (with the loss and the exchange buffers) beside. Target (issue 56): the plan
+within 15% of the measured peak; the activations per rank falling with N.
 
 The runs take about an hour on 2 CPU cores (N processes share the 2 cores, so step times measure the work, not a
 speed-up; the picture's ViT step is the same on every rank). `--quick`: the tiny Qwen3-VL at 512 / 1024 tokens (a
@@ -51,13 +52,15 @@ rank = int(os.environ.get("RANK", "0"))
 timed = {}
 accumulate = trainer.accumulate
 def timed_accumulate(*args, **kwargs):
+    timed.setdefault("resident", kib("VmRSS"))  # the model, wrapped, before its first step
     started = time.perf_counter()
     out = accumulate(*args, **kwargs)
     timed.setdefault("step", time.perf_counter() - started)
     return out
 trainer.accumulate = timed_accumulate
 def save(self):
-    print("MEASURED", rank, (kib("VmHWM") - idle) / 1024, timed.get("step", float("nan")), flush=True)
+    print("MEASURED", rank, (kib("VmHWM") - idle) / 1024, timed.get("step", float("nan")),
+          (kib("VmHWM") - timed.get("resident", idle)) / 1024, flush=True)
     sys.stdout.flush()
     os._exit(0)
 trainer.Trainer.save = save
@@ -103,8 +106,9 @@ def write_run(root: Path, length: int, quick: bool, side: int | None = None) -> 
     return path
 
 
-def measure(path: Path, size: int) -> list[tuple[float, float]]:
-    """[(VmHWM above idle MiB, step seconds)] of each rank of `mmadapt train path` with `size` processes."""
+def measure(path: Path, size: int) -> list[tuple[float, float, float]]:
+    """[(VmHWM above idle MiB, step seconds, VmHWM above the rank's RSS before its first step MiB)] of each rank of
+    `mmadapt train path` with `size` processes."""
     script = path.parent / "measure.py"
     script.write_text(MEASURE)
     launcher = [sys.executable] if size == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -114,7 +118,7 @@ def measure(path: Path, size: int) -> list[tuple[float, float]]:
     lines = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("MEASURED"))
     if len(lines) != size:
         raise RuntimeError(f"mmadapt train {path} (SP {size}) did not reach its first save:\n{out.stderr[-3000:]}")
-    return [(float(mib), float(seconds)) for _, mib, seconds in lines]
+    return [(float(mib), float(seconds), float(step)) for _, mib, seconds, step in lines]
 
 
 def main() -> None:
@@ -129,9 +133,9 @@ def main() -> None:
     lengths = args.lengths or ([512, 1024] if args.quick else [8192, 16384, 32768])
     print(f"Qwen3-VL-2B widths and vocabulary ({'tiny' if args.quick else DEPTH}), LoRA, fp32, CPU; one sample of L "
           "tokens per step, shared by the N ranks of one group (DDP)\n")
-    print("| L | SP | tokens per rank | planned activations MiB | planned MiB | measured VmHWM MiB (max of ranks) | "
-          "error | step s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| L | SP | tokens per rank | planned activations MiB | measured step peak MiB | planned MiB | "
+          "measured VmHWM MiB | error | step s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length in lengths:
         with tempfile.TemporaryDirectory() as root:
             path = write_run(Path(root), length, args.quick)
@@ -144,11 +148,12 @@ def main() -> None:
                 per = plan.per_gpu
                 activations = (per["activations"] + per["loss"] + per.get("exchange", 0)) / MIB
                 ranks = measure(path, size)
-                measured = max(mib for mib, _ in ranks)
-                step = max(seconds for _, seconds in ranks)
-                print(f"| {length:,} | {size} | {length // size:,} | {activations:,.0f} | {per['total'] / MIB:,.0f} | "
-                      f"{measured:,.0f} | {100 * (per['total'] / MIB / measured - 1):+.1f}% | {step:,.1f} |",
-                      flush=True)
+                measured = max(mib for mib, _, _ in ranks)
+                step = max(seconds for _, seconds, _ in ranks)
+                above = max(mib for _, _, mib in ranks)
+                print(f"| {length:,} | {size} | {length // size:,} | {activations:,.0f} | {above:,.0f} | "
+                      f"{per['total'] / MIB:,.0f} | {measured:,.0f} | {100 * (per['total'] / MIB / measured - 1):+.1f}% "
+                      f"| {step:,.1f} |", flush=True)
 
 
 if __name__ == "__main__":
