@@ -68,9 +68,9 @@ sys.exit(mmadapt.cli.main(["train", *sys.argv[1:]]))
 """
 
 
-def write_run(root: Path, length: int, quick: bool, side: int | None = None) -> Path:
-    """run.yaml, the tokenizer, one picture (`side` px, default 448) and 8 records whose question fills the sample to
-    about `length` tokens (a 64-word answer supervised)."""
+def write_run(root: Path, length: int, quick: bool, side: int | None = None, visual: int | None = None) -> Path:
+    """run.yaml, the tokenizer, one picture (`side` px, default 448; `visual` its tokens) and 8 records whose question
+    fills the sample to about `length` tokens (a 64-word answer supervised)."""
     import random
 
     import numpy as np
@@ -85,7 +85,7 @@ def write_run(root: Path, length: int, quick: bool, side: int | None = None) -> 
     Image.fromarray((np.random.RandomState(0).rand(side, side, 3) * 255).astype("uint8")).save(root / "page.png")
     words = "the a cat dog image shows red blue green house tree car road sky person table chair window".split()
     rng = random.Random(0)
-    budget = length - (side // 32) ** 2 - 200  # the picture, the template, the answer
+    budget = length - (visual if visual is not None else (side // 32) ** 2) - 200  # picture, template, answer
     filler = [rng.choice(words) for _ in range(4096)]
     per_word = len(tokenizer(" ".join(filler)).input_ids) / len(filler)
     count = int(budget / per_word)
@@ -140,8 +140,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             path = write_run(Path(root), length, args.quick)
             # the picture at the size the plan assumes (the largest the processor makes that fits the sample)
-            side = predict(RunConfig.load(str(path)), gpus=1, device="cpu").workload.image_side
-            path = write_run(Path(root), length, args.quick, side=side)
+            work = predict(RunConfig.load(str(path)), gpus=1, device="cpu").workload
+            path = write_run(Path(root), length, args.quick, side=work.image_side, visual=work.visual_per_image)
             for size in args.sizes:
                 config = RunConfig.load(str(path), [f"distributed.sequence_parallel={size}"])
                 plan = predict(config, gpus=size, device="cpu")
@@ -151,9 +151,9 @@ def main() -> None:
                 measured = max(mib for mib, _, _ in ranks)
                 step = max(seconds for _, seconds, _ in ranks)
                 above = max(mib for _, _, mib in ranks)
+                error = 100 * (per["total"] / MIB / measured - 1)
                 print(f"| {length:,} | {size} | {length // size:,} | {activations:,.0f} | {above:,.0f} | "
-                      f"{per['total'] / MIB:,.0f} | {measured:,.0f} | {100 * (per['total'] / MIB / measured - 1):+.1f}% "
-                      f"| {step:,.1f} |", flush=True)
+                      f"{per['total'] / MIB:,.0f} | {measured:,.0f} | {error:+.1f}% | {step:,.1f} |", flush=True)
 
 
 if __name__ == "__main__":
