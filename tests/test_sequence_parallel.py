@@ -192,6 +192,7 @@ def test_preference_objectives_with_sequence_parallelism_equal_one_process(datas
     assert_equal_runs(one, split, keys)
 
 
+@pytest.mark.slow
 def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset):
     result = launch(dataset, "grpo", "train.objective=grpo", "grpo.rewards=[accuracy]",
                     "distributed.sequence_parallel=2")
@@ -205,6 +206,7 @@ def test_grpo_and_a_world_sp_does_not_divide_are_refused_in_one_line(dataset):
     assert "distributed.sequence_parallel: 2 does not divide the 1 processes" in last, last
 
 
+@pytest.mark.slow
 def test_a_run_whose_heads_sp_does_not_divide_stops_when_its_config_loads(dataset):
     result = launch(dataset, "heads", "distributed.sequence_parallel=3")  # tiny Qwen3.5: 4 heads, 2 KV heads
     last = result.stderr.strip().splitlines()[-1]

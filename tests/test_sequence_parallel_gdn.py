@@ -98,6 +98,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_gated_delta_net_on_two_ranks_equals_one_process(tmp_path):
     tests = str(Path(__file__).parent)
     script = tmp_path / "gdn_ranks.py"
