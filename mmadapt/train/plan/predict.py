@@ -155,21 +155,21 @@ def attention_paths(model: Any, forward: list[Segment], load: dict[str, tuple[fl
 
 
 def exchange_bytes(model: Any, work: Any, split: int, precision: Precision) -> int:
-    """Ulysses' all-to-all buffers at their peak, one token-mixing layer at a time: the parts sent (a copy of the
-    layer's q / k / v - or Gated DeltaNet's projections - for this rank's tokens), the parts received and the joined
-    result, in the compute dtype (0 without sequence parallelism)."""
+    """Ulysses' all-to-all buffers at their peak, one exchange at a time: the parts sent (a copy of the tensor for this
+    rank's tokens) and the parts received, both the size of the largest tensor exchanged (attention's q, Gated
+    DeltaNet's projections, exchanged at once), in the compute dtype (0 without sequence parallelism). The joined
+    result replaces the tensor it came from among the saved activations (SDPA keeps its q / k / v either way)."""
     if split <= 1:
         return 0
     config = model.backbone.config
     heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads)
-    kv = max(getattr(config, "num_key_value_heads", None) or heads, split)  # fewer than N: replicated to N
-    widths = [(heads + 2 * kv) * head_dim]
+    widths = [heads * head_dim]  # q; k and v (replicated to N when fewer) are no wider
     if "linear_attention" in (getattr(config, "layer_types", None) or ()):
         key, value = config.linear_num_key_heads * config.linear_key_head_dim, (
             config.linear_num_value_heads * config.linear_value_head_dim)
         widths.append(2 * key + 2 * value + 2 * config.linear_num_value_heads)
-    return int(3 * max(widths) * work.tokens / split * precision.hidden_bytes)
+    return int(2 * max(widths) * work.tokens / split * precision.hidden_bytes)
 
 
 def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, precision: Precision) -> int:
