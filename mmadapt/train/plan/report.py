@@ -53,8 +53,8 @@ class Plan:
                  f"off {gib(self.activations_without_checkpointing)}, all {gib(self.activations_with_checkpointing)}"),
                 ("loss", self.per_gpu["loss"], "supervised rows' gradients + one chunk of logits"),
                 ("sharding", self.per_gpu["sharding"], "FSDP2 unsharded units / DDP buckets"),
-                *([("exchange", self.per_gpu["exchange"], "sequence parallelism's all-to-all buffers (one layer's "
-                    "q / k / v sent, received, joined)")] if "exchange" in self.per_gpu else []),
+                *([("exchange", self.per_gpu["exchange"], "sequence parallelism's all-to-all: the largest tensor "
+                    "exchanged, sent and received")] if "exchange" in self.per_gpu else []),
                 *([("rollout", self.per_gpu["rollout"], "GRPO's generation: the cache of B x G rows, logits, a "
                     "prefill layer (between steps)")] if "rollout" in self.per_gpu else []),
                 ("total (peak)", self.per_gpu["total"], "one training step, per device")]
