@@ -8,6 +8,7 @@ that loading a checkpoint needs (`mmadapt.loading`), which must not import train
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from dataclasses import fields
@@ -19,7 +20,7 @@ def build_section(cls: type, data: Any, where: str) -> Any:
     the dotted prefix that names it in errors ("" for the top level, "lora." for a section)."""
     if not isinstance(data, dict):
         raise ValueError(f"config section {where.rstrip('.') or '(top level)'} must be a mapping, got {data!r}")
-    names = {f.name: f for f in fields(cls)}
+    names = {section_key(f): f.name for f in fields(cls)}
     hints = get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
@@ -27,10 +28,22 @@ def build_section(cls: type, data: Any, where: str) -> Any:
             close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
             hint = f" Did you mean '{where}{close[0]}'?" if close else ""
             raise ValueError(f"unknown config key '{where}{key}'.{hint} Valid keys here: {sorted(names)}")
-        hint = hints[key]
-        kwargs[key] = build_section(hint, value, f"{where}{key}.") if dataclasses.is_dataclass(hint) else coerce(
-            value, hint, f"{where}{key}")
+        hint = hints[names[key]]
+        kwargs[names[key]] = build_section(hint, value, f"{where}{key}.") if dataclasses.is_dataclass(hint) else (
+            coerce(value, hint, f"{where}{key}"))
     return cls(**kwargs)
+
+
+def section_key(f: dataclasses.Field) -> str:
+    """The key a field is written under: its name, or `metadata["key"]` for a key that is a Python keyword (a field
+    `async_` read and written as `async`)."""
+    return f.metadata.get("key", f.name)
+
+
+def as_written(section: Any) -> dict[str, Any]:
+    """`dataclasses.asdict(section)` under the keys a file writes (`section_key`), nested sections too."""
+    return {section_key(f): as_written(value) if dataclasses.is_dataclass(value := getattr(section, f.name))
+            else copy.deepcopy(value) for f in fields(section)}
 
 
 def coerce(value: Any, hint: Any, key: str) -> Any:

@@ -14,7 +14,6 @@ same files from any directory; `RunConfig.load(OUT)` reads the config a run save
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import os
@@ -29,7 +28,7 @@ from mmadapt.lora import STAGE_PRESETS as STAGE_PRESETS
 from mmadapt.lora import LoraSection, StagesSection
 from mmadapt.precision import FP32, Precision
 from mmadapt.run_directory import CONFIG, RunDirectory
-from mmadapt.sections import build_section
+from mmadapt.sections import as_written, build_section
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +208,18 @@ class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end
     keep: int = 2
     resume: bool = False
+    # sharded: every rank writes its own shards (torch.distributed.checkpoint), no rank holds the whole state;
+    # gathered: the whole state gathered to rank 0 and written by it (one model.safetensors, mmadapt < 0.26's format)
+    format: Literal["sharded", "gathered"] = "sharded"
+    # `checkpoint.async: true`: the state is copied to host memory and the step loop goes on while it is written
+    # (sharded only); at most one save in flight, the run's end waits for it
+    async_: bool = field(default=False, metadata={"key": "async"})
+
+    def __post_init__(self) -> None:
+        if self.async_ and self.format != "sharded":
+            raise ValueError("checkpoint.async: true needs checkpoint.format: sharded (a gathered checkpoint is "
+                             "written by rank 0 while the others wait). Fix: drop checkpoint.format: gathered, or "
+                             "checkpoint.async")
 
 
 @dataclass(kw_only=True)
@@ -271,7 +282,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values, as a run file writes them (`data.video` flat, as users write it; each objective's section at
         the top level)."""
-        data = plain(dataclasses.asdict(self))
+        data = plain(as_written(self))
         data["data"]["video"] = self.data.video.to_dict()
         sections = data.pop("sections")
         return {**data, **sections}
