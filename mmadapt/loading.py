@@ -40,6 +40,7 @@ from mmadapt.model import VisionLanguageModel
 from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete, step_of
 from mmadapt.run_directory import COMPLETE as MARKER
 from mmadapt.sections import build_section
+from mmadapt.sharded_checkpoint import is_sharded
 from mmadapt.weights import Checkpoint, load_pretrained
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def load_checkpoint_model(path: Path, run: TrainedWith | Any) -> VisionLanguageM
         return model
 
     checkpoint = Checkpoint.open(path, what="checkpoint")
+    log.info("checkpoint %s: %s format", path, "sharded (DCP state/)" if is_sharded(path) else "gathered")
     model = load_pretrained(build, checkpoint, what=f"checkpoint {path}", tied=lambda m: m.backbone_tied_keys(),
                             provenance=False)
     if lora_modules(model):

@@ -6,7 +6,9 @@ with the three pieces here:
 - `Checkpoint.open(path)`: a directory (its `config.json` and weight files: safetensors or `.bin`,
   single or sharded through `*.index.json`) or a single weight file. Keys are listed from headers;
   tensors are read lazily and memory-mapped (safetensors, `torch.load(mmap=True, weights_only=True)`),
-  so reading one part of a composite checkpoint touches only that part's bytes.
+  so reading one part of a composite checkpoint touches only that part's bytes. A sharded training checkpoint
+  (`mmadapt.sharded_checkpoint`: DCP shards in `state/`) is one too: its `files` are the state's files, its keys the
+  model's tensors, read through `ModelTensors` (allow-listed, a batch of up to `SHARDED_BATCH_BYTES` at a time).
 - `empty_weights()`: build a module with its parameters on the meta device (no random init, no
   memory); buffers are real, so computed non-persistent buffers (rotary `inv_freq`) stay correct.
 - `load_pretrained(build, checkpoint, rules)`: the one recipe every family (and whole models) load with: build
@@ -39,12 +41,14 @@ import torch
 from torch import nn
 
 from mmadapt.remote_code import warn_dropped, without_auto_map
+from mmadapt.sharded_checkpoint import ModelTensors, is_sharded, state_files
 
 SAFETENSORS_INDEX, SAFETENSORS = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN = "pytorch_model.bin.index.json", "pytorch_model.bin"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 MMADAPT_KEY = "mmadapt"  # config.json of an mmadapt model directory / training checkpoint (`mmadapt.directory`)
 SHOW_KEYS = 5
+SHARDED_BATCH_BYTES = 256 << 20  # a sharded checkpoint's tensors read together (one DCP load each batch)
 
 
 class MissingWeightsError(ValueError):
@@ -65,6 +69,7 @@ class Checkpoint:
     files: list[Path]
     _index: dict[str, Path] = field(default_factory=dict, repr=False)
     _open: dict[Path, Any] = field(default_factory=dict, repr=False)
+    _sharded: ShardedTensors | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, what: str = "checkpoint",
@@ -81,6 +86,8 @@ class Checkpoint:
             return cls(path, config, [path])
         config_file = path / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if is_sharded(path):
+            return cls(path, config, [path / name for name in state_files(path)], _sharded=ShardedTensors(path))
         return cls(path, config, _weight_files(path, what, list(weights)))
 
     @property
@@ -100,6 +107,8 @@ class Checkpoint:
         return found + (f" (text_config {text!r})" if text else "")
 
     def keys(self) -> list[str]:
+        if self._sharded is not None:
+            return self._sharded.keys()
         if not self._index:
             for file in self.files:
                 for key in self._reader(file).keys():
@@ -107,6 +116,8 @@ class Checkpoint:
         return list(self._index)
 
     def tensor(self, key: str) -> torch.Tensor:
+        if self._sharded is not None:
+            return self._sharded.tensor(key)
         self.keys()
         reader = self._reader(self._index[key])
         return reader.get_tensor(key) if hasattr(reader, "get_tensor") else reader[key]
@@ -132,6 +143,33 @@ class Checkpoint:
     def close(self) -> None:
         """Drop the open files; tensors already read stay valid (they hold their own mapping)."""
         self._open.clear()
+        if self._sharded is not None:
+            self._sharded.ready.clear()
+
+
+class ShardedTensors(ModelTensors):
+    """A sharded checkpoint's model tensors for `Checkpoint`: a tensor asked for is read with the ones after it (in
+    the checkpoint's order, up to `SHARDED_BATCH_BYTES`), since a loader asks for them in that order and each DCP load
+    reads `.metadata` again. At most one batch is held: a miss drops what is left of the last one."""
+
+    def __init__(self, checkpoint: str | os.PathLike) -> None:
+        super().__init__(checkpoint)
+        self.order = {key: i for i, key in enumerate(self.keys())}
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key not in self.ready:
+            self.ready.clear()
+            if key not in self:
+                raise KeyError(f"{self.checkpoint} holds no model tensor {key!r}")
+            batch, size = [], 0
+            for name in self.keys()[self.order[key]:]:
+                if batch and size + self.nbytes(name) > SHARDED_BATCH_BYTES:
+                    break
+                batch.append(name)
+                size += self.nbytes(name)
+            self.ready = self.read(batch)
+        return self.ready.pop(key)
 
 
 def _unwrap_state(state: Any, file: Path) -> dict[str, torch.Tensor]:

@@ -183,3 +183,29 @@ def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
     samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[6, 9, 5, 8], seed=seed)
     Trainer(model, config, samples, Collator.for_model(model, 0), tokenizer=tokenizer).fit()
     return out / "base"
+
+
+def to_sharded(checkpoint: Path) -> Path:
+    """Rewrite a gathered training checkpoint (`checkpoint.format: gathered`: `model.safetensors`, `optimizer.pt`) in
+    place as a sharded one: its model state (tied tensors under both names, as a run's `model.state_dict()` holds them)
+    in `state/` as `torch.distributed.checkpoint` writes it in one process, the gathered files removed and the
+    `COMPLETE` marker's checksums rewritten. Returns `checkpoint`."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    gathered = checkpoint / "model.safetensors"
+    with safe_open(str(gathered), framework="pt") as f:
+        aliases = json.loads(f.metadata().get("aliases", "{}"))
+        model = {key: f.get_tensor(key) for key in f.keys()}
+    model.update({alias: model[stored] for alias, stored in aliases.items()})
+    dcp.save({"model": model}, checkpoint_id=checkpoint / "state", no_dist=True)
+    gathered.unlink()
+    (checkpoint / "optimizer.pt").unlink(missing_ok=True)
+    marker = checkpoint / "COMPLETE"
+    step = json.loads(marker.read_text())["step"]
+    files = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(checkpoint.rglob("*")) if p.is_file() and p != marker}
+    marker.write_text(json.dumps({"step": step, "format": "sharded", "files": files}, indent=1))
+    return checkpoint
