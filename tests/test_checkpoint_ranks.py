@@ -29,7 +29,7 @@ from mmadapt.train.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 BATCH = {1: ["data.batch_size=2", "train.grad_accum=2"], 2: ["data.batch_size=2"], 4: ["data.batch_size=1"]}
-RUN = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", f"data.eval={{root}}/eval.jsonl",
+RUN = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", "data.eval={root}/eval.jsonl",
        "train.eval_every=3"]
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
@@ -98,7 +98,7 @@ def test_a_resume_whose_steps_would_mean_other_samples_is_refused_in_one_line(da
     if out is None:
         launch(dataset, "fsdp-2", "distributed.strategy=fsdp", procs=2)
         out = from_step_2(dataset, "fsdp-2", "other-batch")
-    result = subprocess.run(command(dataset, out.name, "--resume", procs=1)[:-2] + ["data.batch_size=2"],
+    result = subprocess.run(command(dataset, out.name, "train.grad_accum=1", "--resume", procs=1),
                             capture_output=True, text=True, timeout=300, env=env())
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
