@@ -291,6 +291,8 @@ def test_the_lines_name_this_runs_way_and_the_others():
     assert gathered.lines()[0] == ("host, per rank (saving): gathered: 62.00 GiB on rank 0, 0.00 GiB on each other "
                                    "rank; sharded would hold at most 0.25 GiB per rank (7.75 GiB staged with "
                                    "checkpoint.async)")
+    one = SavingMemory(**{**saving.__dict__, "way": "gathered", "ranks": 1, "ranks_per_machine": 1})
+    assert one.lines()[0].startswith("host, per rank (saving): gathered: 62.00 GiB on rank 0; sharded would hold")
     assert SavingMemory(**{**saving.__dict__, "way": "sharded sync"}).lines()[0] == (
         "host, per rank (saving): sharded sync: at most 0.25 GiB per rank (one tensor at a time); gathered would hold "
         "62.00 GiB on rank 0")

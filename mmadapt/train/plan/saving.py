@@ -150,6 +150,9 @@ class SavingMemory:
     data_private: int = 0  # a rank's data loading (`DataMemory.private`), on the same machine
     suggestions: list[tuple[str, int]] = field(default_factory=list)  # (change, rank 0's machine with it)
 
+    def __post_init__(self) -> None:
+        assert self.way in WAYS and set(self.ways) == set(WAYS), (self.way, sorted(self.ways))
+
     @property
     def this(self) -> Way:
         return self.ways[self.way]
@@ -166,9 +169,10 @@ class SavingMemory:
     def headline(self) -> str:
         this, gathered, sync = self.this, self.ways["gathered"], self.ways["sharded sync"]
         if self.way == "gathered":
-            return (f"gathered: {gib(this.rank0)} on rank 0, {gib(this.others)} on each other rank; sharded would "
-                    f"hold at most {gib(sync.rank0)} per rank ({gib(self.ways['sharded async'].rank0)} staged with "
-                    "checkpoint.async)")
+            others = f", {gib(this.others)} on each other rank" if self.ranks > 1 else ""
+            staged = gib(self.ways["sharded async"].rank0)
+            return (f"gathered: {gib(this.rank0)} on rank 0{others}; sharded would hold at most {gib(sync.rank0)} "
+                    f"per rank ({staged} staged with checkpoint.async)")
         held = (f"{gib(this.rank0)} staged per rank" if self.way == "sharded async"
                 else f"at most {gib(this.rank0)} per rank (one tensor at a time)")
         return f"{self.way}: {held}; gathered would hold {gib(gathered.rank0)} on rank 0"
