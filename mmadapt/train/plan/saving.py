@@ -6,21 +6,21 @@ dtypes, and AdamW's state of what trains (`exp_avg` and `exp_avg_sq` at the trai
 
 - **gathered** (`checkpoint.format: gathered`, mmadapt < 0.26): the whole state gathered to rank 0
   (`StateDictOptions(full_state_dict=True, cpu_offload=True)`): rank 0 holds all of it in host memory at once, the
-  other ranks nothing (FSDP2 on the CPU device: the all-gather's output, one tensor at a time). FSDP2 gathers each
+  other ranks nothing (FSDP2 on the CPU device: the all-gather's output, one tensor at a time; there a tensor of
+  uneven shards also keeps its padding rows, less than one row per rank, not counted). FSDP2 gathers each
   name on its own (a tied tensor twice); one process and DDP copy the model's tensors from the GPU once each, and on
   the CPU device write the live tensors and hold nothing more.
-- **sharded, synchronous**: DCP's `FileSystemWriter` copies one tensor (a shard) at a time to host memory: at most
-  the rank's largest (on the CPU device a tensor is copied only when it is an uneven FSDP2 shard: at most).
-- **sharded, asynchronous** (`checkpoint.async: true`): DCP's stager copies every tensor of the rank's state dict to
-  host memory (pinned on CUDA) before the step loop goes on, and keeps it until written (at most one save in
-  flight: one copy per rank). Under FSDP2 that is every parameter's dim-0 shard (rows / N rounded up: rank 0 holds
-  the most) with its moments, and the replicated buffers and steps; under DDP and one process, the whole state on
-  every rank (DCP deduplicates what the ranks write, after staging, not what they stage).
+- **sharded, synchronous**: DCP's `FileSystemWriter` copies one tensor (a shard, by name) at a time to host memory:
+  at most the rank's largest (on the CPU device a tensor is copied only when it is an uneven FSDP2 shard: at most).
+- **sharded, asynchronous** (`checkpoint.async: true`): DCP's `DefaultStager` copies every storage of the rank's
+  state dict to host memory (pinned on CUDA) before the step loop goes on (a tied tensor once), and keeps its
+  buffers for the next save (the trainer's stager lives as long as the run): one copy per rank, held from the first
+  save on. Under FSDP2 that is every parameter's storage - its padded dim-0 chunk, rows / N rounded up, the same on
+  every rank - with its moments' shards, and the replicated buffers and steps; under DDP and one process, the whole
+  state on every rank (DCP deduplicates what the ranks write, after staging, not what they stage).
 
-The sharded state is keyed by name, as DCP stages and writes it: a tied tensor (embeddings and head) counts under each
-of its names (`SavingMemory.model` counts it once). FSDP2 shards over every rank of the world, sequence-parallel
-ones included (`distributed.shard`'s one-dimensional mesh). Not counted: the scheduler, RNG, sampler and trainer
-state (kilobytes).
+FSDP2 shards over every rank of the world, sequence-parallel ones included (`distributed.shard`'s one-dimensional
+mesh). Not counted: the scheduler, RNG, sampler and trainer state (kilobytes).
 
 With the host memory of a machine known (`--host-memory`, shared by `--gpus-per-machine` ranks), a way of saving that
 holds more than `HOST_SHARE` of it on rank 0's machine (its ranks' data loading included) is named, with the
@@ -46,42 +46,54 @@ WAYS = ("sharded sync", "sharded async", "gathered")
 
 @dataclass(frozen=True)
 class StateTensor:
-    """One tensor of the saved state: its size, and whether FSDP2 shards it on dim 0 (a parameter and its moments;
-    buffers and steps are replicated on every rank)."""
+    """One tensor of the saved state: its size; whether FSDP2 shards it on dim 0 (a parameter and its moments;
+    buffers and steps are replicated on every rank), and whether its storage is FSDP2's padded chunk (a parameter:
+    every rank holds rows / N rounded up; a moment is allocated at its shard's own size)."""
 
     numel: int
     element_size: int
     rows: int
     sharded: bool
+    padded: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.element_size
 
     def local(self, rank: int, world: int) -> int:
-        """The bytes `rank` of `world` holds: FSDP2's dim-0 chunk (rows / world rounded up; the last ranks hold
+        """The bytes of `rank`'s shard of `world`: FSDP2's dim-0 chunk (rows / world rounded up; the last ranks hold
         fewer rows, or none), the whole tensor when it is not sharded."""
         if not self.sharded or world == 1 or self.rows == 0:
             return self.nbytes
         chunk = -(-self.rows // world)
-        rows = max(0, min(chunk, self.rows - rank * chunk))
-        return rows * (self.numel // self.rows) * self.element_size
+        return max(0, min(chunk, self.rows - rank * chunk)) * (self.numel // self.rows) * self.element_size
+
+    def storage(self, rank: int, world: int) -> int:
+        """The bytes of the storage `rank`'s shard lives in (what a stager copies): a parameter's padded chunk."""
+        if not (self.padded and self.sharded) or world == 1 or self.rows == 0:
+            return self.local(rank, world)
+        return -(-self.rows // world) * (self.numel // self.rows) * self.element_size
 
 
-def _tensor(t: Any, *, sharded: bool, element_size: int | None = None) -> StateTensor:
-    return StateTensor(numel=t.numel(), element_size=element_size or t.element_size(),
-                       rows=t.shape[0] if t.dim() else 1, sharded=sharded)
+def _tensor(t: Any, *, sharded: bool, padded: bool = False) -> StateTensor:
+    return StateTensor(numel=t.numel(), element_size=t.element_size(), rows=t.shape[0] if t.dim() else 1,
+                       sharded=sharded, padded=padded)
+
+
+def _model_tensor(t: Any) -> StateTensor:
+    parameter = isinstance(t, nn.Parameter)
+    return _tensor(t, sharded=parameter, padded=parameter)
 
 
 def model_tensors(model: nn.Module) -> list[StateTensor]:
     """The model's state dict by name (parameters sharded, buffers replicated; a tied tensor under each name)."""
-    return [_tensor(t, sharded=isinstance(t, nn.Parameter)) for t in model.state_dict(keep_vars=True).values()]
+    return [_model_tensor(t) for t in model.state_dict(keep_vars=True).values()]
 
 
 def unique_model_tensors(model: nn.Module) -> list[StateTensor]:
-    """The model's state dict with a tied tensor once (as the gathered state holds it)."""
-    return list({id(t): _tensor(t, sharded=isinstance(t, nn.Parameter))
-                 for t in model.state_dict(keep_vars=True).values()}.values())
+    """The model's state dict with a tied tensor once (one storage: as a stager copies it and one process gathers
+    it)."""
+    return [_model_tensor(t) for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()]
 
 
 def optimizer_tensors(model: nn.Module) -> list[StateTensor]:
@@ -106,16 +118,17 @@ class Way:
 def ways(model: nn.Module, *, strategy: str, ranks: int, device: str) -> dict[str, Way]:
     """{way: Way} for `model` saved by `ranks` ranks under `strategy` ("single", "ddp", "fsdp2")."""
     by_name = model_tensors(model) + optimizer_tensors(model)
+    storages = unique_model_tensors(model) + optimizer_tensors(model)
     fsdp = strategy == "fsdp2" and ranks > 1
     world = ranks if fsdp else 1
 
     def held(rank: int) -> int:
-        return sum(t.local(rank, world) for t in by_name) if rank < ranks else 0
+        return sum(t.storage(rank, world) for t in storages) if rank < ranks else 0
 
     def largest(rank: int) -> int:
         return max((t.local(rank, world) for t in by_name), default=0) if rank < ranks else 0
 
-    staged = (f"each parameter's shard (/ {ranks}) and its moments, buffers and steps whole" if fsdp
+    staged = (f"each parameter's padded shard (/ {ranks}) and its moments, buffers and steps whole" if fsdp
               else "the whole state on every rank: DCP deduplicates what ranks write, not what they stage")
     pinned = " (pinned)" if device == "cuda" else ""
     out = {"sharded sync": Way(largest(0), largest(1), "one tensor at a time copied to host memory: at most the "
@@ -127,7 +140,7 @@ def ways(model: nn.Module, *, strategy: str, ranks: int, device: str) -> dict[st
         out["gathered"] = Way(sum(t.nbytes for t in by_name), others, "the whole state at once" + (
             "; the others one all-gathered tensor at a time" if device == "cpu" else "; the others nothing"))
     elif device == "cuda":
-        whole = sum(t.nbytes for t in unique_model_tensors(model) + optimizer_tensors(model))
+        whole = sum(t.nbytes for t in storages)
         out["gathered"] = Way(whole, 0, "the whole state copied from the GPU at once; the others nothing")
     else:
         out["gathered"] = Way(0, 0, "the live tensors written (CPU device): nothing more")
