@@ -253,7 +253,7 @@ def test_the_table_and_json_say_what_a_save_holds_and_what_would_fit_the_host(tm
     staged = ways(model, strategy="fsdp2", ranks=4, device="cuda")
     assert f"host, per rank (saving): sharded async: {staged['sharded async'].rank0 / GIB:.2f} GiB staged per rank; " \
            f"gathered would hold {staged['gathered'].rank0 / GIB:.2f} GiB on rank 0" in out
-    assert "sharded async" in out and "per rank (this run): its state dict staged" in out
+    assert "sharded async" in out and "per rank (this run): its state dict staged (pinned), the buffers kept" in out
     assert "rank 0's machine" not in out  # no --host-memory: nothing to compare with
 
     assert main(["plan", str(path), "checkpoint.format=gathered", "checkpoint.async=false", "--gpus", "4", "--json",

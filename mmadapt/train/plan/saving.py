@@ -133,8 +133,8 @@ def ways(model: nn.Module, *, strategy: str, ranks: int, device: str) -> dict[st
     pinned = " (pinned)" if device == "cuda" else ""
     out = {"sharded sync": Way(largest(0), largest(1), "one tensor at a time copied to host memory: at most the "
                                "rank's largest"),
-           "sharded async": Way(held(0), held(1), f"its state dict staged{pinned} until written, one save in flight; "
-                                f"{staged}")}
+           "sharded async": Way(held(0), held(1), f"its state dict staged{pinned}, the buffers kept for the next "
+                                f"saves; {staged}")}
     if fsdp:  # each name all-gathered on its own: a tied tensor gathered under each name
         others = max((t.nbytes for t in by_name), default=0) if device == "cpu" else 0
         out["gathered"] = Way(sum(t.nbytes for t in by_name), others, "the whole state at once" + (
