@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 from helpers import run_bounded
-from test_distributed import dataset  # noqa: F401  (the fixture)
+from test_distributed import dataset  # noqa: F401  (the fixtures)
+from test_generation_ranks import root  # noqa: F401
+from test_preference_ranks import pairs  # noqa: F401
 
 from mmadapt.sharded_checkpoint import is_sharded
 from mmadapt.train.checkpoint import latest_checkpoint
@@ -34,13 +36,13 @@ RUN = ["train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", "data.eval={r
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 
-def command(root: Path, out: str, *overrides: str, procs: int, worker: bool = False) -> list[str]:
+def command(base: Path, out: str, *overrides: str, procs: int, worker: bool = False, run: list[str] = RUN,
+            batch: dict[int, list[str]] = BATCH) -> list[str]:
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
                                    if procs > 1 else [])
     entry = [str(WORKER)] if worker else ["-m", "mmadapt"]
-    run = [r.format(root=root) for r in RUN]
-    return [*launcher, *entry, "train", str(root / "base.yaml"), f"train.out={root / out}", *run, *BATCH[procs],
-            *overrides]
+    return [*launcher, *entry, "train", str(base / "base.yaml"), f"train.out={base / out}",
+            *[r.format(root=base) for r in run], *batch[procs], *overrides]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -48,20 +50,22 @@ def env(**extra: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
 
 
-def launch(root: Path, out: str, *overrides: str, procs: int, worker: bool = False, **extra: str) -> list[dict]:
-    code, stderr = run_bounded(command(root, out, *overrides, procs=procs, worker=worker), 400, env(**extra))
+def launch(base: Path, out: str, *overrides: str, procs: int, worker: bool = False, run: list[str] = RUN,
+           batch: dict[int, list[str]] = BATCH, **extra: str) -> list[dict]:
+    code, stderr = run_bounded(command(base, out, *overrides, procs=procs, worker=worker, run=run, batch=batch), 400,
+                               env(**extra))
     assert code is not None, f"{out}: no end after 400 s (ranks out of step?)\n{stderr[-2000:]}"
     assert code == 0, stderr[-3000:]
-    return records(root / out)
+    return records(base / out)
 
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def from_step_2(root: Path, reference: str, out: str) -> Path:
+def from_step_2(base: Path, reference: str, out: str) -> Path:
     """A copy of `reference`'s OUT as it was right after its step-2 checkpoint."""
-    source, target = root / reference, root / out
+    source, target = base / reference, base / out
     shutil.rmtree(target, ignore_errors=True)
     (target / "checkpoints").mkdir(parents=True)
     shutil.copy(source / "config.yaml", target / "config.yaml")
@@ -69,10 +73,11 @@ def from_step_2(root: Path, reference: str, out: str) -> Path:
     return target
 
 
-def same(reference: list[dict], resumed: list[dict], *, exact: bool, what: str) -> None:
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6], what
+def same(reference: list[dict], resumed: list[dict], *, exact: bool, what: str,
+         keys: tuple[str, ...] = ("loss", "grad_norm", "eval_loss")) -> None:
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference], what
     for a, b in zip(reference[2:], resumed[2:], strict=True):
-        for key in ("loss", "grad_norm", "eval_loss"):
+        for key in keys:
             if key not in a:
                 continue
             if exact:
@@ -141,3 +146,26 @@ def test_an_asynchronous_save_overlaps_the_next_steps_and_a_sigkill_in_flight_re
     resumed = launch(dataset, "killed", "distributed.strategy=fsdp", "checkpoint.async=true", "--resume", procs=2)
     same(reference, resumed, exact=True, what="killed while saving asynchronously")
     assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())
+
+
+# ---- the other objectives: what they keep across steps resumes with the shards --------------------------------------
+OBJECTIVES = {
+    # DPO, LoRA on the LLM (its reference: the adapters switched off), pairs of different lengths
+    "dpo": ("pairs", ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "stages.backbone=lora",
+                      "stages.projector=frozen"], ("loss", "grad_norm", "rewards/margin", "kl")),
+    # GRPO, answers ending at different steps on each rank, an eval of 3 prompts (2 batches on rank 0, 1 on rank 1)
+    "grpo": ("root", ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=3"],
+             ("loss", "grad_norm", "reward", "completion_length/mean", "eval_reward")),
+}
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_dpo_and_grpo_resume_from_2_ranks_on_2_bitwise_and_on_1_within_rounding(objective, request):
+    fixture, run, keys = OBJECTIVES[objective]
+    base = request.getfixturevalue(fixture)
+    batch = {1: ["data.batch_size=2"], 2: ["data.batch_size=1"]} if objective == "grpo" else BATCH
+    reference = launch(base, f"{objective}-2", "distributed.strategy=fsdp", procs=2, run=run, batch=batch)
+    for procs in (2, 1):
+        out = from_step_2(base, f"{objective}-2", f"{objective}-2-on-{procs}")
+        resumed = launch(base, out.name, "distributed.strategy=fsdp", "--resume", procs=procs, run=run, batch=batch)
+        same(reference, resumed, exact=procs == 2, what=f"{objective}: 2 ranks -> {procs}", keys=keys)

@@ -166,7 +166,8 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_naming_the_file(tmp_pa
     run(QWEN, out, "train.steps=4", "checkpoint.every=2")
     newest = latest_checkpoint(out)
     marker = json.loads((newest / "COMPLETE").read_text())
-    assert marker["step"] == 4 and set(marker["files"]) == {p.name for p in newest.iterdir()} - {"COMPLETE"}
+    assert marker["step"] == 4 and set(marker["files"]) == {p.relative_to(newest).as_posix() for p in newest.rglob("*")
+                                                            if p.is_file()} - {"COMPLETE"}
     weights = newest / WEIGHTS
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert latest_checkpoint(out).name == "step-0000004"  # without verification it looks complete
