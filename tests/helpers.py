@@ -190,8 +190,6 @@ def to_sharded(checkpoint: Path) -> Path:
     place as a sharded one: its model state (tied tensors under both names, as a run's `model.state_dict()` holds them)
     in `state/` as `torch.distributed.checkpoint` writes it in one process, the gathered files removed and the
     `COMPLETE` marker's checksums rewritten. Returns `checkpoint`."""
-    import hashlib
-
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
@@ -203,9 +201,17 @@ def to_sharded(checkpoint: Path) -> Path:
     dcp.save({"model": model}, checkpoint_id=checkpoint / "state", no_dist=True)
     gathered.unlink()
     (checkpoint / "optimizer.pt").unlink(missing_ok=True)
+    return rehash(checkpoint, format="sharded")
+
+
+def rehash(checkpoint: Path, **fields: Any) -> Path:
+    """Rewrite a checkpoint's `COMPLETE` marker with the checksums of its files as they are now (and `fields`): what a
+    checkpoint altered by someone who also rewrote its marker looks like. Returns `checkpoint`."""
+    import hashlib
+
     marker = checkpoint / "COMPLETE"
-    step = json.loads(marker.read_text())["step"]
-    files = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(checkpoint.rglob("*")) if p.is_file() and p != marker}
-    marker.write_text(json.dumps({"step": step, "format": "sharded", "files": files}, indent=1))
+    body = json.loads(marker.read_text())
+    body["files"] = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                     for p in sorted(checkpoint.rglob("*")) if p.is_file() and p != marker}
+    marker.write_text(json.dumps({**body, **fields}, indent=1))
     return checkpoint

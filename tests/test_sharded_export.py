@@ -13,12 +13,16 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import lora_run, to_sharded
+from helpers import lora_run, rehash, to_sharded
 from safetensors import safe_open
 
 from mmadapt.loading import load_trained
@@ -56,3 +60,115 @@ def test_a_sharded_checkpoint_loads_as_its_gathered_twin(twins):
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     for key, value in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value), key
+
+
+def same_directories(ours: Path, theirs: Path, *, ignore: tuple[str, ...] = ()) -> None:
+    """The same file names, the same bytes for every file but weights (bitwise-equal tensors, the same safetensors
+    metadata) and `ignore`d ones."""
+    names = sorted(p.relative_to(theirs).as_posix() for p in theirs.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file()) == names
+    for name in names:
+        if name in ignore:
+            continue
+        if not name.endswith(".safetensors"):
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+            continue
+        with safe_open(str(ours / name), framework="pt") as a, safe_open(str(theirs / name), framework="pt") as b:
+            assert a.metadata() == b.metadata(), name
+            assert list(a.keys()) == list(b.keys()), name
+            for key in b.keys():
+                x, y = a.get_tensor(key), b.get_tensor(key)
+                assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: {key}"
+
+
+def test_export_from_sharded_equals_export_from_gathered(twins, tmp_path):
+    from mmadapt.loading import TrainedWith
+    from mmadapt.train.export import export
+    from mmadapt.train.sharded_export import export_sharded
+
+    gathered, sharded = twins
+    export(gathered, tmp_path / "gathered", max_shard_size="200KB")
+    checkpoint = newest(sharded)
+    done = export_sharded(checkpoint, tmp_path / "streamed", TrainedWith.read(checkpoint),
+                          tokenizer=load_trained(checkpoint)[1], max_shard_size="200KB")
+    assert len(done.files) > 3 and "model.safetensors.index.json" in done.files  # the model spans several files
+    same_directories(tmp_path / "streamed", tmp_path / "gathered")
+    assert done.model_bytes == sum(p.stat().st_size for p in (tmp_path / "gathered").glob("model-*.safetensors")) - sum(
+        8 + int.from_bytes((p.read_bytes()[:8]), "little") for p in (tmp_path / "gathered").glob("model-*.safetensors"))
+    # one file's tensors (<= 200 KB, plus the LoRA factors of its modules) at a time, never the model's 800 KB
+    assert done.peak_bytes < 300_000 < done.model_bytes, done
+    export(sharded, tmp_path / "run-export", max_shard_size="200KB")  # a run whose newest checkpoint is sharded
+    same_directories(tmp_path / "run-export", tmp_path / "gathered")
+
+
+def test_transformers_export_from_sharded_equals_export_from_gathered(twins, tmp_path):
+    from mmadapt.train.export import export
+
+    sharded = twins[1]
+    for run in twins:
+        export(newest(run), tmp_path / run.name, format="transformers", max_shard_size="200KB")
+    assert (tmp_path / "run" / "model.safetensors.index.json").is_file()
+    same_directories(tmp_path / "sharded", tmp_path / "run", ignore=("mmadapt_export.json",))
+    ours, theirs = (json.loads((tmp_path / d / "mmadapt_export.json").read_text()) for d in ("sharded", "run"))
+    assert ours["loaded_from"]["path"] == str(newest(sharded).resolve())
+    assert ours["loaded_from"]["files"][0].startswith("state/")  # the checksum of the state files read
+    assert {k: v for k, v in ours.items() if k != "loaded_from"} == {k: v for k, v in theirs.items()
+                                                                     if k != "loaded_from"}
+
+
+def test_export_command_on_a_sharded_checkpoint_directory(twins, tmp_path):
+    """`mmadapt export CHECKPOINT DST` as a user runs it: a process of its own, in a fresh directory."""
+    from mmadapt.train.export import export
+
+    gathered, sharded = twins
+    export(newest(gathered), tmp_path / "gathered", max_shard_size="300KB")
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "mmadapt", "export", str(newest(sharded)), "exported", "--max-shard-size", "300KB"]
+    done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote exported" in done.stdout
+    same_directories(work / "exported", tmp_path / "gathered")
+    bad = subprocess.run([*cmd[:-1], "300 bytes"], cwd=work, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'300 bytes' is not a size" in bad.stderr
+
+
+def test_hostile_metadata_is_refused_and_runs_nothing(twins, tmp_path):
+    """A `.metadata` that names a function (here `os.system`, which would create a file) is refused before anything
+    of it is built, even when the checkpoint's marker was rewritten to match it."""
+    from mmadapt.sharded_checkpoint import UnsafeCheckpointError
+    from mmadapt.train.export import export
+
+    checkpoint = tmp_path / "checkpoints" / newest(twins[1]).name
+    shutil.copytree(newest(twins[1]), checkpoint)
+    ran = tmp_path / "code-ran"
+
+    class Hostile:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    (checkpoint / "state" / ".metadata").write_bytes(pickle.dumps(Hostile()))
+    rehash(checkpoint)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata asks for (posix|os)\.system"):
+        load_trained(checkpoint)
+    with pytest.raises(UnsafeCheckpointError, match="not part of a checkpoint's metadata"):
+        export(checkpoint, tmp_path / "exported")
+    assert not ran.exists() and not (tmp_path / "exported").exists()
+    pickle.loads((checkpoint / "state" / ".metadata").read_bytes())  # DCP's own reader would have run it
+    assert ran.exists()
+
+
+def test_a_missing_shard_is_caught_before_loading(twins, tmp_path):
+    from mmadapt.loading import UnverifiedCheckpointError
+    from mmadapt.train.export import export
+
+    checkpoint = tmp_path / "checkpoints" / newest(twins[1]).name
+    shutil.copytree(newest(twins[1]), checkpoint)
+    shard = next((checkpoint / "state").glob("*.distcp"))
+    shard.unlink()
+    expected = f"{shard.relative_to(checkpoint).as_posix()} is missing"
+    with pytest.raises(UnverifiedCheckpointError, match=expected):
+        load_trained(checkpoint)
+    with pytest.raises(UnverifiedCheckpointError, match=expected):
+        export(checkpoint, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
