@@ -163,9 +163,9 @@ def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None =
         return None, stderr
 
 
-def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
-    """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer) in OUT/run, `stages` its `stages.` overrides;
-    returns the base model's directory (OUT/base)."""
+def lora_run(out: Path, stages: Sequence[str], seed: int = 0, config: Any = None) -> Path:
+    """A 3-step LoRA run of the tiny LLaVA combination (or of `config`, a `ModelConfig`; char tokenizer) in OUT/run,
+    `stages` its `stages.` overrides; returns the base model's directory (OUT/base)."""
     import torch
 
     import mmadapt
@@ -175,7 +175,11 @@ def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
     from mmadapt.train import RunConfig, Trainer
 
     torch.manual_seed(seed)
-    model, tokenizer = mmadapt.build_model("clip", "mlp2x_gelu", "llama"), char_tokenizer()
+    if config is None:
+        model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    else:
+        model = mmadapt.VisionLanguageModel(config)
+    tokenizer = char_tokenizer()
     Processor.for_model(model, tokenizer)
     model.save_pretrained(out / "base", tokenizer=tokenizer)
     config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=3",

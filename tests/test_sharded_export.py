@@ -25,22 +25,26 @@ import torch
 from helpers import lora_run, rehash, to_sharded
 from safetensors import safe_open
 
-from mmadapt.loading import load_trained
+from mmadapt import ModelConfig
+from mmadapt.loading import load_for_inference, load_trained
 from mmadapt.run_directory import RunDirectory
 
 LORA = ["stages.preset=lora", "checkpoint.format=gathered"]
 
 
-@pytest.fixture(scope="module")
-def twins(tmp_path_factory) -> tuple[Path, Path]:
+def make_twins(out: Path, config: ModelConfig | None = None) -> tuple[Path, Path]:
     """(gathered run, its sharded twin): a tiny LoRA run's directory, and a copy whose checkpoint is sharded."""
-    out = tmp_path_factory.mktemp("twins")
-    lora_run(out, LORA)
+    lora_run(out, LORA, config=config)
     gathered, sharded = out / "run", out / "sharded"
     shutil.copytree(gathered, sharded, ignore=shutil.ignore_patterns("model", "adapters"))
     for checkpoint in RunDirectory(sharded).checkpoints(complete=True):
         to_sharded(checkpoint)
     return gathered, sharded
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory) -> tuple[Path, Path]:
+    return make_twins(tmp_path_factory.mktemp("twins"))
 
 
 def newest(run: Path) -> Path:
@@ -54,7 +58,7 @@ def test_a_sharded_checkpoint_loads_as_its_gathered_twin(twins):
     checkpoint = Checkpoint.open(newest(sharded))
     assert [f.relative_to(checkpoint.path).parts[0] for f in checkpoint.files] == ["state"] * len(checkpoint.files)
     assert any(f.name == ".metadata" for f in checkpoint.files)
-    ours, _ = load_trained(newest(sharded))
+    ours, _ = load_for_inference(sharded)  # a run without OUT/model: its newest checkpoint
     theirs, _ = load_trained(newest(gathered))
     assert not any("lora_" in k for k in ours.state_dict())
     assert ours.state_dict().keys() == theirs.state_dict().keys()
@@ -114,6 +118,30 @@ def test_transformers_export_from_sharded_equals_export_from_gathered(twins, tmp
     assert ours["loaded_from"]["files"][0].startswith("state/")  # the checksum of the state files read
     assert {k: v for k, v in ours.items() if k != "loaded_from"} == {k: v for k, v in theirs.items()
                                                                      if k != "loaded_from"}
+
+
+def test_tied_embeddings_export_from_sharded(tmp_path):
+    """A LoRA run of a backbone with tied embeddings (its sharded state holds them under both names): the streamed
+    export stores them once, under the same name and alias as the gathered one, and loads tied."""
+    from mmadapt import VisionLanguageModel
+    from mmadapt.sharded_checkpoint import ModelTensors
+    from mmadapt.train.export import export
+
+    config = ModelConfig.from_names("qwen3_5_vit", "qwen_merger", "qwen3_5")
+    config.backbone.options = {"tie_word_embeddings": True}
+    gathered, sharded = make_twins(tmp_path, config)
+    tied = {"backbone.lm_head.weight", "backbone.model.embed_tokens.weight"}
+    assert tied <= set(ModelTensors(newest(sharded)).keys())
+    for run in (gathered, sharded):
+        export(run, tmp_path / f"{run.name}-export", max_shard_size="200KB")
+    same_directories(tmp_path / "sharded-export", tmp_path / "run-export")
+    index = json.loads((tmp_path / "sharded-export" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["aliases"] == {"backbone.lm_head.weight": "backbone.model.embed_tokens.weight"}
+    model = VisionLanguageModel.from_pretrained(tmp_path / "sharded-export")
+    assert model.backbone.lm_head.weight is model.backbone.model.embed_tokens.weight
+    for run in (gathered, sharded):
+        export(newest(run), tmp_path / f"{run.name}-hf", format="transformers", max_shard_size="200KB")
+    same_directories(tmp_path / "sharded-hf", tmp_path / "run-hf", ignore=("mmadapt_export.json",))
 
 
 def test_export_command_on_a_sharded_checkpoint_directory(twins, tmp_path):

@@ -59,6 +59,8 @@ class MergedTensors:
         with empty_weights():
             self.trained = trained_structure(saved, run)
             plain = VisionLanguageModel(model_directory.model_config(saved))
+        if plain.backbone_tied_keys():  # as loading ties them: one tensor under both names (outside empty_weights,
+            plain.tie_weights()  # whose parameter hook would make the tied one a new meta parameter)
         self.model = with_origin(plain, path, saved, run, Checkpoint.open(path, what="checkpoint"))
         self.lora = sorted(lora_modules(self.trained), key=len)  # outermost first
         self.state = plain.state_dict(keep_vars=True)
