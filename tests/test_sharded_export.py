@@ -6,6 +6,9 @@
 - `test_export_from_sharded_equals_export_from_gathered` (both formats, LoRA in the run): the same file names, the
   same index, bitwise-equal tensors, and the streaming export never holds more tensor bytes than about one shard.
 - `test_export_command_on_a_sharded_checkpoint_directory`: `mmadapt export CHECKPOINT DST` as a user runs it.
+- `test_tied_embeddings_export_from_sharded`: the same with a tied backbone (both names in the state, one in the files).
+- `test_streamed_export_peak_memory_stays_below_the_model` (slow): a process's peak resident memory while exporting a
+  ~460 MiB checkpoint stays under half the model; loading it whole exceeds the model.
 - `test_hostile_metadata_is_refused_and_runs_nothing`, `test_a_missing_shard_is_caught_before_loading`: a sharded
   checkpoint that names code in its `.metadata`, or lacks a shard, is refused with an error naming it.
 """
@@ -51,9 +54,11 @@ def newest(run: Path) -> Path:
     return RunDirectory(run).checkpoints(complete=True)[-1]
 
 
-def test_a_sharded_checkpoint_loads_as_its_gathered_twin(twins):
+def test_a_sharded_checkpoint_loads_as_its_gathered_twin(twins, monkeypatch):
+    from mmadapt import weights
     from mmadapt.weights import Checkpoint
 
+    monkeypatch.setattr(weights, "SHARDED_BATCH_BYTES", 20_000)  # many batches (and a batch of one big tensor)
     gathered, sharded = twins
     checkpoint = Checkpoint.open(newest(sharded))
     assert [f.relative_to(checkpoint.path).parts[0] for f in checkpoint.files] == ["state"] * len(checkpoint.files)
@@ -200,3 +205,64 @@ def test_a_missing_shard_is_caught_before_loading(twins, tmp_path):
     with pytest.raises(UnverifiedCheckpointError, match=expected):
         export(checkpoint, tmp_path / "exported")
     assert not (tmp_path / "exported").exists()
+
+
+MEASURE = """
+import json, re, sys
+from pathlib import Path
+import peft, safetensors.torch, torch, torch.distributed.checkpoint, transformers  # imported before the baseline
+from mmadapt.loading import load_trained
+from mmadapt.train.export import export
+
+def kib(field):
+    return int(re.search(field + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
+
+src, dst, how = sys.argv[1:4]
+before = kib("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM, the peak resident memory, counts from here
+if how == "streamed":
+    export(src, dst, max_shard_size="50MB", verify=False)
+else:
+    load_trained(src, verify=False)[0].save_pretrained(dst, max_shard_size="50MB")
+print(json.dumps({"extra": (kib("VmHWM") - before) * 1024}))
+"""
+
+
+def wide_sharded_checkpoint(out: Path) -> tuple[Path, int]:
+    """A LoRA run's sharded checkpoint of a ~460 MiB model (a LLaVA with a 1024-wide, 8-layer Llama; no tensor over
+    35 MB), written directly (no training: memory is what is measured); returns it and the model's bytes."""
+    import yaml
+    from torch.distributed.checkpoint import save
+
+    from mmadapt import VisionLanguageModel
+    from mmadapt.directory import write_model_files
+    from mmadapt.lora import LoraSection, add_lora
+
+    checkpoint = out / "checkpoints" / "step-0000001"
+    config = ModelConfig.from_names("clip", "mlp2x_gelu", "llama")
+    config.backbone.options = {"vocab_size": 8000, "hidden_size": 1024, "intermediate_size": 2816,
+                               "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8}
+    model = VisionLanguageModel(config)
+    add_lora(model, "backbone", LoraSection(r=4))
+    save({"model": model.state_dict()}, checkpoint_id=checkpoint / "state", no_dist=True)
+    write_model_files(model, checkpoint)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump({"stages": {"preset": "lora"}, "lora": {"r": 4}}))
+    (checkpoint / "COMPLETE").write_text(json.dumps({"step": 1, "format": "sharded", "files": {}}))
+    size = sum(v.nbytes for k, v in model.state_dict().items() if "lora_" not in k)
+    return rehash(checkpoint), size
+
+
+@pytest.mark.slow
+def test_streamed_export_peak_memory_stays_below_the_model(tmp_path):
+    """Peak resident memory (VmHWM, reset before the export) of a process exporting a ~460 MiB sharded checkpoint
+    with 50 MB files: the streamed export stays under half the model (one file's tensors and safetensors' serialised
+    copy of them); loading the model whole and saving it, measured the same way, exceeds the model."""
+    checkpoint, size = wide_sharded_checkpoint(tmp_path / "run")
+    extra = {}
+    for how in ("streamed", "whole"):
+        done = subprocess.run([sys.executable, "-c", MEASURE, str(checkpoint), str(tmp_path / how), how],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        extra[how] = json.loads(done.stdout.strip().splitlines()[-1])["extra"]
+    assert extra["streamed"] < size / 2 < size < extra["whole"], (extra, size)
+    same_directories(tmp_path / "streamed", tmp_path / "whole")
