@@ -62,7 +62,7 @@ class MergedTensors:
         if plain.backbone_tied_keys():  # as loading ties them: one tensor under both names (outside empty_weights,
             plain.tie_weights()  # whose parameter hook would make the tied one a new meta parameter)
         self.model = with_origin(plain, path, saved, run, Checkpoint.open(path, what="checkpoint"))
-        self.lora = sorted(lora_modules(self.trained), key=len)  # outermost first
+        self.lora = set(lora_modules(self.trained))
         self.state = plain.state_dict(keep_vars=True)
         self.planned, self.aliases, self.sources = {}, {}, {}
         stored: dict[int, str] = {}
@@ -87,7 +87,8 @@ class MergedTensors:
 
     def _unit(self, key: str) -> str | None:
         """The outermost LoRA'd module that `key` belongs to (None: a plain tensor)."""
-        return next((name for name in self.lora if key.startswith(name + ".")), None)
+        parts = key.split(".")
+        return next((p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in self.lora), None)
 
     def _source(self, key: str, aliases: list[str]) -> str | None:
         """The checkpoint key `key`'s dtype is read from (its own, a tied name's, or its LoRA'd base layer's); for a
