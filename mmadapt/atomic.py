@@ -414,6 +414,13 @@ class StagedDirectory:
                 self.checksums[name] = digest
         return dict(sorted(self.checksums.items()))
 
+    def discard(self) -> None:
+        """Give the staged directory up, outside the with-block (a write finished in another thread that failed):
+        removed, its lock released, the target untouched. Idempotent; a no-op once the directory was swapped in."""
+        if self._fd is not None:
+            self._discard()
+            self._release()
+
     def _commit(self) -> None:
         self.settle()
         for directory in sorted({p.parent for p in self.path.rglob("*")} | {self.path}, reverse=True):

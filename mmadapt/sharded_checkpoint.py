@@ -23,11 +23,15 @@ import enum
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# DCP warns that it "assumes the intent is to save (load) in a single process" even when told so (no_dist=True)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STATE_DIR = "state"  # a sharded checkpoint's DCP directory
 METADATA = ".metadata"
@@ -44,13 +48,13 @@ def is_sharded(checkpoint: str | os.PathLike) -> bool:
 
 
 def state_files(checkpoint: str | os.PathLike) -> list[str]:
-    """The files of a sharded checkpoint's state, relative to the checkpoint (`state/.metadata`, `state/__0_0.distcp`)."""
+    """A sharded checkpoint's state files, relative to the checkpoint (`state/.metadata`, `state/__0_0.distcp`)."""
     directory = Path(checkpoint) / STATE_DIR
     return sorted(f"{STATE_DIR}/{p.name}" for p in directory.iterdir() if p.is_file())
 
 
 _TORCH_NAMES = {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "channels_last_3d",
-                "preserve_format"} | {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+                "preserve_format"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
 
@@ -103,13 +107,12 @@ def _filesystem_reader() -> type:
 
 def _load_planner() -> type:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401  (DCP's own, as it uses it)
+    from torch.distributed.checkpoint._nested_dict import set_element
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's `DefaultLoadPlanner`, a non-tensor value read with `torch.load(weights_only=True)`."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            from torch.distributed.checkpoint._nested_dict import set_element
 
             try:
                 loaded = torch.load(value, weights_only=True)

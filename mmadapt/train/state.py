@@ -33,6 +33,7 @@ class TrainerState:
     objective: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, dict[str, int]] = field(default_factory=dict)  # a mixture's samples and problems per source
     stream: dict[str, int] = field(default_factory=dict)  # a stream's layout (`mmadapt.data.stream.StreamLayout`)
+    batching: dict[str, int] = field(default_factory=dict)  # what a step's global batch is made of (`Trainer.batching`)
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint's trainer state: one key per field, in field order (the values are not copied)."""

@@ -33,6 +33,7 @@ the last collective, so no rank waits for it.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -59,11 +60,9 @@ from mmadapt.train.checkpoint import (
     OutLock,
     UnverifiedCheckpointError,
     latest_checkpoint,
-    load_checkpoint,
     newest_verified,
     none_verified,
-    save_checkpoint,
-    set_rng_state,
+    rng_state,
 )
 from mmadapt.train.config import RunConfig
 from mmadapt.train.cpu_memory import return_freed_memory
@@ -75,6 +74,7 @@ from mmadapt.train.optim import enable_activation_checkpointing, parameter_group
 from mmadapt.train.optim import upcast_trainable as upcast_trainable  # moved; imported from here too (plan, benchmarks)
 from mmadapt.train.plots import plot_history
 from mmadapt.train.records import learning_rates, step_speed
+from mmadapt.train.saving import CheckpointWriter, Snapshot, adapter_state, describe_format, load_state
 from mmadapt.train.stages import apply_stages, save_adapters
 from mmadapt.train.state import TrainerState, state_field
 from mmadapt.train.steps import accumulate, evaluate
@@ -149,6 +149,9 @@ class Trainer:
         self.rows_are_new = True  # this step's micro-batches are a new loader batch (not one serving its next step)
         self.step_sources: dict[str, dict[str, int]] = {}  # this step's counts per mixture source (count_problems)
         self.peak_tflops = peak_tflops(self.device, t.peak_tflops)
+        c = config.checkpoint
+        self.writer = CheckpointWriter(self.out, format=c.format, asynchronous=c.async_, keep=c.keep,
+                                       is_main=self.is_main, on_complete=self.write_adapters)
         if config.checkpoint.resume:
             with dist_utils.failing_together(), self.out_lock():
                 self.resume()
@@ -181,8 +184,12 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to `train.steps`, checkpointing and evaluating on the way; then OUT/model. Returns the summary."""
-        with dist_utils.failing_together(), self.out_lock():
-            return self.train_loop()
+        try:
+            with dist_utils.failing_together(), self.out_lock():
+                return self.train_loop()
+        except BaseException:
+            self.writer.close(quietly=True)  # a checkpoint written in the background is finished (or given up)
+            raise
 
     def out_lock(self) -> Any:
         """Rank 0's exclusive claim on OUT for as long as the block runs (`OutLock`): a second run on the same OUT
@@ -225,6 +232,8 @@ class Trainer:
             if t.eval_every and self.step % t.eval_every == 0:
                 last_eval = self.run_eval()
                 record.update(last_eval)
+            if (saving := self.writer.in_flight) is not None:
+                record["saving"] = saving  # the step ran while that checkpoint was written in the background
             self.log(record, progress)
             every = self.cfg.checkpoint.every
             if every and self.step % every == 0 and self.step < self.total_steps:
@@ -238,7 +247,8 @@ class Trainer:
             final_eval = self.run_eval()
         else:
             final_eval = {}
-        final = self.save()  # its barrier is the run's last collective: no rank waits for the export below
+        final = self.save(last=True)  # its barrier is the run's last collective: no rank waits for the export below
+        self.writer.close()
         if self.is_main:
             plot_history(self.history, self.run.loss_plot)
             self.export_model(final)
@@ -390,22 +400,31 @@ class Trainer:
                      "".join(f"\n  {name}: {v['samples']} samples, {v['problems']} problems, loss "
                              f"{v.get('loss', math.nan):.4f}" for name, v in record.get("sources", {}).items()))
 
-    def save(self) -> Path | None:
-        model_state = dist_utils.full_model_state(self.wrapped, self.model)
-        optimizer_state = {"optimizer": dist_utils.full_optimizer_state(self.wrapped, self.optimizer),
-                           "scheduler": self.scheduler.state_dict()}
-        path = None
+    def save(self, *, last: bool = False) -> Path | None:
+        """Checkpoint this step (`CheckpointWriter`: sharded or gathered, in the background with checkpoint.async);
+        returns its path once complete, None while it is written in the background. `last`: the run's final one,
+        always written before this returns (the model directory is exported from it)."""
         self.state.objective = self.objective.state_dict()
+        self.state.batching = self.batching()
         if isinstance(self.train_data, StreamingDataset):
             self.state.stream = self.stream_layout().to_dict()
-        if self.is_main:
-            path = save_checkpoint(self.out, self.step, model_state=model_state, optimizer_state=optimizer_state,
-                                   trainer_state=self.state.to_dict(), config=self.cfg, keep=self.cfg.checkpoint.keep,
-                                   extras=self.write_model_files)
-            save_adapters(self.model, self.run.adapters_dir, self.cfg.stages.modes(), state=model_state,
-                          overwrite=True)  # this run's own adapters, replaced whole at each checkpoint
-        dist_utils.barrier()
-        return path
+        snapshot = Snapshot(scheduler=self.scheduler.state_dict(), rng=rng_state() if self.is_main else {},
+                            trainer_state=copy.deepcopy(self.state.to_dict()), config=self.cfg,
+                            extras=self.write_model_files)
+        return self.writer.save(self.step, wrapped=self.wrapped, model=self.model, optimizer=self.optimizer,
+                                snapshot=snapshot, synchronous=last)
+
+    def batching(self) -> dict[str, int]:
+        """What a step's global batch is made of: a checkpoint resumes only where a step means the same samples."""
+        return {"global_batch": self.cfg.data.batch_size * self.cfg.train.grad_accum * self.dist.data_world,
+                "data_ranks": self.dist.data_world, "batch_size": self.cfg.data.batch_size,
+                "grad_accum": self.cfg.train.grad_accum}
+
+    def write_adapters(self, checkpoint: Path) -> None:
+        """This run's own adapters (OUT/adapters), replaced whole at each checkpoint, read from the checkpoint."""
+        if "lora" in self.cfg.stages.modes().values():
+            save_adapters(self.model, self.run.adapters_dir, self.cfg.stages.modes(),
+                          state=adapter_state(checkpoint, self.model), overwrite=True)
 
     def write_model_files(self, directory: Path) -> None:
         """What a checkpoint needs to become a model directory: the model's config, the tokenizer and the weights the
@@ -428,11 +447,17 @@ class Trainer:
         if path is None:
             log.info("resume: no complete checkpoint in %s; starting from step 0", self.out)
             return
-        state = load_checkpoint(path)
-        dist_utils.load_full_model_state(self.wrapped, self.model, state["model"])
-        dist_utils.load_full_optimizer_state(self.wrapped, self.optimizer, state["optimizer"]["optimizer"])
-        self.scheduler.load_state_dict(state["optimizer"]["scheduler"])
-        set_rng_state(state["rng"])
+        saved = json.loads((path / "trainer_state.json").read_text()).get("batching")
+        if saved and saved["global_batch"] != self.batching()["global_batch"]:
+            raise ValueError(f"resume: {path.name} was taken with a global batch of {saved['global_batch']} samples "
+                             f"({saved['data_ranks']} data rank(s) x data.batch_size {saved['batch_size']} x "
+                             f"train.grad_accum {saved['grad_accum']}), this run's is {self.batching()['global_batch']}"
+                             ": its steps would mean other samples. Fix: keep data ranks x data.batch_size x "
+                             f"train.grad_accum = {saved['global_batch']} (e.g. train.grad_accum="
+                             f"{_accum_for(saved, self.dist.data_world, self.cfg.data.batch_size)} on "
+                             f"{self.dist.data_world} data rank(s))")
+        state = load_state(path, wrapped=self.wrapped, model=self.model, optimizer=self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
         self.state = TrainerState.from_dict(state["trainer"])
         self.objective.load_state_dict(self.state.objective)
         if isinstance(self.train_data, StreamingDataset) and self.state.stream != self.stream_layout().to_dict():
@@ -446,7 +471,7 @@ class Trainer:
         if self.is_main:  # the log restarts from the checkpoint: steps after it are redone
             with open_unlinked(self.run.log_file, "w") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in self.history))
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info("resumed from %s at step %d (%s)", path, self.step, describe_format(path))
 
     def agreed_checkpoint(self) -> Path | None:
         """The checkpoint every rank resumes from: rank 0's newest verified one, found with the same marker on every
@@ -471,6 +496,13 @@ class Trainer:
                              f"(missing, incomplete or different files under their {self.out}). Fix: give every rank "
                              "the same train.out (shared storage), or copy rank 0's checkpoint to the others.")
         return path
+
+
+def _accum_for(saved: dict[str, int], data_ranks: int, batch_size: int) -> str:
+    """The grad_accum that gives `saved`'s global batch on `data_ranks` ranks of `batch_size`, or what to change."""
+    accum, rest = divmod(saved["global_batch"], data_ranks * batch_size)
+    return str(accum) if accum and not rest else f"(none: {saved['global_batch']} is not a multiple of {data_ranks} x "\
+        f"{batch_size}; change data.batch_size too)"
 
 
 def marker_text(path: Path) -> str | None:
