@@ -6,7 +6,8 @@
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
 `TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
 placeholder (below). `answer_table(model, ...)`: a tiny Qwen3.5 made to answer by construction (answers of 1, 2 or
-`max_new_tokens` tokens, by their seed); `lora_run(out, stages)`: a tiny 3-step LoRA run; `run_bounded(cmd,
+`max_new_tokens` tokens, by their seed); `lora_run(out, stages)`: a tiny 3-step LoRA run; `rehash(checkpoint)`: its
+`COMPLETE` marker rewritten for its files as they are (an altered checkpoint whose marker matches); `run_bounded(cmd,
 timeout)`: a command (torchrun and its workers included) ended whole at its timeout, so a hang fails a test instead of
 holding CI. `pairwise(*axes)`: a test matrix whose every pair of values is in the fast tier, the other combinations
 marked slow (the full suite runs them all).
@@ -187,25 +188,6 @@ def lora_run(out: Path, stages: Sequence[str], seed: int = 0, config: Any = None
     samples = synthetic_samples(model, [1, 1, 1, 1], text_lengths=[6, 9, 5, 8], seed=seed)
     Trainer(model, config, samples, Collator.for_model(model, 0), tokenizer=tokenizer).fit()
     return out / "base"
-
-
-def to_sharded(checkpoint: Path) -> Path:
-    """Rewrite a gathered training checkpoint (`checkpoint.format: gathered`: `model.safetensors`, `optimizer.pt`) in
-    place as a sharded one: its model state (tied tensors under both names, as a run's `model.state_dict()` holds them)
-    in `state/` as `torch.distributed.checkpoint` writes it in one process, the gathered files removed and the
-    `COMPLETE` marker's checksums rewritten. Returns `checkpoint`."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
-
-    gathered = checkpoint / "model.safetensors"
-    with safe_open(str(gathered), framework="pt") as f:
-        aliases = json.loads(f.metadata().get("aliases", "{}"))
-        model = {key: f.get_tensor(key) for key in f.keys()}
-    model.update({alias: model[stored] for alias, stored in aliases.items()})
-    dcp.save({"model": model}, checkpoint_id=checkpoint / "state", no_dist=True)
-    gathered.unlink()
-    (checkpoint / "optimizer.pt").unlink(missing_ok=True)
-    return rehash(checkpoint, format="sharded")
 
 
 def rehash(checkpoint: Path, **fields: Any) -> Path:

@@ -1,10 +1,14 @@
 """Sharded (DCP) training checkpoints read back: loaded for inference and exported without a gather.
 
-- `test_a_sharded_checkpoint_loads_as_its_gathered_twin`: `load_trained` (chat, eval, serve, a reference / teacher
-  model) reads a sharded checkpoint through `Checkpoint.open` into bitwise the model of its gathered twin; its
+The twins: the same tiny LoRA run (same seed) trained twice, its checkpoints written gathered
+(`checkpoint.format: gathered`) and sharded (the default).
+
+- `test_a_sharded_checkpoint_loads_as_its_gathered_twin`: `load_for_inference` (chat, eval, serve, a reference /
+  teacher model) reads a sharded checkpoint through `Checkpoint.open` into bitwise the model of its gathered twin; its
   `files` are the state files (provenance).
-- `test_export_from_sharded_equals_export_from_gathered` (both formats, LoRA in the run): the same file names, the
-  same index, bitwise-equal tensors, and the streaming export never holds more tensor bytes than about one shard.
+- `test_export_from_sharded_equals_export_from_gathered` (and `test_transformers_...`; LoRA in the run): the same
+  file names, the same index, bitwise-equal tensors (the runs' own OUT/model too), and the streaming export never
+  holds more tensor bytes than about one file's.
 - `test_export_command_on_a_sharded_checkpoint_directory`: `mmadapt export CHECKPOINT DST` as a user runs it.
 - `test_tied_embeddings_export_from_sharded`: the same with a tied backbone (both names in the state, one in the files).
 - `test_streamed_export_peak_memory_stays_below_the_model` (slow): a process's peak resident memory while exporting a
@@ -25,23 +29,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import lora_run, rehash, to_sharded
+from helpers import lora_run, rehash
 from safetensors import safe_open
 
 from mmadapt import ModelConfig
 from mmadapt.loading import load_for_inference, load_trained
 from mmadapt.run_directory import RunDirectory
+from mmadapt.sharded_checkpoint import is_sharded
 
 LORA = ["stages.preset=lora", "checkpoint.format=gathered"]
 
 
 def make_twins(out: Path, config: ModelConfig | None = None) -> tuple[Path, Path]:
-    """(gathered run, its sharded twin): a tiny LoRA run's directory, and a copy whose checkpoint is sharded."""
-    lora_run(out, LORA, config=config)
-    gathered, sharded = out / "run", out / "sharded"
-    shutil.copytree(gathered, sharded, ignore=shutil.ignore_patterns("model", "adapters"))
-    for checkpoint in RunDirectory(sharded).checkpoints(complete=True):
-        to_sharded(checkpoint)
+    """(gathered run, sharded run): the same tiny 3-step LoRA run (same seed, same weights) twice, its checkpoints
+    written gathered (`checkpoint.format: gathered`, mmadapt < 0.26's format) and sharded (the default)."""
+    lora_run(out / "gathered", LORA, config=config)
+    lora_run(out / "sharded", ["stages.preset=lora"], config=config)
+    gathered, sharded = out / "gathered" / "run", out / "sharded" / "run"
+    assert not (newest(gathered) / "state").exists() and is_sharded(newest(sharded))
     return gathered, sharded
 
 
@@ -63,7 +68,7 @@ def test_a_sharded_checkpoint_loads_as_its_gathered_twin(twins, monkeypatch):
     checkpoint = Checkpoint.open(newest(sharded))
     assert [f.relative_to(checkpoint.path).parts[0] for f in checkpoint.files] == ["state"] * len(checkpoint.files)
     assert any(f.name == ".metadata" for f in checkpoint.files)
-    ours, _ = load_for_inference(sharded)  # a run without OUT/model: its newest checkpoint
+    ours, _ = load_for_inference(newest(sharded))
     theirs, _ = load_trained(newest(gathered))
     assert not any("lora_" in k for k in ours.state_dict())
     assert ours.state_dict().keys() == theirs.state_dict().keys()
@@ -108,17 +113,18 @@ def test_export_from_sharded_equals_export_from_gathered(twins, tmp_path):
     assert done.peak_bytes < 300_000 < done.model_bytes, done
     export(sharded, tmp_path / "run-export", max_shard_size="200KB")  # a run whose newest checkpoint is sharded
     same_directories(tmp_path / "run-export", tmp_path / "gathered")
+    same_directories(sharded / "model", gathered / "model")  # each run's OUT/model, the trainer's own export
 
 
 def test_transformers_export_from_sharded_equals_export_from_gathered(twins, tmp_path):
     from mmadapt.train.export import export
 
     sharded = twins[1]
-    for run in twins:
-        export(newest(run), tmp_path / run.name, format="transformers", max_shard_size="200KB")
-    assert (tmp_path / "run" / "model.safetensors.index.json").is_file()
-    same_directories(tmp_path / "sharded", tmp_path / "run", ignore=("mmadapt_export.json",))
-    ours, theirs = (json.loads((tmp_path / d / "mmadapt_export.json").read_text()) for d in ("sharded", "run"))
+    for name, run in zip(("gathered", "sharded"), twins, strict=True):
+        export(newest(run), tmp_path / name, format="transformers", max_shard_size="200KB")
+    assert (tmp_path / "gathered" / "model.safetensors.index.json").is_file()
+    same_directories(tmp_path / "sharded", tmp_path / "gathered", ignore=("mmadapt_export.json",))
+    ours, theirs = (json.loads((tmp_path / d / "mmadapt_export.json").read_text()) for d in ("sharded", "gathered"))
     assert ours["loaded_from"]["path"] == str(newest(sharded).resolve())
     assert ours["loaded_from"]["files"][0].startswith("state/")  # the checksum of the state files read
     assert {k: v for k, v in ours.items() if k != "loaded_from"} == {k: v for k, v in theirs.items()
@@ -126,8 +132,8 @@ def test_transformers_export_from_sharded_equals_export_from_gathered(twins, tmp
 
 
 def test_tied_embeddings_export_from_sharded(tmp_path):
-    """A LoRA run of a backbone with tied embeddings (its sharded state holds them under both names): the streamed
-    export stores them once, under the same name and alias as the gathered one, and loads tied."""
+    """A LoRA run of a backbone with tied embeddings: the streamed export stores them once, under the same name and
+    alias as the gathered one, and loads tied; the transformers export equals the gathered one's too."""
     from mmadapt import VisionLanguageModel
     from mmadapt.sharded_checkpoint import ModelTensors
     from mmadapt.train.export import export
@@ -135,18 +141,17 @@ def test_tied_embeddings_export_from_sharded(tmp_path):
     config = ModelConfig.from_names("qwen3_5_vit", "qwen_merger", "qwen3_5")
     config.backbone.options = {"tie_word_embeddings": True}
     gathered, sharded = make_twins(tmp_path, config)
-    tied = {"backbone.lm_head.weight", "backbone.model.embed_tokens.weight"}
-    assert tied <= set(ModelTensors(newest(sharded)).keys())
-    for run in (gathered, sharded):
-        export(run, tmp_path / f"{run.name}-export", max_shard_size="200KB")
-    same_directories(tmp_path / "sharded-export", tmp_path / "run-export")
+    assert "backbone.model.embed_tokens.weight" in ModelTensors(newest(sharded)).keys()
+    for name, run in (("gathered", gathered), ("sharded", sharded)):
+        export(run, tmp_path / f"{name}-export", max_shard_size="200KB")
+    same_directories(tmp_path / "sharded-export", tmp_path / "gathered-export")
     index = json.loads((tmp_path / "sharded-export" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["aliases"] == {"backbone.lm_head.weight": "backbone.model.embed_tokens.weight"}
     model = VisionLanguageModel.from_pretrained(tmp_path / "sharded-export")
     assert model.backbone.lm_head.weight is model.backbone.model.embed_tokens.weight
-    for run in (gathered, sharded):
-        export(newest(run), tmp_path / f"{run.name}-hf", format="transformers", max_shard_size="200KB")
-    same_directories(tmp_path / "sharded-hf", tmp_path / "run-hf", ignore=("mmadapt_export.json",))
+    for name, run in (("gathered", gathered), ("sharded", sharded)):
+        export(newest(run), tmp_path / f"{name}-hf", format="transformers", max_shard_size="200KB")
+    same_directories(tmp_path / "sharded-hf", tmp_path / "gathered-hf", ignore=("mmadapt_export.json",))
 
 
 def test_export_command_on_a_sharded_checkpoint_directory(twins, tmp_path):
