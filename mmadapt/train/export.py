@@ -26,7 +26,7 @@ from mmadapt.loading import (  # noqa: F401  (loading's names, where callers hav
 from mmadapt.processor import export_processor
 from mmadapt.run_directory import RunDirectory, is_complete
 from mmadapt.sharded_checkpoint import is_sharded
-from mmadapt.train.sharded_export import export_sharded
+from mmadapt.train.sharded_export import export_sharded, transformers_from_sharded
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,30 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
     is checked before the model is loaded, and a checkpoint's files against their checksums (`resolve_source`;
     `verify=False`: the trainer's own just-written one). Weights are split into files of at most `max_shard_size`.
 
-    A sharded checkpoint (`mmadapt.sharded_checkpoint`) is exported in mmadapt's format without a gather, one weight
-    file's tensors at a time (`mmadapt.train.sharded_export`: the same files); in transformers' format its model is
-    loaded whole first (transformers' `save_pretrained` writes it), as a gathered checkpoint's is."""
+    A sharded checkpoint (`mmadapt.sharded_checkpoint`) is exported without a gather (`mmadapt.train.sharded_export`:
+    the same files as from its gathered twin): mmadapt's format one weight file's tensors at a time; transformers'
+    from a model memory-mapped from such a directory written beside `dst` first (and removed)."""
+    if format not in ("mmadapt", "transformers"):
+        raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
     dst = Path(dst)
     if is_complete(dst) or RunDirectory(dst).exists():
         raise TargetExistsError(f"{dst} is a training checkpoint or run directory, not a model directory: export "
                                 "writes a model directory and never replaces a checkpoint. Choose another dst.")
     check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)
     path = resolve_source(src, verify=verify)
-    if format == "mmadapt" and is_complete(path) and is_sharded(path):
-        done = export_sharded(path, dst, TrainedWith.read(path), tokenizer=saved_tokenizer(path),
+    if is_complete(path) and is_sharded(path):
+        run, tokenizer = TrainedWith.read(path), saved_tokenizer(path)
+        if format == "transformers":
+            transformers_from_sharded(path, dst, run, tokenizer=tokenizer, max_shard_size=max_shard_size,
+                                      overwrite=overwrite)
+        else:
+            done = export_sharded(path, dst, run, tokenizer=tokenizer, max_shard_size=max_shard_size,
+                                  overwrite=overwrite)
+            log.info("read %s one weight file at a time: at most %.1f MiB of the model's %.1f MiB held", path,
+                     done.peak_bytes / 2**20, done.model_bytes / 2**20)
+    else:
+        model, tokenizer = load_trained(path, verify=False)  # verified above
+        model.save_pretrained(dst, format=format, tokenizer=tokenizer, processor_export=export_processor,
                               max_shard_size=max_shard_size, overwrite=overwrite)
-        log.info("exported %s to %s (mmadapt format, read from its sharded checkpoint one weight file at a time: at "
-                 "most %.1f MiB of the model's %.1f MiB held)", src, dst, done.peak_bytes / 2**20,
-                 done.model_bytes / 2**20)
-        return dst
-    model, tokenizer = load_trained(path, verify=False)  # verified above
-    model.save_pretrained(dst, format=format, tokenizer=tokenizer, processor_export=export_processor,
-                          max_shard_size=max_shard_size, overwrite=overwrite)
     log.info("exported %s to %s (%s format%s)", src, dst, format, ", with its tokenizer" if tokenizer else "")
     return dst

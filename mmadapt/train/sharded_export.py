@@ -1,8 +1,9 @@
-"""A sharded checkpoint's model written as a model directory without a gather: `export_sharded(checkpoint, dst)`.
+"""A sharded checkpoint's model written as a model directory without a gather: `export_sharded(checkpoint, dst)`
+(mmadapt's format), `transformers_from_sharded(checkpoint, dst)` (transformers').
 
-What `mmadapt.train.export.export` calls for a sharded training checkpoint (`mmadapt.sharded_checkpoint`) in mmadapt's
-format. The directory is the one `load_checkpoint_model` + `save_pretrained` write (the same file names, split, index
-and bitwise tensors, the same `config.json`, tokenizer and carried weights), but the whole model is never held:
+What `mmadapt.train.export.export` calls for a sharded training checkpoint (`mmadapt.sharded_checkpoint`). The
+directory is the one `load_checkpoint_model` + `save_pretrained` write (the same file names, split, index and bitwise
+tensors, the same `config.json`, tokenizer and carried weights), but the whole model is never held:
 
 - the model is built twice on the meta device (no memory): with its run's LoRA layers, as training built it (its keys
   are the checkpoint's), and plain, whose `state_dict()` order, shapes and tied names are the merged model's;
@@ -13,12 +14,14 @@ and bitwise tensors, the same `config.json`, tokenizer and carried weights), but
 
 So at most one file's tensors (with the LoRA factors of its modules) are held at once: `max_shard_size` bounds the
 memory, except that a single tensor larger than it is a file of its own. `StreamedExport.peak_bytes` counts it.
+transformers' format is written from such a directory, memory-mapped (`transformers_from_sharded`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from torch import nn
 
 from mmadapt import directory as model_directory
 from mmadapt.atomic import StagedDirectory
+from mmadapt.convert import export_architecture
 from mmadapt.loading import TrainedWith, trained_structure, with_origin
 from mmadapt.lora import lora_modules, merge_lora
 from mmadapt.model import VisionLanguageModel
@@ -166,3 +170,28 @@ def export_sharded(path: Path, dst: Path, run: TrainedWith | Any, *, tokenizer: 
                              on_file=stage.record)
         model_directory.write_model_files(merged.model, stage.path, tokenizer)
     return StreamedExport(tuple(files), peak, merged.model_bytes)
+
+
+def transformers_from_sharded(path: Path, dst: Path, run: TrainedWith | Any, *, tokenizer: Any = None,
+                              max_shard_size: int | str = "5GB", overwrite: bool = False) -> None:
+    """Write the model of sharded checkpoint `path` (of `run`) to `dst` in transformers' format without a gather.
+
+    transformers' `save_pretrained` writes an export from a whole model (it reverts its weight conversions over the
+    whole state dict), so it is given one whose tensors are memory-mapped: the model directory `export_sharded` writes
+    (one file's tensors at a time) into a staging directory beside `dst` (on its filesystem: the model's size of disk
+    space meanwhile), read back by `from_pretrained` (safetensors maps its files: their pages are read as the export is
+    written and are the page cache's, not memory of the process's own), then exported exactly as a loaded model is
+    (`mmadapt.directory.save`), its record naming `path` as the source. The staging directory is removed after."""
+    from mmadapt.directory import structure
+    from mmadapt.processor import export_processor
+
+    export_architecture(structure(VisionLanguageModel, path))  # no transformers equivalent: refused before writing
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dst.name}.staging-", dir=dst.parent) as staging:
+        staged = Path(staging) / "model"
+        export_sharded(path, staged, run, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        model = VisionLanguageModel.from_pretrained(staged)
+        model_directory.set_source(model, Checkpoint.open(path, what="checkpoint"))  # the export records the source
+        model.save_pretrained(dst, format="transformers", tokenizer=tokenizer, processor_export=export_processor,
+                              max_shard_size=max_shard_size, overwrite=overwrite)
+        del model  # its maps of the staging files, before they are removed
