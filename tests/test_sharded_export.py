@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -285,3 +286,27 @@ def test_streamed_export_peak_memory_stays_below_the_model(tmp_path):
     assert grew["mmadapt"]["resident"] < size / 2 < size < grew["whole"]["resident"], (grew, size)
     assert grew["transformers"]["own"] < size / 2 < size < grew["whole"]["own"], (grew, size)
     same_directories(tmp_path / "mmadapt", tmp_path / "whole")
+
+
+@pytest.mark.parametrize("damage", ["lora", "plain"])
+def test_a_state_without_a_models_tensor_is_refused_before_writing(twins, tmp_path, damage):
+    """A sharded checkpoint whose state lacks one of its model's tensors (a LoRA factor, a plain weight), its marker
+    rewritten to match: the export names the tensor and writes nothing; loading it names it too."""
+    from torch.distributed.checkpoint import save
+
+    from mmadapt.sharded_checkpoint import ModelTensors
+    from mmadapt.train.export import export
+    from mmadapt.weights import MissingWeightsError
+
+    checkpoint = tmp_path / "checkpoints" / newest(twins[1]).name
+    shutil.copytree(newest(twins[1]), checkpoint, ignore=shutil.ignore_patterns("state"))
+    tensors = ModelTensors(newest(twins[1]))
+    dropped = next(k for k in tensors.keys() if ("lora_B" in k) == (damage == "lora") and k.endswith(".weight"))
+    save({"model": tensors.read(k for k in tensors.keys() if k != dropped)}, checkpoint_id=checkpoint / "state",
+         no_dist=True)
+    rehash(checkpoint)
+    with pytest.raises(MissingWeightsError, match=re.escape(f"lacks 1 of its model's tensors: ['{dropped}']")):
+        export(checkpoint, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists() and [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
+    with pytest.raises(MissingWeightsError, match="lacks 1 of the"):
+        load_trained(checkpoint)

@@ -68,26 +68,41 @@ class MergedTensors:
         self.model = with_origin(plain, path, saved, run, Checkpoint.open(path, what="checkpoint"))
         self.lora = set(lora_modules(self.trained))
         self.state = plain.state_dict(keep_vars=True)
-        self.planned, self.aliases, self.sources = {}, {}, {}
-        stored: dict[int, str] = {}
+        self.aliases = _aliases(self.state)
+        self.sources, self.planned = self._plan()
+
+    def _plan(self) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+        """({key: the checkpoint key it is read from}, {key: meta tensor of its shape and dtype}) of every tensor the
+        files hold; a tensor the checkpoint lacks, or holds with another shape, is an error before anything is
+        written."""
+        sources, planned, missing, wrong = {}, {}, [], []
         for key, value in self.state.items():
-            if id(value) in stored:  # a tied tensor: stored once, as `mmadapt.weights.without_aliases` does
-                self.aliases[key] = stored[id(value)]
+            if key in self.aliases:
                 continue
-            stored[id(value)] = key
-        tied = {key: [k for k, v in self.aliases.items() if v == key] for key in stored.values()}
-        missing = []
-        for key in stored.values():
-            source = self._source(key, tied[key])
+            source = self._source(key, [k for k, v in self.aliases.items() if v == key])
             if source is None:
                 missing.append(key)
-                continue
-            self.sources[key] = source
-            dtype = self.tensors.dtype(source) if source in self.tensors else self.state[key].dtype
-            self.planned[key] = torch.empty(self.state[key].shape, dtype=dtype, device="meta")
-        if missing:
-            raise MissingWeightsError(f"checkpoint {path} lacks {len(missing)} weights of its model: {missing[:5]}. "
-                                      "Is it a complete checkpoint of this run?")
+            elif source in self.tensors and self.tensors.shape(source) != value.shape:
+                wrong.append(f"{source} {tuple(self.tensors.shape(source))} vs {tuple(value.shape)}")
+            else:
+                sources[key] = source
+                dtype = self.tensors.dtype(source) if source in self.tensors else value.dtype
+                planned[key] = torch.empty(value.shape, dtype=dtype, device="meta")
+        for unit in self.lora:  # the LoRA factors too: a merge reads every tensor of its module
+            for name, value in self.trained.get_submodule(unit).state_dict(keep_vars=True).items():
+                name = f"{unit}.{name}"
+                if name not in self.tensors:
+                    missing.append(name)
+                elif self.tensors.shape(name) != value.shape:
+                    wrong.append(f"{name} {tuple(self.tensors.shape(name))} vs {tuple(value.shape)}")
+        missing, wrong = sorted(set(missing)), sorted(set(wrong))
+        if missing or wrong:
+            problem = (f"lacks {len(missing)} of its model's tensors: {missing[:5]}" if missing else
+                       f"holds {len(wrong)} weights with another shape than its model's (checkpoint vs model): "
+                       f"{wrong[:5]}")
+            raise MissingWeightsError(f"checkpoint {self.path} {problem}. Its config.json and state/ do not belong "
+                                      "together: is it a complete checkpoint of this run?")
+        return sources, planned
 
     def _unit(self, key: str) -> str | None:
         """The outermost LoRA'd module that `key` belongs to (None: a plain tensor)."""
@@ -143,6 +158,19 @@ class MergedTensors:
         parent.add_module(child, module)
         merge_lora(holder)
         return {f"{unit}.{k}": v for k, v in holder.get_submodule(unit).state_dict().items()}
+
+
+def _aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{alias: stored name} of the tensors `state` holds under several names (tied), each stored under its first name,
+    as `mmadapt.weights.without_aliases` decides on real tensors (here: the same parameter object)."""
+    stored: dict[int, str] = {}
+    aliases = {}
+    for key, value in state.items():
+        if id(value) in stored:
+            aliases[key] = stored[id(value)]
+        else:
+            stored[id(value)] = key
+    return aliases
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
