@@ -13,8 +13,10 @@ The twins: the same tiny LoRA run (same seed) trained twice, its checkpoints wri
 - `test_tied_embeddings_export_from_sharded`: the same with a tied backbone (both names in the state, one in the files).
 - `test_streamed_export_peak_memory_stays_below_the_model` (slow): a process's peak memory while exporting a ~460 MiB
   checkpoint (both formats) grows by under half the model; loading it whole grows it by more than the model.
-- `test_hostile_metadata_is_refused_and_runs_nothing`, `test_a_missing_shard_is_caught_before_loading`: a sharded
-  checkpoint that names code in its `.metadata`, or lacks a shard, is refused with an error naming it.
+- `test_hostile_metadata_is_refused_and_runs_nothing`, `test_a_missing_shard_is_caught_before_loading`,
+  `test_a_state_without_a_models_tensor_is_refused_before_writing`: a sharded checkpoint that names code in its
+  `.metadata`, lacks a shard or lacks a tensor is refused with an error naming it, before anything is written.
+- `test_a_full_disk_during_a_sharded_export_keeps_the_previous_model` (both formats): the target intact, nothing left.
 """
 
 from __future__ import annotations
@@ -310,3 +312,34 @@ def test_a_state_without_a_models_tensor_is_refused_before_writing(twins, tmp_pa
     assert not (tmp_path / "exported").exists() and [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
     with pytest.raises(MissingWeightsError, match="lacks 1 of the"):
         load_trained(checkpoint)
+
+
+@pytest.mark.parametrize("fmt", ["mmadapt", "transformers"])
+def test_a_full_disk_during_a_sharded_export_keeps_the_previous_model(twins, tmp_path, fmt):
+    """A write that fails (files limited to 100 KB, as a full disk fails it) while exporting a sharded checkpoint over
+    a model directory: a `CheckpointWriteError`, the model that was there intact, no staging or temporary directory
+    left."""
+    import resource
+    import signal
+
+    from mmadapt.atomic import CheckpointWriteError
+    from mmadapt.train.export import export
+
+    target = tmp_path / "model"
+    export(newest(twins[0]), target, format=fmt)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(CheckpointWriteError) as failure:
+            export(newest(twins[1]), target, format=fmt, overwrite=True, max_shard_size="200KB")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(failure.value)
+    assert ("The model directory that was there is intact" if fmt == "mmadapt" else
+            f"could not export {newest(twins[1])} to {target}: the staging directory") in message
+    assert "File too large" in message
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mmadapt import directory as model_directory
-from mmadapt.atomic import StagedDirectory
+from mmadapt.atomic import CheckpointWriteError, StagedDirectory
 from mmadapt.convert import export_architecture
 from mmadapt.loading import TrainedWith, trained_structure, with_origin
 from mmadapt.lora import lora_modules, merge_lora
@@ -217,7 +217,15 @@ def transformers_from_sharded(path: Path, dst: Path, run: TrainedWith | Any, *, 
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dst.name}.staging-", dir=dst.parent) as staging:
         staged = Path(staging) / "model"
-        export_sharded(path, staged, run, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        try:
+            export_sharded(path, staged, run, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        except CheckpointWriteError as e:
+            raise CheckpointWriteError(
+                f"could not export {path} to {dst}: the staging directory beside it (the model in mmadapt's format, "
+                f"read back memory-mapped for transformers' save; it needs the model's size of free space in "
+                f"{dst.parent}) could not be written ({e}). {dst} was not touched and the staging directory is "
+                "removed. Fix: free disk space there (or export in mmadapt's format: it needs no staging), then "
+                "export again.") from e
         model = VisionLanguageModel.from_pretrained(staged)
         model_directory.set_source(model, Checkpoint.open(path, what="checkpoint"))  # the export records the source
         model.save_pretrained(dst, format="transformers", tokenizer=tokenizer, processor_export=export_processor,
