@@ -56,6 +56,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
     memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+    host = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+    if args.gpus_per_machine is not None and args.gpus_per_machine < 1:
+        raise ValueError(f"--gpus-per-machine must be >= 1, got {args.gpus_per_machine}")
     named = [name.strip() for name in (args.rewards or "").split(",") if name.strip()]
     loaded = RunConfig.load(args.config, args.overrides)
     config, left_out = without_reward_code(loaded, named)
@@ -64,7 +67,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     disabled = logging.root.manager.disable
     logging.disable(logging.INFO)  # the stages' parameter counts are not the plan's output
     try:
-        plan = predict(config, gpus=args.gpus, gpu_memory=memory, device=args.device)
+        plan = predict(config, gpus=args.gpus, gpu_memory=memory, device=args.device, host_memory=host,
+                       gpus_per_machine=args.gpus_per_machine)
     finally:  # a notebook's or a test's logging is as it was
         logging.disable(disabled)
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
@@ -78,6 +82,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("overrides", nargs="*", help="dotted overrides, as for `mmadapt train`")
     plan.add_argument("--gpus", type=int, default=1, help="devices the run shards or replicates over (default 1)")
     plan.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 80GiB: say whether it fits")
+    plan.add_argument("--host-memory", default=None,
+                      help="host (CPU) memory of one machine, e.g. 1TiB: say whether a checkpoint save fits there")
+    plan.add_argument("--gpus-per-machine", type=int, default=None,
+                      help="ranks sharing one machine's host memory (default: --gpus, at most 8)")
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                       help="cuda (default): GPU optimizer kernels and a margin for the CUDA context; cpu: the peak "
                            "above an idle process on this machine")

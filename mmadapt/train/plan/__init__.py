@@ -23,7 +23,8 @@ keeps only each block's inputs and recomputes one block in the backward. Probe r
 
 The modules: `workloads` (the longest micro-batch), `model` (the run's model without weights), `segments` (the
 forward as segments keyed by `SegmentKey`, and the backward's sweep), `counting` (saved and live bytes), `probe`
-(measuring and caching it), `predict` (the plan and its suggestions), `report` (`Plan`, its table and JSON).
+(measuring and caching it), `predict` (the plan and its suggestions), `report` (`Plan`, its table and JSON), `saving`
+(a checkpoint save's host memory per rank, by format, async staging and strategy).
 
 `total` is the predicted peak of one training step per device. On CUDA a margin is added before comparing with
 the GPU's memory: the CUDA context and NCCL buffers (1 GiB) and 5% for the caching allocator's fragmentation.

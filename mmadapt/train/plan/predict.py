@@ -3,7 +3,8 @@ fp32 moments for what the stages train; sharded by the strategy), the probe's ac
 depth for its longest micro-batch, plus the loss and the backward's temporaries, or the optimizer step, whichever is
 higher, or what the objective holds between steps (`Objective.memory`: a GRPO rollout's generation cache of its
 B x G rows, counted from the backbone's config); and, when it does not fit, the usual changes that would, each
-planned alone."""
+planned alone. In host memory per rank: data loading (`mmadapt.data.memory`) and a checkpoint save
+(`mmadapt.train.plan.saving`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mmadapt.train.objectives import objective_for
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
 from mmadapt.train.plan.report import GIB, Plan, gib
+from mmadapt.train.plan.saving import saving_memory
 from mmadapt.train.plan.segments import LOSS, Line, Segment, at, fit, probe_sweep_segments, segments, sweep
 from mmadapt.train.plan.workloads import workload
 
@@ -28,9 +30,11 @@ FRAGMENTATION = 0.05
 
 
 def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, device: str = "cuda",
-            probe: dict[str, Any] | None = None) -> Plan:
+            probe: dict[str, Any] | None = None, host_memory: int | None = None,
+            gpus_per_machine: int | None = None) -> Plan:
     """The per-GPU memory of `config`'s training step on `gpus` devices (see the package docstring); `probe`: a probe
-    measured already (else the cached one, or measured now)."""
+    measured already (else the cached one, or measured now). Per rank in host memory: data loading, and a checkpoint
+    save (`saving`: against `host_memory`, one machine's, shared by `gpus_per_machine` ranks, when given)."""
     from mmadapt.train.optim import checkpointed_parts
 
     model, notes = planning_model(config)
@@ -115,6 +119,9 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
             plan.notes.append(f"data.train {e.filename or e} is not here: data loading not planned")
         except (OSError, ValueError) as e:  # a plan is a report: data it cannot read is a note
             plan.notes.append(f"data loading not planned: {e}")
+    plan.saving = saving_memory(model, config.checkpoint, strategy=strategy, ranks=gpus, device=device,
+                                sequence_parallel=split, host_memory=host_memory, ranks_per_machine=gpus_per_machine,
+                                data_private=plan.host.private if plan.host is not None else 0)
     if plan.fits is False:
         plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe, gpu_memory=gpu_memory)
     return plan

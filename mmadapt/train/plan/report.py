@@ -28,6 +28,7 @@ class Plan:
     attention: dict[str, str] = field(default_factory=dict)  # {part: its attention path, how it grows with length}
     suggestions: list[tuple[str, int]] = field(default_factory=list)
     host: Any = None  # the data loading's host memory per rank (`mmadapt.data.memory.DataMemory`), when planned
+    saving: Any = None  # a checkpoint save's host memory per rank (`mmadapt.train.plan.saving.SavingMemory`)
 
     @property
     def fits(self) -> bool | None:
@@ -41,7 +42,8 @@ class Plan:
                                 "with_checkpointing": self.activations_with_checkpointing},
                 "attention": self.attention, "notes": self.notes,
                 "suggestions": [{"change": c, "total": t} for c, t in self.suggestions],
-                **({"host": self.host.to_json()} if self.host is not None else {})}
+                **({"host": self.host.to_json()} if self.host is not None else {}),
+                **({"saving": self.saving.to_json()} if self.saving is not None else {})}
 
     def table(self) -> str:
         rows = [("parameters", self.per_gpu["parameters"],
@@ -74,6 +76,8 @@ class Plan:
             lines.append(f"host, per rank (data loading): {gib(self.host.private)} private; {gib(self.host.mapped)} "
                          "of records mapped from the records cache (shared page cache)")
             lines += [f"  {name:<13} {gib(value):>10}   {what}" for name, value, what in self.host.rows]
+        if self.saving is not None:
+            lines += self.saving.lines()
         lines += [f"attention, {part}: {path}" for part, path in self.attention.items()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -83,10 +87,10 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def parse_size(text: str) -> int:
-    """'80GiB', '80GB' (= GiB, as GPUs are sold), '81920MiB', '1.5TiB' -> bytes."""
+def parse_size(text: str, flag: str = "--gpu-memory") -> int:
+    """'80GiB', '80GB' (= GiB, as GPUs are sold), '81920MiB', '1.5TiB' -> bytes; `flag`: the option it came from."""
     units = {"t": 1024**4, "g": GIB, "m": 1024**2, "k": 1024}
     value = text.strip().lower().removesuffix("b").removesuffix("i")
     if value and value[-1] in units:
         return int(float(value[:-1]) * units[value[-1]])
-    raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GiB, 141GB or 24576MiB")
+    raise ValueError(f"{flag} {text!r}: give a size such as 80GiB, 141GB or 24576MiB")
