@@ -10,7 +10,8 @@ The twins: the same tiny LoRA run (same seed) trained twice, its checkpoints wri
   file names, the same index, bitwise-equal tensors (the runs' own OUT/model too), and the streaming export never
   holds more tensor bytes than about one file's.
 - `test_export_command_on_a_sharded_checkpoint_directory`: `mmadapt export CHECKPOINT DST` as a user runs it.
-- `test_tied_embeddings_export_from_sharded`: the same with a tied backbone (both names in the state, one in the files).
+- `test_tied_embeddings_export_from_sharded`: the same with a tied backbone (both names in the state, or one; one in
+  the files).
 - `test_streamed_export_peak_memory_stays_below_the_model` (slow): a process's peak memory while exporting a ~460 MiB
   checkpoint (both formats) grows by under half the model; loading it whole grows it by more than the model.
 - `test_hostile_metadata_is_refused_and_runs_nothing`, `test_a_missing_shard_is_caught_before_loading`,
@@ -137,6 +138,8 @@ def test_transformers_export_from_sharded_equals_export_from_gathered(twins, tmp
 def test_tied_embeddings_export_from_sharded(tmp_path):
     """A LoRA run of a backbone with tied embeddings: the streamed export stores them once, under the same name and
     alias as the gathered one, and loads tied; the transformers export equals the gathered one's too."""
+    from torch.distributed.checkpoint import save
+
     from mmadapt import VisionLanguageModel
     from mmadapt.sharded_checkpoint import ModelTensors
     from mmadapt.train.export import export
@@ -156,6 +159,13 @@ def test_tied_embeddings_export_from_sharded(tmp_path):
     for name, run in (("gathered", gathered), ("sharded", sharded)):
         export(newest(run), tmp_path / f"{name}-hf", format="transformers", max_shard_size="200KB")
     same_directories(tmp_path / "sharded-hf", tmp_path / "gathered-hf", ignore=("mmadapt_export.json",))
+    one_name = tmp_path / "one" / "checkpoints" / newest(sharded).name  # a state holding the tied tensor once
+    shutil.copytree(newest(sharded), one_name, ignore=shutil.ignore_patterns("state"))
+    tensors = ModelTensors(newest(sharded))
+    save({"model": tensors.read(k for k in tensors.keys() if k != "backbone.model.embed_tokens.weight")},
+         checkpoint_id=one_name / "state", no_dist=True)
+    export(rehash(one_name), tmp_path / "one-export", max_shard_size="200KB")
+    same_directories(tmp_path / "one-export", tmp_path / "gathered-export")
 
 
 def test_export_command_on_a_sharded_checkpoint_directory(twins, tmp_path):
