@@ -105,14 +105,15 @@ def _filesystem_reader() -> type:
     return SafeReader
 
 
-def _load_planner() -> type:
+def _load_planner(everything: bool = False) -> type:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        """DCP's `DefaultLoadPlanner`, a non-tensor value read with `torch.load(weights_only=True)`."""
+    class SafeLoadPlanner(_EmptyStateDictLoadPlanner if everything else DefaultLoadPlanner):  # type: ignore[misc]
+        """DCP's load planner, a non-tensor value read with `torch.load(weights_only=True)`."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._nested_dict import set_element
 
             try:
                 loaded = torch.load(value, weights_only=True)
@@ -135,6 +136,16 @@ def reader(checkpoint: str | os.PathLike) -> Any:
 def planner() -> Any:
     """A `SafeLoadPlanner` (a `torch.distributed.checkpoint.DefaultLoadPlanner`)."""
     return _load_planner()()
+
+
+def read_all(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """Everything a sharded checkpoint's state holds, whole, in this process ({"model": {name: tensor}, "optimizer":
+    {"state": ..., "param_groups": ...}}): for a small model, a test, a conversion; training loads with `load`."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # as DCP's dcp_to_torch_save does
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader(checkpoint), planner=_load_planner(everything=True)(), no_dist=True)
+    return state
 
 
 def load(state: dict[str, Any], checkpoint: str | os.PathLike, *, process_group: Any = None) -> None:

@@ -342,6 +342,53 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(fails_in, small_
     assert write_checkpoint(out, 2, new).name == "step-0000002"  # with room again, the run goes on
 
 
+def sharded_writer(out: Path, *, asynchronous: bool):
+    from mmadapt.train.saving import CheckpointWriter
+
+    return CheckpointWriter(out, format="sharded", asynchronous=asynchronous, keep=2, is_main=True)
+
+
+def write_sharded(writer, step: int, model) -> Path:
+    """A sharded checkpoint of `model` (AdamW after one step), written and, when asynchronous, waited for."""
+    from mmadapt.train.saving import Snapshot
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    snapshot = Snapshot(scheduler={"last_epoch": step}, rng=checkpoint.rng_state(), trainer_state={"step": step},
+                        config=RunConfig.load(None, [f"train.out={writer.out}"]),
+                        extras=lambda directory: write_config(model, directory))
+    path = writer.save(step, wrapped=model, model=model, optimizer=optimizer, snapshot=snapshot)
+    return path or writer.wait()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_full_disk_during_a_sharded_checkpoint_keeps_the_previous_one(asynchronous, small_disk, models):
+    """The shard file cannot be written (DCP's write, in the background with checkpoint.async): a
+    `CheckpointWriteError` naming the checkpoint and the cause, raised where the step loop waits for the save; no
+    temporary directory left; the previous checkpoint verified and holding its weights; with room again, the next
+    save works."""
+    from mmadapt.sharded_checkpoint import ModelTensors
+
+    old, new = models
+    out = small_disk.root / "run"
+    writer = sharded_writer(out, asynchronous=asynchronous)
+    previous = write_sharded(writer, 1, old)
+    size = (previous / "state" / "__0_0.distcp").stat().st_size
+    with small_disk.leaving(size // 2), pytest.raises(CheckpointWriteError) as failure:
+        write_sharded(writer, 2, new)
+    message = str(failure.value)
+    assert f"could not write checkpoint {out / 'checkpoints' / 'step-0000002'}" in message, message
+    assert "The previous checkpoint step-0000001 is intact" in message
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-0000001"]
+    assert checkpoint.verify_checkpoint(previous) is None
+    saved = ModelTensors(previous).read(old.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in old.state_dict().items())
+    assert write_sharded(writer, 2, new).name == "step-0000002"
+    writer.close()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_full_disk_during_an_export_keeps_the_previous_model(fmt, small_disk, models, tmp_path):
     old, new = models

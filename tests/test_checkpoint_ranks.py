@@ -102,7 +102,8 @@ def test_a_resume_whose_steps_would_mean_other_samples_is_refused_in_one_line(da
                             capture_output=True, text=True, timeout=300, env=env())
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert "global batch of 4 samples" in last and "this run's is 2" in last and "train.grad_accum=2" in last, last
+    assert "global batch of 4 samples" in last and "this run's is 2" in last, last
+    assert "train.grad_accum=2 with data.batch_size 2" in last, last
     assert "Traceback" not in result.stderr
 
 

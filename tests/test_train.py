@@ -161,21 +161,24 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pat
 
 @pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_skipped_on_resume_naming_the_file(tmp_path, caplog):
-    """A truncated model.safetensors in the newest checkpoint: --resume warns and uses the one before it."""
+    """A truncated shard file in the newest checkpoint: --resume warns and uses the one before it."""
     out = tmp_path / "run"
     run(QWEN, out, "train.steps=4", "checkpoint.every=2")
     newest = latest_checkpoint(out)
     marker = json.loads((newest / "COMPLETE").read_text())
     assert marker["step"] == 4 and set(marker["files"]) == {p.name for p in newest.iterdir()} - {"COMPLETE"}
-    weights = newest / "model.safetensors"
+    weights = newest / WEIGHTS
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert latest_checkpoint(out).name == "step-0000004"  # without verification it looks complete
     with caplog.at_level("WARNING"):
         assert latest_checkpoint(out, verify=True).name == "step-0000002"
-    assert "step-0000004" in caplog.text and "model.safetensors is corrupt" in caplog.text
+    assert "step-0000004" in caplog.text and f"{WEIGHTS} is corrupt" in caplog.text
     _, resumed = run(QWEN, out, "train.steps=4", "checkpoint.every=2", "checkpoint.resume=true")
     _, full = run(QWEN, tmp_path / "full", "train.steps=4", "checkpoint.every=2")
     assert losses(resumed) == losses(full)  # redone from step 2, exactly
+
+
+WEIGHTS = "state/__0_0.distcp"  # a one-process sharded checkpoint's shard of the model (and optimizer)
 
 
 def flip_a_byte(path: Path) -> None:
@@ -196,9 +199,9 @@ def test_a_checkpoint_given_directly_is_verified_before_it_is_loaded(tmp_path, c
     out = tmp_path / "run"
     run(LLAVA, out, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=5", "stages.encoder=frozen")
     newest = out / "checkpoints" / "step-0000002"
-    flip_a_byte(newest / "model.safetensors")
-    refused = (rf"checkpoint {newest} failed verification: model\.safetensors is corrupt .*"
-               rf"\({newest}/model\.safetensors\)\. mmadapt never loads a checkpoint whose files do not match .*"
+    flip_a_byte(newest / WEIGHTS)
+    refused = (rf"checkpoint {newest} failed verification: {WEIGHTS} is corrupt .*"
+               rf"\({newest}/{WEIGHTS}\)\. mmadapt never loads a checkpoint whose files do not match .*"
                rf"Fix: give the run directory {out} ")
     with pytest.raises(UnverifiedCheckpointError, match=refused):
         load_for_inference(newest)
@@ -208,7 +211,7 @@ def test_a_checkpoint_given_directly_is_verified_before_it_is_loaded(tmp_path, c
     load_trained(out / "checkpoints" / "step-0000001")
     with caplog.at_level("WARNING"):
         assert export(out, tmp_path / "exported").is_dir()  # the run's newest checkpoint that verifies: step 1
-    assert f"skipping checkpoint {newest}: model.safetensors is corrupt" in caplog.text
+    assert f"skipping checkpoint {newest}: {WEIGHTS} is corrupt" in caplog.text
 
 
 def test_resume_over_checkpoints_that_all_fail_verification_says_so_and_names_them(tmp_path):
@@ -220,10 +223,10 @@ def test_resume_over_checkpoints_that_all_fail_verification_says_so_and_names_th
     out = tmp_path / "run"
     run(LLAVA, out, "train.steps=2", "checkpoint.every=1", "checkpoint.keep=5", "stages.encoder=frozen")
     for step in (1, 2):
-        flip_a_byte(out / "checkpoints" / f"step-000000{step}" / "model.safetensors")
-    every = (rf"every checkpoint in {out / 'checkpoints'} failed verification \(step-0000002: model\.safetensors is "
-             r"corrupt .*; step-0000001: model\.safetensors is corrupt .*\); the first failing file is "
-             rf"{out / 'checkpoints' / 'step-0000002' / 'model.safetensors'}")
+        flip_a_byte(out / "checkpoints" / f"step-000000{step}" / WEIGHTS)
+    every = (rf"every checkpoint in {out / 'checkpoints'} failed verification \(step-0000002: {WEIGHTS} is "
+             rf"corrupt .*; step-0000001: {WEIGHTS} is corrupt .*\); the first failing file is "
+             rf"{out / 'checkpoints' / 'step-0000002' / WEIGHTS}")
     with pytest.raises(UnverifiedCheckpointError, match=rf"^resume: {every}, so there is none to resume from\. Fix: "
                                                         r"restore the failing files .*run without --resume") as error:
         run(LLAVA, out, "train.steps=3", "checkpoint.every=1", "checkpoint.resume=true", "stages.encoder=frozen")
@@ -254,14 +257,17 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_says_so(tmp_path, 
     assert ckpt.verify_checkpoint(out / "checkpoints" / "step-0000002") is None
 
 
-def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path):
-    run(QWEN, tmp_path, "train.steps=3")
+@pytest.mark.parametrize("format", ["sharded", "gathered"])
+def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path, format):
+    run(QWEN, tmp_path, "train.steps=3", f"checkpoint.format={format}")
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3] and {"loss", "grad_norm", "lr", "tokens"} <= set(lines[0])
     assert (tmp_path / "loss.png").stat().st_size > 1000
     ckpt = latest_checkpoint(tmp_path)
-    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json",
-                                               "config.yaml", "config.json", "COMPLETE"}
+    own = {"state/.metadata", WEIGHTS, "scheduler.pt"} if format == "sharded" else {"model.safetensors", "optimizer.pt"}
+    assert {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} == own | {
+        "rng.pt", "trainer_state.json", "config.yaml", "config.json", "COMPLETE"}
+    assert json.loads((ckpt / "COMPLETE").read_text()).get("format", "gathered") == format
     assert RunConfig.load(ckpt / "config.yaml") == RunConfig.load(tmp_path / "config.yaml")
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmadapt import sharded_checkpoint
 from mmadapt.atomic import HOST, StagedDirectory, clean_leftovers, open_unlinked, save_safetensors
 from mmadapt.atomic import CheckpointWriteError as CheckpointWriteError  # raised here; defined low for directory.py
 from mmadapt.loading import (  # noqa: F401  (verification is loading's: mmadapt.loading; imported from here too)
@@ -201,20 +202,28 @@ class OutLock:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Everything a checkpoint holds, loaded without unpickling arbitrary objects."""
+    """Everything a checkpoint holds, whole, loaded without unpickling arbitrary objects: {"model", "optimizer":
+    {"optimizer", "scheduler"}, "rng", "trainer"}, from either format (a sharded one's state read whole in this
+    process: `mmadapt.sharded_checkpoint.read_all`; training itself loads its shards: `mmadapt.train.saving`)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / MARKER).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was being written when "
                          "the run stopped. Use mmadapt.train.latest_checkpoint(out) to find the newest complete one.")
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    if sharded_checkpoint.is_sharded(path):
+        state = sharded_checkpoint.read_all(path)
+        return {"model": state[sharded_checkpoint.MODEL],
+                "optimizer": {"optimizer": state[sharded_checkpoint.OPTIMIZER],
+                              "scheduler": torch.load(path / "scheduler.pt", weights_only=True)},
+                "rng": rng, "trainer": trainer}
     from safetensors import safe_open
 
     model = load_file(path / "model.safetensors")
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
     model.update({alias: model[stored] for alias, stored in aliases.items()})
-    return {"model": model,
-            "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
-            "rng": torch.load(path / "rng.pt", weights_only=True),
-            "trainer": json.loads((path / "trainer_state.json").read_text())}
+    return {"model": model, "optimizer": torch.load(path / "optimizer.pt", weights_only=True), "rng": rng,
+            "trainer": trainer}

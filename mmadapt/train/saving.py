@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmadapt import sharded_checkpoint
-from mmadapt.atomic import StagedDirectory
+from mmadapt.atomic import CheckpointWriteError, StagedDirectory, is_write_error
 from mmadapt.run_directory import COMPLETE as MARKER
 from mmadapt.run_directory import CONFIG
 from mmadapt.train import distributed as dist_utils
@@ -116,9 +116,9 @@ class CheckpointWriter:
             try:
                 self._write(state, stage, group=None)
                 path = self._finish(stage, step, group=None)
-            except BaseException:
+            except BaseException as e:
                 self._abandon(stage)
-                raise
+                raise _write_error(final, e) from e
             self.saves.append(Saved(step, path, time.perf_counter() - start, time.perf_counter() - start))
             return path
         written = self._write_async(state, stage)
@@ -178,8 +178,11 @@ class CheckpointWriter:
             try:
                 write_small_files(stage, snapshot)
             except BaseException as e:
-                stage.discard()
                 failure = e
+                try:
+                    stage.__exit__(type(e), e, e.__traceback__)  # removed; a storage error named with its advice
+                except BaseException as wrapped:
+                    failure = wrapped
         if dist_utils.broadcast_object(failure is not None):
             raise failure or RuntimeError(f"checkpoint {final.name}: rank 0 could not write its files (its log says "
                                           "why)")
@@ -213,7 +216,7 @@ class CheckpointWriter:
             error = None
             try:
                 written.result()
-            except Exception as e:  # this rank's write failed: the ranks still agree on the outcome below
+            except BaseException as e:  # this rank's write failed (DCP: a BaseException): the ranks still agree below
                 error = e
             path = self._finish(stage, saved.step, group=self._group, error=error)
         except BaseException as e:
@@ -230,8 +233,8 @@ class CheckpointWriter:
         """Every rank: hash its files; rank 0: the marker, the swap, pruning, `on_complete`; the outcome agreed."""
         directory = stage.path if isinstance(stage, StagedDirectory) else stage
         mine = {} if error is not None else _hash_own(directory)
-        found = _gather(mine if error is None else f"rank {_rank()}: {error}", group)
-        failures = [f for f in found if isinstance(f, str)]
+        found = _gather(mine if error is None else f"rank {_rank()}: {_storage_error(error) or error}", group)
+        failures = [f for f in found if isinstance(f, str)]  # each failing rank's error, as text
         outcome: str | None = "; ".join(failures) or None
         if isinstance(stage, StagedDirectory) and outcome is None:
             try:
@@ -249,8 +252,8 @@ class CheckpointWriter:
                 outcome = f"rank 0: {e}"
         outcome = _broadcast(outcome, group)
         if outcome is not None:
-            raise RuntimeError(f"checkpoint {checkpoint_dir(self.out, step).name} was not written: {outcome}. "
-                               f"{_advice(self.out)}") from error
+            raise CheckpointWriteError(f"could not write checkpoint {checkpoint_dir(self.out, step)}: {outcome}. "
+                                       f"{_advice(self.out)}") from error
         return checkpoint_dir(self.out, step)
 
     @staticmethod
@@ -311,6 +314,34 @@ def _broadcast(value: Any, group: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _write_error(final: Path, error: BaseException) -> BaseException:
+    """A failed sharded write as a `CheckpointWriteError` naming the checkpoint, the storage's error and the advice;
+    an error of ours, or one that no storage error caused, as it is."""
+    cause = _storage_error(error)
+    if isinstance(error, CheckpointWriteError) or cause is None:
+        return error
+    return CheckpointWriteError(f"could not write checkpoint {final}: {cause}. {_advice(final.parent.parent)}")
+
+
+def _storage_error(error: BaseException | None) -> BaseException | None:
+    """The storage's error (an `OSError`: a full disk, a file too large) behind `error`: DCP reports each rank's as
+    (exception, traceback) in its `CheckpointException`, and torch.save hides a failed write behind a RuntimeError of
+    its own ("unexpected pos") whose context is the OSError."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if is_write_error(current):
+            return current
+        failures = getattr(current, "failures", None) or {}
+        pending += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+        pending += [current.__cause__, current.__context__]
+    return None
 
 
 def _advice(out: Path) -> str:

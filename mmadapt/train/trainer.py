@@ -447,24 +447,11 @@ class Trainer:
         if path is None:
             log.info("resume: no complete checkpoint in %s; starting from step 0", self.out)
             return
-        saved = json.loads((path / "trainer_state.json").read_text()).get("batching")
-        if saved and saved["global_batch"] != self.batching()["global_batch"]:
-            raise ValueError(f"resume: {path.name} was taken with a global batch of {saved['global_batch']} samples "
-                             f"({saved['data_ranks']} data rank(s) x data.batch_size {saved['batch_size']} x "
-                             f"train.grad_accum {saved['grad_accum']}), this run's is {self.batching()['global_batch']}"
-                             ": its steps would mean other samples. Fix: keep data ranks x data.batch_size x "
-                             f"train.grad_accum = {saved['global_batch']} (e.g. train.grad_accum="
-                             f"{_accum_for(saved, self.dist.data_world, self.cfg.data.batch_size)} on "
-                             f"{self.dist.data_world} data rank(s))")
+        self.check_same_batching(path, json.loads((path / "trainer_state.json").read_text()))
         state = load_state(path, wrapped=self.wrapped, model=self.model, optimizer=self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.state = TrainerState.from_dict(state["trainer"])
         self.objective.load_state_dict(self.state.objective)
-        if isinstance(self.train_data, StreamingDataset) and self.state.stream != self.stream_layout().to_dict():
-            raise ValueError(f"resume: {path} was taken reading the stream as {self.state.stream or 'a map-style run'}"
-                             f", this run reads it as {self.stream_layout().to_dict()}: the same step would mean other "
-                             "samples. Fix: resume with the same ranks, data.num_workers, data.batch_size and "
-                             "train.grad_accum")
         steps = dist_utils.gather_objects(self.step)
         if len(set(steps)) > 1:
             raise RuntimeError(f"resume: the ranks loaded different steps {steps} from {path}")
@@ -472,6 +459,28 @@ class Trainer:
             with open_unlinked(self.run.log_file, "w") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in self.history))
         log.info("resumed from %s at step %d (%s)", path, self.step, describe_format(path))
+
+    def check_same_batching(self, path: Path, saved: dict[str, Any]) -> None:
+        """A checkpoint resumes only where its steps mean the same samples: a stream read the same way, a map-style
+        dataset's global batch as large (the sampler's step s is then the same samples on any world size)."""
+        if isinstance(self.train_data, StreamingDataset):
+            if (taken := saved.get("stream") or "a map-style run") != self.stream_layout().to_dict():
+                raise ValueError(f"resume: {path} was taken reading the stream as {taken}, this run reads it as "
+                                 f"{self.stream_layout().to_dict()}: the same step would "
+                                 "mean other samples. Fix: resume with the same ranks, data.num_workers, "
+                                 "data.batch_size and train.grad_accum")
+            return
+        was, now = saved.get("batching"), self.batching()
+        if not was or was["global_batch"] == now["global_batch"]:
+            return
+        accum, rest = divmod(was["global_batch"], now["data_ranks"] * now["batch_size"])
+        fix = (f"train.grad_accum={accum} with data.batch_size {now['batch_size']}" if accum and not rest else
+               "a data.batch_size that divides it")
+        raise ValueError(f"resume: {path.name} was taken with a global batch of {was['global_batch']} samples "
+                         f"({was['data_ranks']} data rank(s) x data.batch_size {was['batch_size']} x train.grad_accum "
+                         f"{was['grad_accum']}), this run's is {now['global_batch']}: its steps would mean other "
+                         f"samples. Fix: keep data ranks x data.batch_size x train.grad_accum = {was['global_batch']}; "
+                         f"on {now['data_ranks']} data rank(s): {fix}")
 
     def agreed_checkpoint(self) -> Path | None:
         """The checkpoint every rank resumes from: rank 0's newest verified one, found with the same marker on every
@@ -496,13 +505,6 @@ class Trainer:
                              f"(missing, incomplete or different files under their {self.out}). Fix: give every rank "
                              "the same train.out (shared storage), or copy rank 0's checkpoint to the others.")
         return path
-
-
-def _accum_for(saved: dict[str, int], data_ranks: int, batch_size: int) -> str:
-    """The grad_accum that gives `saved`'s global batch on `data_ranks` ranks of `batch_size`, or what to change."""
-    accum, rest = divmod(saved["global_batch"], data_ranks * batch_size)
-    return str(accum) if accum and not rest else f"(none: {saved['global_batch']} is not a multiple of {data_ranks} x "\
-        f"{batch_size}; change data.batch_size too)"
 
 
 def marker_text(path: Path) -> str | None:
