@@ -110,26 +110,34 @@ def load_checkpoint_model(path: Path, run: TrainedWith | Any) -> VisionLanguageM
     written before they were saved there - its run's `data` section), its source and the weights it carries from its
     starting checkpoint attached (`mmadapt.directory`)."""
     saved = model_directory.read_config(path)
-    config = model_directory.model_config(saved)
-
-    def build() -> VisionLanguageModel:
-        model = VisionLanguageModel(config)
-        for component, mode in run.stages.modes().items():
-            if mode == "lora":
-                add_lora(model, component, run.lora)
-        return model
-
     checkpoint = Checkpoint.open(path, what="checkpoint")
     log.info("checkpoint %s: %s format", path, "sharded (DCP state/)" if is_sharded(path) else "gathered")
-    model = load_pretrained(build, checkpoint, what=f"checkpoint {path}", tied=lambda m: m.backbone_tied_keys(),
-                            provenance=False)
+    model = load_pretrained(lambda: trained_structure(saved, run), checkpoint, what=f"checkpoint {path}",
+                            tied=lambda m: m.backbone_tied_keys(), provenance=False)
     if lora_modules(model):
         merge_lora(model)
     model.requires_grad_(False)
+    return with_origin(model, path, saved, run, checkpoint).eval()
+
+
+def trained_structure(saved: dict[str, Any], run: TrainedWith | Any) -> VisionLanguageModel:
+    """The model of a checkpoint's `config.json` (`saved`) with `run`'s LoRA layers, as training built it (under
+    `mmadapt.weights.empty_weights`: its parameters on the meta device), so that its keys are the checkpoint's."""
+    model = VisionLanguageModel(model_directory.model_config(saved))
+    for component, mode in run.stages.modes().items():
+        if mode == "lora":
+            add_lora(model, component, run.lora)
+    return model
+
+
+def with_origin(model: Any, path: Path, saved: dict[str, Any], run: TrainedWith | Any, checkpoint: Checkpoint) -> Any:
+    """`model` (of checkpoint `path`, its `config.json`: `saved`) with the data settings it was trained with (its
+    `config.json`'s, else - a checkpoint written before they were saved there - its run's `data` section), its source
+    and the weights it carries from its starting checkpoint attached (`mmadapt.directory`). Returns `model`."""
     settings = saved.get(model_directory.DATA_KEY) or DataConfig.of(run.data).preprocessing()
     model_directory.set_source(model_directory.set_data_settings(model, settings), checkpoint)
     model_directory.set_carried(model, path, saved)  # what it carries from its starting checkpoint: its own copy
-    return model.eval()
+    return model
 
 
 @dataclass(frozen=True)

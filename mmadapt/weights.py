@@ -451,17 +451,27 @@ def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *
     writes them); tied tensors stored once. `directory` is a new one (a `mmadapt.atomic.StagedDirectory`'s: the
     directory is swapped in whole, so no reader sees some files of one save and some of another); `on_file(name)` is
     called after each file. A storage error is an `OSError` naming the file. Returns the names."""
+    weights, aliases = without_aliases(state)
+    return write_shards(weights, aliases, lambda keys: {k: weights[k] for k in keys}, directory,
+                        max_shard_size=max_shard_size, on_file=on_file)
+
+
+def write_shards(planned: dict[str, torch.Tensor], aliases: dict[str, str],
+                 read: Callable[[list[str]], dict[str, torch.Tensor]], directory: str | os.PathLike, *,
+                 max_shard_size: int | str, on_file: Callable[[str], None] | None = None) -> list[str]:
+    """`save_weights`' files from a plan: `planned` {name: tensor, or a meta tensor of its shape and dtype} (tied
+    tensors once, `aliases` {alias: stored name}), split by size in its order; `read(names)` gives one file's tensors
+    just before that file is written (`mmadapt.train.sharded_export`: one file's worth held at a time)."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     from mmadapt.atomic import save_safetensors
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    weights, aliases = without_aliases(state)
-    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size)
+    split = split_torch_state_dict_into_shards(planned, max_shard_size=max_shard_size)
     metadata = {"format": "pt", "aliases": json.dumps(aliases)}
     for name, keys in split.filename_to_tensors.items():
-        save_safetensors({k: weights[k] for k in keys}, directory / name, metadata=metadata)
+        save_safetensors(read(keys), directory / name, metadata=metadata)
         if on_file is not None:
             on_file(name)
     written = sorted(split.filename_to_tensors)

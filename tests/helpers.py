@@ -6,7 +6,8 @@
 `Path`s); `write_jsonl(path, records)` one record per line; `noise_image(path, seed)` a small random RGB PNG.
 `TRANSFORMERS_KEEPS_VIDEO_WRAPPER`: what the installed transformers' `Qwen3VLProcessor` does with Qwen's own video
 placeholder (below). `answer_table(model, ...)`: a tiny Qwen3.5 made to answer by construction (answers of 1, 2 or
-`max_new_tokens` tokens, by their seed); `lora_run(out, stages)`: a tiny 3-step LoRA run; `run_bounded(cmd,
+`max_new_tokens` tokens, by their seed); `lora_run(out, stages)`: a tiny 3-step LoRA run; `rehash(checkpoint)`: its
+`COMPLETE` marker rewritten for its files as they are (an altered checkpoint whose marker matches); `run_bounded(cmd,
 timeout)`: a command (torchrun and its workers included) ended whole at its timeout, so a hang fails a test instead of
 holding CI. `pairwise(*axes)`: a test matrix whose every pair of values is in the fast tier, the other combinations
 marked slow (the full suite runs them all).
@@ -163,9 +164,9 @@ def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None =
         return None, stderr
 
 
-def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
-    """A 3-step LoRA run of the tiny LLaVA combination (char tokenizer) in OUT/run, `stages` its `stages.` overrides;
-    returns the base model's directory (OUT/base)."""
+def lora_run(out: Path, stages: Sequence[str], seed: int = 0, config: Any = None) -> Path:
+    """A 3-step LoRA run of the tiny LLaVA combination (or of `config`, a `ModelConfig`; char tokenizer) in OUT/run,
+    `stages` its `stages.` overrides; returns the base model's directory (OUT/base)."""
     import torch
 
     import mmadapt
@@ -175,7 +176,11 @@ def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
     from mmadapt.train import RunConfig, Trainer
 
     torch.manual_seed(seed)
-    model, tokenizer = mmadapt.build_model("clip", "mlp2x_gelu", "llama"), char_tokenizer()
+    if config is None:
+        model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    else:
+        model = mmadapt.VisionLanguageModel(config)
+    tokenizer = char_tokenizer()
     Processor.for_model(model, tokenizer)
     model.save_pretrained(out / "base", tokenizer=tokenizer)
     config = RunConfig.load(None, [f"train.out={out / 'run'}", "train.progress=false", "train.steps=3",
@@ -185,27 +190,14 @@ def lora_run(out: Path, stages: Sequence[str], seed: int = 0) -> Path:
     return out / "base"
 
 
-def to_sharded(checkpoint: Path) -> Path:
-    """Rewrite a gathered training checkpoint (`checkpoint.format: gathered`: `model.safetensors`, `optimizer.pt`) in
-    place as a sharded one: its model state (tied tensors under both names, as a run's `model.state_dict()` holds them)
-    in `state/` as `torch.distributed.checkpoint` writes it in one process, the gathered files removed and the
-    `COMPLETE` marker's checksums rewritten. Returns `checkpoint`."""
+def rehash(checkpoint: Path, **fields: Any) -> Path:
+    """Rewrite a checkpoint's `COMPLETE` marker with the checksums of its files as they are now (and `fields`): what a
+    checkpoint altered by someone who also rewrote its marker looks like. Returns `checkpoint`."""
     import hashlib
 
-    import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
-
-    gathered = checkpoint / "model.safetensors"
-    with safe_open(str(gathered), framework="pt") as f:
-        aliases = json.loads(f.metadata().get("aliases", "{}"))
-        model = {key: f.get_tensor(key) for key in f.keys()}
-    model.update({alias: model[stored] for alias, stored in aliases.items()})
-    dcp.save({"model": model}, checkpoint_id=checkpoint / "state", no_dist=True)
-    gathered.unlink()
-    (checkpoint / "optimizer.pt").unlink(missing_ok=True)
     marker = checkpoint / "COMPLETE"
-    step = json.loads(marker.read_text())["step"]
-    files = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(checkpoint.rglob("*")) if p.is_file() and p != marker}
-    marker.write_text(json.dumps({"step": step, "format": "sharded", "files": files}, indent=1))
+    body = json.loads(marker.read_text())
+    body["files"] = {p.relative_to(checkpoint).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                     for p in sorted(checkpoint.rglob("*")) if p.is_file() and p != marker}
+    marker.write_text(json.dumps({**body, **fields}, indent=1))
     return checkpoint

@@ -100,7 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A run / checkpoint / model directory -> a model directory (LoRA merged, tokenizer included)."""
     from mmadapt.train.export import export
 
-    export(args.src, args.dst, format=args.format, overwrite=args.overwrite)
+    export(args.src, args.dst, format=args.format, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
     print(f"wrote {args.dst} ({args.format} format): load it with VisionLanguageModel.from_pretrained({args.dst!r})")
     return 0
 
@@ -115,5 +115,20 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--overwrite", action="store_true",
                         help="replace the model directory already at dst (the old one stays until the new one is "
                              "complete); a dst holding anything else is never written into")
+    export.add_argument("--max-shard-size", type=shard_size, default="5GB",
+                        help="largest weight file (default 5GB; KB, MB, GB, TB); from a sharded checkpoint, about the "
+                             "most tensor memory the export holds at once")
     export.set_defaults(func=cmd_export)
+
+
+def shard_size(text: str) -> str:
+    """`--max-shard-size`: a number with KB, MB, GB or TB (as transformers' `max_shard_size`)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if parse_size_to_int(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size: write a positive number with KB, MB, GB or TB (500MB)")
 
