@@ -126,6 +126,28 @@ def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
     assert logged == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_gathered_checkpoint_of_an_earlier_version_resumes_bitwise_and_says_which_format_it_read(tmp_path, caplog):
+    """A run written in the gathered format (mmadapt < 0.26, or checkpoint.format: gathered) resumes under the
+    sharded default: the losses after its step-2 checkpoint equal the uninterrupted run's bitwise, the log names the
+    format read, and the run's later checkpoints are sharded."""
+    import shutil
+
+    from mmadapt.sharded_checkpoint import is_sharded
+
+    _, full = run(QWEN, tmp_path / "full", "train.steps=4", "checkpoint.every=2", "checkpoint.format=gathered")
+    cut = tmp_path / "cut"
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "full" / "config.yaml", cut / "config.yaml")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-0000002", cut / "checkpoints" / "step-0000002")
+    assert (cut / "checkpoints" / "step-0000002" / "model.safetensors").is_file()
+    with caplog.at_level("INFO", logger="mmadapt.train.trainer"):
+        _, resumed = run(QWEN, cut, "train.steps=4", "checkpoint.every=2", "checkpoint.resume=true",
+                         model=tiny(QWEN, seed=123))
+    assert losses(resumed) == losses(full)
+    assert "at step 2 (gathered (one model.safetensors" in caplog.text
+    assert is_sharded(latest_checkpoint(cut)) and latest_checkpoint(cut).name == "step-0000004"
+
+
 KILL_SCRIPT = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})

@@ -226,7 +226,7 @@ class CheckpointSection:
 class DistributedSection:
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # auto: fsdp when world size > 1
     # every collective gives up after this long (init_process_group's timeout; NCCL's default is 10 minutes): long
-    # enough for rank 0 to write a checkpoint of a large model while the other ranks wait for it
+    # enough for a checkpoint of a large model (checkpoint.format: gathered: rank 0 writes it while the others wait)
     timeout_minutes: float = 30.0
     # N ranks share each sample's sequence (Ulysses: tokens split across them, heads exchanged around attention and
     # Gated DeltaNet); the world is then world / N data-parallel groups of N consecutive ranks
