@@ -287,9 +287,10 @@ def test_run_outputs_log_plot_config_and_checkpoint_contents(tmp_path, format):
     assert [r["step"] for r in lines] == [1, 2, 3] and {"loss", "grad_norm", "lr", "tokens"} <= set(lines[0])
     assert (tmp_path / "loss.png").stat().st_size > 1000
     ckpt = latest_checkpoint(tmp_path)
-    own = {"state/.metadata", WEIGHTS, "scheduler.pt"} if format == "sharded" else {"model.safetensors", "optimizer.pt"}
+    own = ({"state/.metadata", WEIGHTS, "scheduler.pt", "rng/rank-00000.pt"} if format == "sharded" else
+           {"model.safetensors", "optimizer.pt", "rng.pt"})
     assert {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} == own | {
-        "rng.pt", "trainer_state.json", "config.yaml", "config.json", "COMPLETE"}
+        "trainer_state.json", "config.yaml", "config.json", "COMPLETE"}
     assert json.loads((ckpt / "COMPLETE").read_text()).get("format", "gathered") == format
     assert RunConfig.load(ckpt / "config.yaml") == RunConfig.load(tmp_path / "config.yaml")
 

@@ -211,8 +211,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not (path / MARKER).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was being written when "
                          "the run stopped. Use mmadapt.train.latest_checkpoint(out) to find the newest complete one.")
-    rng = torch.load(path / "rng.pt", weights_only=True)
     trainer = json.loads((path / "trainer_state.json").read_text())
+    rng = torch.load(path / ("rng/rank-00000.pt" if sharded_checkpoint.is_sharded(path) else "rng.pt"),
+                     weights_only=True)  # a sharded checkpoint keeps every rank's: rank 0's here
     if sharded_checkpoint.is_sharded(path):
         state = sharded_checkpoint.read_all(path)
         return {"model": state[sharded_checkpoint.MODEL],

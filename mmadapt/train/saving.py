@@ -5,7 +5,8 @@ or in the background.
 Distributed Checkpoint (`torch.distributed.checkpoint`, DCP). Every rank writes the shards it holds (FSDP2: its
 shards of every parameter and of the optimizer's state; DDP and one process: DCP spreads the replicated tensors over
 the ranks, each written once) into `state/` of the checkpoint; no rank ever holds the whole state. Rank 0 writes the
-small files (scheduler, RNG, trainer state, configs, tokenizer). Each rank hashes the files it wrote; rank 0 gathers
+small files (scheduler, trainer state, configs, tokenizer); every rank its RNG states (`rng/rank-<r>.pt`: its own
+device's generator among them). Each rank hashes the files it wrote; rank 0 gathers
 the checksums into the `COMPLETE` marker ({"step", "format": "sharded", "world", "files"}) and swaps the directory in
 (`mmadapt.atomic.StagedDirectory`, as every checkpoint): a checkpoint is complete only when every rank's write has
 finished and its marker is written; a process killed before that leaves the previous checkpoint the newest complete
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,7 +55,7 @@ from mmadapt.train.checkpoint import (
 )
 
 log = logging.getLogger(__name__)
-SCHEDULER, RNG, TRAINER_STATE = "scheduler.pt", "rng.pt", "trainer_state.json"
+SCHEDULER, TRAINER_STATE, RNG_DIR = "scheduler.pt", "trainer_state.json", "rng"
 
 
 @dataclass
@@ -111,6 +113,7 @@ class CheckpointWriter:
             return path
         final = checkpoint_dir(self.out, step)
         stage = self._stage(final, snapshot)
+        _write_rng(stage.path if isinstance(stage, StagedDirectory) else stage, snapshot.rng)
         state = self._state(wrapped, optimizer)
         if not self.asynchronous or synchronous:
             try:
@@ -263,17 +266,30 @@ class CheckpointWriter:
 
 
 def write_small_files(stage: StagedDirectory, snapshot: Snapshot) -> None:
-    """Rank 0's files of a sharded checkpoint: the scheduler, the RNG states, the trainer state, the run config and
-    what makes it a model directory (`snapshot.extras`)."""
+    """Rank 0's files of a sharded checkpoint: the scheduler, the trainer state, the run config and what makes it a
+    model directory (`snapshot.extras`)."""
     with stage.open(SCHEDULER) as f:
         torch.save(snapshot.scheduler, f)
-    with stage.open(RNG) as f:
-        torch.save(snapshot.rng, f)
     stage.write_bytes(TRAINER_STATE, json.dumps(snapshot.trainer_state, indent=1).encode())
     snapshot.config.save(stage.path / CONFIG)  # its paths absolute: the checkpoint resumes from any working directory
     stage.record(CONFIG)
     if snapshot.extras is not None:
         snapshot.extras(stage.path)
+
+
+def rng_file(rank: int) -> str:
+    """Where a sharded checkpoint keeps rank `rank`'s RNG states (a run resumed on more ranks: rank 0's for the new)."""
+    return f"{RNG_DIR}/rank-{rank:05d}.pt"
+
+
+def _write_rng(directory: Path, rng: dict[str, Any]) -> None:
+    """This rank's RNG states into the checkpoint being written (fsync'ed; hashed with its shards: `_hash_own`)."""
+    path = directory / rng_file(_rank())
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(rng, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _writer(stage: StagedDirectory | Path) -> Any:
@@ -287,8 +303,9 @@ def _hash_own(directory: Path) -> dict[str, str]:
     """{relative path: SHA-256} of the state files this rank wrote (rank 0: the metadata too)."""
     state = directory / sharded_checkpoint.STATE_DIR
     rank = _rank()
-    files = sorted(state.glob(f"__{rank}_*.distcp")) + ([state / sharded_checkpoint.METADATA] if rank == 0 else [])
-    return {f"{sharded_checkpoint.STATE_DIR}/{f.name}": _sha256(f) for f in files}
+    files = [*sorted(state.glob(f"__{rank}_*.distcp")), directory / rng_file(rank)]
+    files += [state / sharded_checkpoint.METADATA] if rank == 0 else []
+    return {f.relative_to(directory).as_posix(): _sha256(f) for f in files}
 
 
 def _sha256(path: Path) -> str:
@@ -375,7 +392,8 @@ def load_state(path: Path, *, wrapped: nn.Module, model: nn.Module, optimizer: t
     sharded_checkpoint.load(state, path)
     set_state_dict(wrapped, optimizer, model_state_dict=state[sharded_checkpoint.MODEL],
                    optim_state_dict=state[sharded_checkpoint.OPTIMIZER])
-    set_rng_state(torch.load(path / RNG, weights_only=True))
+    mine = path / rng_file(_rank())
+    set_rng_state(torch.load(mine if mine.is_file() else path / rng_file(0), weights_only=True))
     return {"scheduler": torch.load(path / SCHEDULER, weights_only=True),
             "trainer": json.loads((path / TRAINER_STATE).read_text())}
 

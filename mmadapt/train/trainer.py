@@ -408,7 +408,7 @@ class Trainer:
         self.state.batching = self.batching()
         if isinstance(self.train_data, StreamingDataset):
             self.state.stream = self.stream_layout().to_dict()
-        snapshot = Snapshot(scheduler=self.scheduler.state_dict(), rng=rng_state() if self.is_main else {},
+        snapshot = Snapshot(scheduler=self.scheduler.state_dict(), rng=rng_state(),
                             trainer_state=copy.deepcopy(self.state.to_dict()), config=self.cfg,
                             extras=self.write_model_files)
         return self.writer.save(self.step, wrapped=self.wrapped, model=self.model, optimizer=self.optimizer,
