@@ -4,26 +4,25 @@
     python benchmarks/bench_checkpoint.py            # about 5 minutes on 2 CPU cores
     python benchmarks/bench_checkpoint.py --quick    # the tiny Qwen3.5: checks that it runs (its numbers mean nothing)
 
-Rows (`--sizes`): by default SmolLM2-360M's and SmolLM2-1.7B's LLM shapes (the LLMs of SmolVLM-500M and
-SmolVLM-2.2B: 960 and 2048 wide, their 49,152-token tied vocabulary; mmadapt's LLaMA backbone) cut to 2 decoder
-layers (the published models have 32 and 24), behind the tiny SigLIP and a 2-layer MLP projector to the LLM's width;
-`qwen3.5-0.8b`: Qwen3.5-0.8B's LLM (1024 wide, 248,320-token tied vocabulary) cut to 1 of its 24 layers, behind the
-tiny Qwen3.5 ViT and its merger. The sizes are what 2 CPU cores and 24 GB hold: the gathered save of a model whose
-weights and AdamW state take S bytes needs about 3.2 x S of host memory in all (S sharded over the ranks, 1.6 x S on
-rank 0, 0.6 x S on rank 1). fp32, FSDP2 over 2 ranks
-(torchrun; gloo on the CPU, NCCL on GPUs), AdamW whose state was made by one step on a constant gradient (no forward:
-a checkpoint holds the state, not the activations). Each configuration (model x format) runs in fresh processes and
-saves `--saves` times (default 3) through `mmadapt.train.saving.CheckpointWriter`, as the trainer does, waiting for
-each save to complete before the next. Measured on every rank: the peak host memory of a save, `VmHWM` (reset before
-each save through `/proc/self/clear_refs`) above the process's RSS before its first save (the same baseline for
-every save, so the staging copy that an asynchronous writer keeps between saves counts in every one), what is still
-resident above that baseline once the save completed, the seconds `save` blocked the caller (the stall) and the
-seconds until the checkpoint was complete (every rank's files written and checked, the `COMPLETE` marker written).
-The table gives the median over the saves (the first asynchronous save also allocates the staging buffers; later
-ones reuse them).
+Rows (`--sizes`): by default SmolLM2-360M's and SmolLM2-1.7B's LLM shapes (the LLMs of SmolVLM-500M and SmolVLM-2.2B:
+960 and 2048 wide, their 49,152-token tied vocabulary; mmadapt's LLaMA backbone) cut to 2 decoder layers (the published
+models have 32 and 24), behind the tiny SigLIP and a 2-layer MLP projector to the LLM's width; `qwen3.5-0.8b`:
+Qwen3.5-0.8B's LLM (1024 wide, 248,320-token tied vocabulary) cut to 1 of its 24 layers, behind the tiny Qwen3.5 ViT and
+its merger. The sizes are what 2 CPU cores and 24 GB hold: the gathered save of a model whose weights and AdamW state
+take S bytes needs about 3.2 x S of host memory in all (S sharded over the ranks, 1.6 x S on rank 0, 0.6 x S on rank 1).
+fp32, FSDP2 over 2 ranks (torchrun; gloo on the CPU, NCCL on GPUs), AdamW whose state was made by one step on a constant
+gradient (no forward: a checkpoint holds the state, not the activations). Each configuration (model x format) runs in
+fresh processes and saves `--saves` times (default 3) through `mmadapt.train.saving.CheckpointWriter`, as the trainer
+does, waiting for each save to complete before the next. Measured on every rank: the peak host memory of a save, `VmHWM`
+(reset before each save through `/proc/self/clear_refs`) above the process's RSS before its first save (the same
+baseline for every save, so the staging copy that an asynchronous writer keeps between saves counts in every one), what
+is still resident above that baseline once the save completed, the seconds `save` blocked the caller (the stall) and the
+seconds until the checkpoint was complete (every rank's files written and checked, the `COMPLETE` marker written). The
+table gives the median over the saves (the first asynchronous save also allocates the staging buffers; later ones reuse
+them).
 
-Expected: the gathered path's rank 0 holds the whole model and optimizer state (and safetensors' byte copies of the
-weights), so its peak grows with the model; a sharded save's peak stays small on every rank and flat in the model's
+Expected: the gathered path's rank 0 holds the whole model and optimizer state (and the tensors in flight as they are
+gathered), so its peak grows with the model; a sharded save's peak stays small on every rank and flat in the model's
 size; an asynchronous one holds a copy of the rank's shards (about model + AdamW / ranks) to stall the loop only for
 that copy.
 """
