@@ -143,3 +143,16 @@ def test_bench_stop_strings_quick_run_prints_its_table():
 def test_bench_serve_quick_run_prints_its_table():
     out = run("bench_serve.py", "--quick", timeout=600)
     assert "### Generation:" in out and "| mmadapt serve (HTTP, streamed, openai client) |" in out
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_quick_run_prints_a_row_per_format():
+    out = run("bench_checkpoint.py", "--quick", "--saves", "2", timeout=300)  # 3 torchruns of 2 ranks on gloo
+    assert "#### Checkpoints: rank 0's host memory and the stall per save (2 ranks, FSDP2, fp32, gloo, CPU" in out
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith("| Qwen3.5 tiny, 2 layers |")]
+    assert [r[4] for r in rows] == ["gathered (full state on rank 0)", "sharded (DCP)", "sharded, async (DCP)"]
+    for cells in rows:
+        stall, complete = float(cells[-2]), float(cells[-1])
+        assert 0 < stall <= complete, cells  # a save is complete no sooner than the loop goes on
+    assert float(rows[0][-2]) == float(rows[0][-1])  # a gathered save blocks until it is complete
