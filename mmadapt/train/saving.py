@@ -124,7 +124,11 @@ class CheckpointWriter:
                 raise _write_error(final, e) from e
             self.saves.append(Saved(step, path, time.perf_counter() - start, time.perf_counter() - start))
             return path
-        written = self._write_async(state, stage)
+        try:
+            written = self._write_async(state, stage)  # copies this rank's shards to host memory, then returns
+        except BaseException as e:
+            self._abandon(stage)
+            raise _write_error(final, e) from e
         saved = Saved(step, final, time.perf_counter() - start)
         self.saves.append(saved)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="mmadapt-checkpoint")
@@ -235,10 +239,16 @@ class CheckpointWriter:
                 ) -> Path:
         """Every rank: hash its files; rank 0: the marker, the swap, pruning, `on_complete`; the outcome agreed."""
         directory = stage.path if isinstance(stage, StagedDirectory) else stage
-        mine = {} if error is not None else _hash_own(directory)
-        found = _gather(mine if error is None else f"rank {_rank()}: {_storage_error(error) or error}", group)
+        mine: dict[str, str] | str = f"rank {_rank()}: {_storage_error(error) or error}" if error is not None else {}
+        if error is None:
+            try:
+                mine = _hash_own(directory)
+            except Exception as e:  # reported, not raised: every rank must reach the gather below
+                mine = f"rank {_rank()}: {e}"
+        found = _gather(mine, group)
         failures = [f for f in found if isinstance(f, str)]  # each failing rank's error, as text
         outcome: str | None = "; ".join(failures) or None
+        written = False
         if isinstance(stage, StagedDirectory) and outcome is None:
             try:
                 for files in found:
@@ -248,16 +258,20 @@ class CheckpointWriter:
                 stage.write_bytes(MARKER, json.dumps({"step": step, "format": "sharded", "world": len(found),
                                                       "files": checksums}, indent=1).encode())
                 stage.__exit__(None, None, None)
+                written = True
                 prune(self.out, self.keep)
                 if self.on_complete is not None:
                     self.on_complete(stage.target)
             except BaseException as e:
                 outcome = f"rank 0: {e}"
-        outcome = _broadcast(outcome, group)
+        outcome, written = _broadcast((outcome, written), group)
+        final = checkpoint_dir(self.out, step)
+        if outcome is not None and written:
+            raise RuntimeError(f"checkpoint {final} is complete, but what follows it failed: {outcome}")
         if outcome is not None:
-            raise CheckpointWriteError(f"could not write checkpoint {checkpoint_dir(self.out, step)}: {outcome}. "
-                                       f"{_advice(self.out)}") from error
-        return checkpoint_dir(self.out, step)
+            raise CheckpointWriteError(f"could not write checkpoint {final}: {outcome}. {_advice(self.out)}"
+                                       ) from error
+        return final
 
     @staticmethod
     def _abandon(stage: StagedDirectory | Path) -> None:
