@@ -244,7 +244,7 @@ def kib(field):
     return int(line.split()[1])
 import torch, transformers, peft, mmadapt.cli, mmadapt.train.trainer as trainer
 idle = kib("VmRSS")
-def save(self):
+def save(self, **kwargs):
     print("MEASURED", (kib("VmHWM") - idle) / 1024, flush=True)
     os._exit(0)
 trainer.Trainer.save = save

@@ -58,7 +58,7 @@ def timed_accumulate(*args, **kwargs):
     timed.setdefault("step", time.perf_counter() - started)
     return out
 trainer.accumulate = timed_accumulate
-def save(self):
+def save(self, **kwargs):
     print("MEASURED", rank, (kib("VmHWM") - idle) / 1024, timed.get("step", float("nan")),
           (kib("VmHWM") - timed.get("resident", idle)) / 1024, flush=True)
     sys.stdout.flush()

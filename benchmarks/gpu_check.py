@@ -372,7 +372,7 @@ def free_memory() -> None:
 class QuietTrainer(Trainer):
     """The timed runs write no checkpoint and no model directory (a 2B checkpoint outlasts its steps)."""
 
-    def save(self) -> None:
+    def save(self, **kwargs: Any) -> None:
         return None
 
     def export_model(self, checkpoint: Path | None) -> None:

@@ -256,8 +256,8 @@ def test_a_copied_run_resumes_in_the_copy_and_continues_bitwise(tmp_path, monkey
     assert main(["train", "run.yaml", *settings, "train.out=runs/full"]) == 0
     original = Trainer.save
 
-    def save_then_stop(self):
-        original(self)
+    def save_then_stop(self, **kwargs):
+        original(self, **kwargs)
         if self.step == 2:
             raise KeyboardInterrupt  # the job is stopped right after its step-2 checkpoint
 

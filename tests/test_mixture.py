@@ -158,8 +158,8 @@ def test_a_mixture_trains_logs_samples_problems_and_loss_per_source_and_resumes_
 
     original = Trainer.save
 
-    def save_then_stop(self):
-        original(self)
+    def save_then_stop(self, **kwargs):
+        original(self, **kwargs)
         if self.step == 4:
             raise KeyboardInterrupt  # stopped right after its step-4 checkpoint
 

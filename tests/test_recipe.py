@@ -39,6 +39,7 @@ from mmadapt import VisionLanguageModel
 from mmadapt.backbones import BACKBONES
 from mmadapt.cli import main
 from mmadapt.encoders import ENCODERS
+from mmadapt.sharded_checkpoint import state_files
 from mmadapt.train import RunConfig, latest_checkpoint, load_checkpoint, merge_lora
 from mmadapt.train.run import build_run
 from mmadapt.train.stages import apply_stages, lora_modules
@@ -291,7 +292,8 @@ def test_the_saved_config_records_where_each_pretrained_part_came_from(exported)
     for part, directory in expected.items():
         source = saved[part]["source"]
         assert Path(source["path"]) == directory.resolve(), part
-        assert source["files"] == ["model.safetensors"], part
+        # the stage-1 run's checkpoint is sharded (its state files); the hub-style parts' directories one safetensors
+        assert source["files"] == (state_files(directory) if part == "projector" else ["model.safetensors"]), part
         assert source["sha256"] == sha256(directory, source["files"]), part
 
 

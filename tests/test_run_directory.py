@@ -182,8 +182,8 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch):
 
     save = Trainer.save
 
-    def save_then_stop(self):
-        path = save(self)
+    def save_then_stop(self, **kwargs):
+        path = save(self, **kwargs)
         if self.step == 2:
             raise KeyboardInterrupt  # the job is stopped right after its step-2 checkpoint
         return path

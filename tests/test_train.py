@@ -109,8 +109,8 @@ def test_stop_and_resume_gives_bitwise_equal_losses(tmp_path, monkeypatch):
 
     original = Trainer.save
 
-    def save_then_stop(self):
-        original(self)
+    def save_then_stop(self, **kwargs):
+        original(self, **kwargs)
         if self.step == 3:
             raise KeyboardInterrupt  # the job is stopped right after its step-3 checkpoint
 
@@ -604,8 +604,8 @@ def test_resume_is_bitwise_with_rates_by_part_weight_decay_epochs_and_warmup_rat
     _, full = run(QWEN, tmp_path / "full", *settings)
     original = Trainer.save
 
-    def save_then_stop(self):
-        original(self)
+    def save_then_stop(self, **kwargs):
+        original(self, **kwargs)
         if self.step == 3:
             raise KeyboardInterrupt
 

@@ -216,7 +216,7 @@ def transformers_from_sharded(path: Path, dst: Path, run: TrainedWith | Any, *, 
     export_architecture(structure(VisionLanguageModel, path))  # no transformers equivalent: refused before writing
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dst.name}.staging-", dir=dst.parent) as staging:
-        staged = Path(staging) / "model"
+        staged = Path(staging) / "streamed"
         try:
             export_sharded(path, staged, run, tokenizer=tokenizer, max_shard_size=max_shard_size)
         except CheckpointWriteError as e:
