@@ -85,6 +85,17 @@ class _MetadataUnpickler(pickle.Unpickler):
             "from their own run directory.")
 
 
+def _check_files(metadata: Any, source: Path) -> None:
+    """Every file `.metadata` points DCP at is a plain name of a file beside it (DCP joins the name to the directory:
+    `../x` or an absolute path would read outside the checkpoint)."""
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise UnsafeCheckpointError(f"{source} points at {name!r}, which is not a file name inside "
+                                        f"{source.parent}: a checkpoint's shards are files beside its metadata. It "
+                                        "was not written by mmadapt (or was altered).")
+
+
 def _filesystem_reader() -> type:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -97,6 +108,7 @@ def _filesystem_reader() -> type:
             path = Path(self._get_metadata_path(kwargs.get("rank")))
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f, path).load()
+            _check_files(metadata, path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

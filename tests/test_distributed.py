@@ -19,12 +19,17 @@ pytestmark = pytest.mark.slow
 PHOTOS = {"astronaut": skdata.astronaut, "coffee": skdata.coffee, "chelsea": skdata.chelsea, "rocket": skdata.rocket}
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
+def write_photos(root):
+    """scikit-image's four photos in `root/images`, two widths (so the samples' token counts differ)."""
     (root / "images").mkdir()
     for k, (name, load) in enumerate(PHOTOS.items()):
         Image.fromarray(load()).resize((32 + 16 * (k % 2), 32)).save(root / "images" / f"{name}.png")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    write_photos(root)
     records = [{"id": f"s{i}", "image": f"{list(PHOTOS)[i % 4]}.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat is this?" + " please" * (i % 3)},
         {"from": "gpt", "value": list(PHOTOS)[i % 4]}]} for i in range(16)]

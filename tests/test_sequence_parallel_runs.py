@@ -19,13 +19,10 @@ import yaml
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from PIL import Image
-    from test_distributed import PHOTOS
+    from test_distributed import PHOTOS, write_photos
 
     root = tmp_path_factory.mktemp("sp_runs")
-    (root / "images").mkdir()
-    for k, (name, load) in enumerate(PHOTOS.items()):
-        Image.fromarray(load()).resize((32 + 16 * (k % 2), 32)).save(root / "images" / f"{name}.png")
+    write_photos(root)
     records = [{"id": f"s{i}", "image": f"{list(PHOTOS)[i % 4]}.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat is this?" + " please" * (i % 3)},
         {"from": "gpt", "value": list(PHOTOS)[i % 4] + " indeed" * (i % 2)}]} for i in range(16)]

@@ -210,6 +210,22 @@ def test_hostile_metadata_is_refused_and_runs_nothing(twins, tmp_path):
     assert ran.exists()
 
 
+def test_metadata_that_points_outside_the_checkpoint_is_refused(twins, tmp_path):
+    """A `.metadata` whose shard name is `../secret` (DCP joins it to the state directory) is refused before any file
+    is opened, even with the marker rewritten to match."""
+    from mmadapt.sharded_checkpoint import UnsafeCheckpointError, reader
+
+    checkpoint = tmp_path / "checkpoints" / newest(twins[1]).name
+    shutil.copytree(newest(twins[1]), checkpoint)
+    metadata = reader(checkpoint).read_metadata()
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.distcp"
+    (checkpoint / "state" / ".metadata").write_bytes(pickle.dumps(metadata))
+    rehash(checkpoint)
+    with pytest.raises(UnsafeCheckpointError, match=r"points at '\.\./\.\./secret\.distcp', which is not a file name"):
+        load_trained(checkpoint)
+
+
 def test_a_missing_shard_is_caught_before_loading(twins, tmp_path):
     from mmadapt.loading import UnverifiedCheckpointError
     from mmadapt.train.export import export

@@ -1,6 +1,9 @@
 """Atomic checkpoints that resume exactly, and the lock that keeps one run per OUT.
 
-A checkpoint is a directory `OUT/checkpoints/step-000123/`:
+The trainer writes through `mmadapt.train.saving.CheckpointWriter`: by default sharded (every rank its own shards,
+PyTorch DCP, `state/` + `rng/` + `scheduler.pt` in place of the weights and optimizer files below). This module is the
+gathered format (`checkpoint.format: gathered`, mmadapt < 0.26), what both formats share (the marker, verification,
+pruning, RNG states) and the lock. A gathered checkpoint is a directory `OUT/checkpoints/step-000123/`:
 
     model.safetensors     every parameter and buffer of the (unwrapped) model, full precision
     config.json           the model's components (as in a model directory), tokenizer files beside it
@@ -25,8 +28,8 @@ checked the same way before it is loaded (`check_checkpoint`).
 `OutLock.acquire(out)`: the run's exclusive claim on OUT (`flock` on `OUT/.lock`, which names the holder), so a
 second run on the same OUT stops at once with `OutInUseError` naming the first; a link planted at `OUT/.lock` is
 refused, never written through (`mmadapt.atomic.open_unlinked`). `prune` deletes only old checkpoints
-and the temporary directories of writers that are gone (their lock is free), never a live writer's. Only rank 0
-writes; every rank loads.
+and the temporary directories of writers that are gone (their lock is free), never a live writer's. In the gathered
+format only rank 0 writes; every rank loads.
 """
 
 from __future__ import annotations
