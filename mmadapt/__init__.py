@@ -12,9 +12,19 @@ imports this module (tests/test_layers.py checks): it is the public face over ev
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from mmadapt.version import __version__ as __version__
+
+
+def _quiet_enum_notices(record: logging.LogRecord) -> bool:
+    """torchao (imported by peft whenever it is installed) registers enums with torch's pytree, which logs a
+    deprecation notice per enum at import; they say nothing about mmadapt's run and are dropped."""
+    return "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_quiet_enum_notices)
 
 if TYPE_CHECKING:
     from mmadapt.backbones import BACKBONES, BackboneSpec, SpanTokens

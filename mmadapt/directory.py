@@ -49,6 +49,7 @@ from typing import Any
 from mmadapt.atomic import StagedDirectory, recover
 from mmadapt.carried import CARRIED_KEY, Carried, carried_of
 from mmadapt.config import ModelConfig
+from mmadapt.quantize import QUANTIZED_BASE_KEY, nf4_targets
 from mmadapt.remote_code import drop_from_directory, warn_dropped, without_auto_map
 from mmadapt.run_directory import COMPLETE
 from mmadapt.weights import (
@@ -75,6 +76,8 @@ def describe(model: Any) -> dict[str, Any]:
     when known, the data settings it was trained with."""
     described = {MMADAPT_KEY: model.resolved_config().to_dict(), "processor": model.encoder.processor_defaults(),
                  "chat_template": model.backbone_spec.chat_template, CARRIED_KEY: carried_of(model).record()}
+    if (base := getattr(model, "quantized_base", None)) is not None:  # a QLoRA base: where its weights' originals are
+        described[QUANTIZED_BASE_KEY] = base.to_dict()
     settings = data_settings(model)
     return {**described, DATA_KEY: settings} if settings else described
 
@@ -305,7 +308,8 @@ def load(cls: type, directory: str | os.PathLike, *, strict: bool = True) -> Any
     else:
         checkpoint = Checkpoint.open(directory, what="model")
         model = load_pretrained(lambda: cls(model_config(saved)), checkpoint, what=f"model {directory}",
-                                tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False)
+                                tied=lambda model: model.backbone_tied_keys(), strict=strict, provenance=False,
+                                quantize=nf4_targets())
         set_carried(model, directory, saved)
         settings = saved.get(DATA_KEY)
     return set_source(set_data_settings(model, settings), checkpoint)

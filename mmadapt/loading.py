@@ -3,7 +3,8 @@
 A source is a model directory (mmadapt's, or a transformers export: `mmadapt.directory`), a complete checkpoint
 directory (`OUT/checkpoints/step-N`: its `config.json` names the components, its `config.yaml` the stages and LoRA
 settings, the tokenizer's files sit beside them; its files must match the checksums of its `COMPLETE` marker:
-`check_checkpoint`), a run directory (its `OUT/model`, else its newest checkpoint whose files match), or a run's
+`check_checkpoint`; a QLoRA checkpoint's 4-bit weights are read in full precision from the checkpoint its run started
+from: `mmadapt.qlora`), a run directory (its `OUT/model`, else its newest checkpoint whose files match), or a run's
 adapters directory (its run); `load_for_inference(base, adapters)` merges LoRA adapters into a base model
 (`mmadapt.lora.load_adapters`). A checkpoint's model is built on the meta device with its LoRA layers injected
 exactly as in training (`TrainedWith`: the sections of its run config that say how), loaded strictly, and LoRA is
@@ -28,6 +29,7 @@ from mmadapt import directory as model_directory
 from mmadapt.data.config import DataConfig
 from mmadapt.data.tokenizer import saved_tokenizer
 from mmadapt.lora import (
+    LORA_MODES,
     LoraSection,
     StagesSection,
     adapter_components,
@@ -37,6 +39,7 @@ from mmadapt.lora import (
     merge_lora,
 )
 from mmadapt.model import VisionLanguageModel
+from mmadapt.qlora import WithBase, quantized_base
 from mmadapt.run_directory import COMPLETE, CONFIG, RunDirectory, is_complete, step_of
 from mmadapt.run_directory import COMPLETE as MARKER
 from mmadapt.sections import build_section
@@ -112,7 +115,9 @@ def load_checkpoint_model(path: Path, run: TrainedWith | Any) -> VisionLanguageM
     saved = model_directory.read_config(path)
     checkpoint = Checkpoint.open(path, what="checkpoint")
     log.info("checkpoint %s: %s format", path, "sharded (DCP state/)" if is_sharded(path) else "gathered")
-    model = load_pretrained(lambda: trained_structure(saved, run), checkpoint, what=f"checkpoint {path}",
+    base = quantized_base(saved)  # QLoRA: the 4-bit weights' full-precision originals, read from the source
+    weights = checkpoint if base is None else WithBase(checkpoint, base, what=f"checkpoint {path}")
+    model = load_pretrained(lambda: trained_structure(saved, run), weights, what=f"checkpoint {path}",
                             tied=lambda m: m.backbone_tied_keys(), provenance=False)
     if lora_modules(model):
         merge_lora(model)
@@ -125,7 +130,7 @@ def trained_structure(saved: dict[str, Any], run: TrainedWith | Any) -> VisionLa
     `mmadapt.weights.empty_weights`: its parameters on the meta device), so that its keys are the checkpoint's."""
     model = VisionLanguageModel(model_directory.model_config(saved))
     for component, mode in run.stages.modes().items():
-        if mode == "lora":
+        if mode in LORA_MODES:
             add_lora(model, component, run.lora)
     return model
 

@@ -25,23 +25,27 @@ from torch import nn
 log = logging.getLogger(__name__)
 COMPONENTS = ("encoder", "projector", "backbone")
 
-COMPONENT_MODES = ("frozen", "full", "lora")
+COMPONENT_MODES = ("frozen", "full", "lora", "qlora")  # qlora: the backbone's only (`mmadapt.qlora`)
+LORA_MODES = ("lora", "qlora")  # the modes that inject LoRA layers
 STAGE_PRESETS: dict[str, dict[str, str]] = {
     # LLaVA-1.5: stage 1 aligns the projector alone, stage 2 tunes projector + LLM; the tower stays frozen.
     "llava-stage1": {"encoder": "frozen", "projector": "full", "backbone": "frozen"},
     "llava-stage2": {"encoder": "frozen", "projector": "full", "backbone": "full"},
     "lora": {"encoder": "frozen", "projector": "full", "backbone": "lora"},
+    # QLoRA: the LLM's large linear layers stored in 4-bit NF4 under the LoRA layers (mmadapt.qlora)
+    "qlora": {"encoder": "frozen", "projector": "full", "backbone": "qlora"},
 }
 
 
 @dataclass(kw_only=True)
 class StagesSection:
-    """A run's `stages`: each component `frozen`, `full` or `lora` (or a `preset` of `STAGE_PRESETS`)."""
+    """A run's `stages`: each component `frozen`, `full` or `lora`, the backbone also `qlora` (LoRA over a 4-bit
+    base); or a `preset` of `STAGE_PRESETS`."""
 
     preset: str | None = None
     encoder: Literal["frozen", "full", "lora"] = "frozen"
     projector: Literal["frozen", "full", "lora"] = "full"
-    backbone: Literal["frozen", "full", "lora"] = "full"
+    backbone: Literal["frozen", "full", "lora", "qlora"] = "full"
     # MoE routers stay frozen when the backbone trains fully (and are never LoRA targets); "full" trains them too
     router: Literal["frozen", "full"] = "frozen"
 
@@ -50,7 +54,12 @@ class StagesSection:
             if self.preset not in STAGE_PRESETS:
                 raise ValueError(f"unknown stages.preset {self.preset!r}; known: {sorted(STAGE_PRESETS)}")
             return dict(STAGE_PRESETS[self.preset])
-        return {"encoder": self.encoder, "projector": self.projector, "backbone": self.backbone}
+        modes = {"encoder": self.encoder, "projector": self.projector, "backbone": self.backbone}
+        wrong = [c for c in ("encoder", "projector") if modes[c] == "qlora"]
+        if wrong:
+            raise ValueError(f"stages.{wrong[0]} cannot be 'qlora': only the backbone (the LLM) is stored in 4 bits. "
+                             f"Fix: stages.{wrong[0]}: lora (or full / frozen) and stages.backbone: qlora")
+        return modes
 
 
 @dataclass(kw_only=True)

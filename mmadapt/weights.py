@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -318,14 +318,18 @@ WeightLayout = Fused | Transposed
 
 def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: str, skip: tuple[str, ...] = (),
               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
-              hint: str | None = None, layouts: tuple[WeightLayout, ...] = ()) -> nn.Module:
+              hint: str | None = None, layouts: tuple[WeightLayout, ...] = (),
+              quantize: Callable[[nn.Module], dict[str, Callable[[torch.Tensor], Any]]] | None = None) -> nn.Module:
     """Materialise `module` (built under `empty_weights`) from `checkpoint`, strictly.
 
     `tied` maps a module key to the key it is tied to: either may be absent from the checkpoint (the
     caller ties them after loading). `dtype` casts floating tensors; None keeps the checkpoint's dtype
     (and its memory map). `hint` replaces the generic advice of the shape-mismatch error. `layouts`: module
     tensors a checkpoint may store in another layout (`Fused` per expert, `Transposed`), converted here.
+    `quantize(module)`: {key: quantiser} of the weights to store quantised, each as it is read (after the cast), so
+    that no more than one full-precision tensor of them is held at a time (`mmadapt.quantize.nf4_targets`).
     """
+    quantizers = quantize(module) if quantize is not None else {}
     mapping = renamed_keys(checkpoint.keys(), rules, skip)
     expected = module.state_dict()
     sources = {target: source for source, target in mapping.items()}
@@ -347,7 +351,7 @@ def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: 
             continue
         if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
-        state[target] = tensor
+        state[target] = quantizers[target](tensor) if target in quantizers else tensor
     if wrong:
         advice = hint or ("the options describe another architecture than the checkpoint; drop the architecture "
                           "options (they come from the checkpoint)")
@@ -379,13 +383,16 @@ def raise_on_key_mismatch(missing: Any, unexpected: Any, source: Any, strict: bo
 def load_pretrained(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rules = (("", ""),), *, what: str,
                     skip: tuple[str, ...] = (), dtype: str | torch.dtype | None = None, hint: str | None = None,
                     layouts: tuple[WeightLayout, ...] = (), tied: Callable[[nn.Module], dict[str, str]] | None = None,
-                    strict: bool | None = None, provenance: bool = True) -> nn.Module:
+                    strict: bool | None = None, provenance: bool = True,
+                    quantize: Callable[[nn.Module], dict[str, Callable[[torch.Tensor], Any]]] | None = None
+                    ) -> nn.Module:
     """`build()` on the meta device, materialised from `checkpoint` by `rules` (see `load_part`), strictly.
 
     `tied(module)`: {key: key it is tied to} of tied weights (either side may be stored); the module's
     `tie_weights()` re-ties them after loading. `strict`: None for a part of a composite checkpoint (keys of other
     parts are ignored); True / False for a whole model, whose checkpoint must hold exactly its keys (False
     tolerates extra keys; a missing one is always an error). `provenance`: record where the weights came from.
+    `quantize`: weights stored quantised as they are read (`load_part`).
     """
     with empty_weights():
         module = build()
@@ -397,7 +404,7 @@ def load_pretrained(build: Callable[[], nn.Module], checkpoint: Checkpoint, rule
         missing = sorted(k for k in ours - theirs if not (k in tied_keys and tied_keys[k] in theirs))
         raise_on_key_mismatch(missing, sorted(theirs - ours), checkpoint.path, strict)
     load_part(module, checkpoint, rules, what=what, skip=skip, dtype=parse_dtype(dtype), tied=tied_keys, hint=hint,
-              layouts=layouts)
+              layouts=layouts, quantize=quantize)
     if tied_keys:
         module.tie_weights()
     if provenance:
@@ -511,9 +518,13 @@ class Provenance:
     set of files: the three parts of one VLM directory share it.
     """
 
-    def __init__(self, checkpoint: Checkpoint, *, claimed: Iterable[str] | None = None) -> None:
+    def __init__(self, checkpoint: Checkpoint, *, claimed: Iterable[str] | Mapping[str, str] | None = None) -> None:
         self.path = str(checkpoint.path.resolve())
         self.claimed = None if claimed is None else frozenset(claimed)
+        # {part key: checkpoint key} when the rules' renaming is given ({checkpoint key: part key}): where each of the
+        # part's weights was read (a QLoRA base's full-precision weights, `mmadapt.qlora`)
+        self.read_from = ({target: source for source, target in claimed.items()} if isinstance(claimed, Mapping)
+                          else None)
         self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
                       for f in checkpoint.files]
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)

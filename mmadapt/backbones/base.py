@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from mmadapt.options import hf_options, resolve_preset
+from mmadapt.quantize import nf4_targets
 from mmadapt.registry import Registry, import_object
 from mmadapt.weights import Checkpoint, Rules
 
@@ -100,6 +101,8 @@ class BackboneSpec:
     vision_end_token: str | None = None
     chat_template: str = "vicuna_v1"
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # linear layers a QLoRA base keeps in their precision (module name suffixes; `mmadapt.quantize`)
+    keep_precision: tuple[str, ...] = ("lm_head",)
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     validate: Callable[[Any], None] | None = None
     deepstack: bool = False
@@ -151,7 +154,7 @@ class BackboneSpec:
         options, rules = self.checkpoint_layout(checkpoint, what)
         config, tokens = self.build_config(merge_options(options, overrides, what=what, path=checkpoint.path))
         lm = load_pretrained(lambda: import_object(self.model_class)(config), checkpoint, rules, what=what, dtype=dtype,
-                             tied=tied_keys, layouts=self.weight_layouts)
+                             tied=tied_keys, layouts=self.weight_layouts, quantize=nf4_targets(self.keep_precision))
         return lm, tokens
 
     def checkpoint_layout(self, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules]:

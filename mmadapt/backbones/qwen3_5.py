@@ -66,6 +66,8 @@ BACKBONES.register("qwen3_5", BackboneSpec(
     **QWEN_SPANS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "in_proj_qkv", "in_proj_z", "out_proj"),
+    # Gated DeltaNet's small projections (hidden -> one value per head: the decay and the gate) stay in precision
+    keep_precision=("lm_head", "in_proj_a", "in_proj_b"),
     presets={
         "tiny": dict(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -60,6 +60,7 @@ BACKBONES.register("qwen3_5_moe", dataclasses.replace(
     hf_model_type="qwen3_5_moe_text", presets=PRESETS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                   "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"),
+    keep_precision=("lm_head", "in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate"),  # + the routers
     moe=MoE(expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
             router_parameters=("mlp.gate.weight",),
             balance_loss="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:load_balancing_loss_func",

@@ -106,6 +106,7 @@ BACKBONES.register("qwen3_vl_moe", dataclasses.replace(
     model_class="mmadapt.backbones.qwen3_vl_lm:Qwen3VLMoeForCausalLM", config_class="transformers:Qwen3VLMoeTextConfig",
     hf_model_type="qwen3_vl_moe_text", presets=MOE_PRESETS,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),  # dense MLPs if any
+    keep_precision=("lm_head", "mlp.gate"),  # the routers too (a linear router in a variant stays exact)
     moe=MoE(expert_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
             router_parameters=("mlp.gate.weight",),
             balance_loss="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:load_balancing_loss_func",

@@ -27,6 +27,7 @@ from mmadapt.lora import COMPONENT_MODES as COMPONENT_MODES  # the sections LoRA
 from mmadapt.lora import STAGE_PRESETS as STAGE_PRESETS
 from mmadapt.lora import LoraSection, StagesSection
 from mmadapt.precision import FP32, Precision
+from mmadapt.quantize import QuantizationSection
 from mmadapt.run_directory import CONFIG, RunDirectory
 from mmadapt.sections import as_written, build_section
 
@@ -255,6 +256,7 @@ class RunConfig:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     stages: StagesSection = field(default_factory=StagesSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    quantization: QuantizationSection = field(default_factory=QuantizationSection)  # stages.backbone: qlora's NF4
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
     # the objectives' settings by section name (`dpo: {beta: 0.1}`), as written: each is parsed by its objective's

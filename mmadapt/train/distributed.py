@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmadapt.precision import Precision, as_precision
+from mmadapt.quantize import four_bit_parameters
 
 log = logging.getLogger(__name__)
 BLOCK_LISTS = ("layers", "blocks")  # ModuleLists whose children are transformer blocks
@@ -108,6 +109,8 @@ def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: Precision
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # A QLoRA base's 4-bit weights are not broadcast: every rank quantised the same source, bit for bit
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, four_bit_parameters(model))
         # Frozen towers and CLIP's unused last layer leave parameters without gradients.
         return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
     raise ValueError(f"distributed.strategy must be 'auto', 'ddp' or 'fsdp', got {strategy!r}")
@@ -241,10 +244,10 @@ def grad_norm_and_clip(wrapped: nn.Module, max_norm: float | None) -> float:
     return float(norm)
 
 
-def _options() -> Any:
+def _options(strict: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
 
 
 def full_model_state(wrapped: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -263,13 +266,20 @@ def full_optimizer_state(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -
     return get_optimizer_state_dict(wrapped, optimizer, options=_options())
 
 
-def load_full_model_state(wrapped: nn.Module, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_full_model_state(wrapped: nn.Module, model: nn.Module, state: dict[str, torch.Tensor],
+                          absent: list[str] = ()) -> None:
+    """Load a whole state dict into the model; `absent`: keys it does not hold (a QLoRA base's 4-bit weights)."""
     if is_fsdp(wrapped):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(wrapped, state, options=_options())
+        result = set_model_state_dict(wrapped, state, options=_options(strict=not absent))
+        missing = sorted(set(result.missing_keys) - set(absent))
+        if missing:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}. Was it written with other "
+                             "components or stages?")
         return
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in set(absent)]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, unexpected "
                          f"{sorted(unexpected)[:5]}. Was it written with other components or stages?")

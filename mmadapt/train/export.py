@@ -24,6 +24,7 @@ from mmadapt.loading import (  # noqa: F401  (loading's names, where callers hav
     resolve_source,
 )
 from mmadapt.processor import export_processor
+from mmadapt.quantize import QUANTIZED_BASE_KEY
 from mmadapt.run_directory import RunDirectory, is_complete
 from mmadapt.sharded_checkpoint import is_sharded
 from mmadapt.train.sharded_export import export_sharded, transformers_from_sharded
@@ -46,7 +47,9 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
 
     A sharded checkpoint (`mmadapt.sharded_checkpoint`) is exported without a gather (`mmadapt.train.sharded_export`:
     the same files as from its gathered twin): mmadapt's format one weight file's tensors at a time; transformers'
-    from a model memory-mapped from such a directory written beside `dst` first (and removed)."""
+    from a model memory-mapped from such a directory written beside `dst` first (and removed). A QLoRA checkpoint is
+    loaded whole, its base's weights read in full precision from the checkpoint its run started from (`mmadapt.qlora`),
+    and its adapters merged into them."""
     if format not in ("mmadapt", "transformers"):
         raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
     dst = Path(dst)
@@ -55,7 +58,7 @@ def export(src: str | Path, dst: str | Path, *, format: str = "mmadapt", overwri
                                 "writes a model directory and never replaces a checkpoint. Choose another dst.")
     check_target(dst, what="model directory", overwrite=overwrite, recognise=model_directory.is_model_directory)
     path = resolve_source(src, verify=verify)
-    if is_complete(path) and is_sharded(path):
+    if is_complete(path) and is_sharded(path) and QUANTIZED_BASE_KEY not in model_directory.read_config(path):
         run, tokenizer = TrainedWith.read(path), saved_tokenizer(path)
         if format == "transformers":
             transformers_from_sharded(path, dst, run, tokenizer=tokenizer, max_shard_size=max_shard_size,

@@ -29,12 +29,18 @@ class RunParts:
 
 
 def build_model_from(config: RunConfig) -> Any:
+    """The run's model; a `qlora` backbone's NF4 layers stored in NF4 as they are read (`mmadapt.quantize`)."""
+    from contextlib import nullcontext
+
     from mmadapt.model import VisionLanguageModel
+    from mmadapt.quantize import nf4_loading
 
     m = config.model
-    if m.pretrained:
-        return VisionLanguageModel.from_pretrained(m.pretrained)
-    return VisionLanguageModel(m.model_config())
+    qlora = config.stages.modes()["backbone"] == "qlora"
+    with nf4_loading(config.quantization) if qlora else nullcontext():
+        if m.pretrained:
+            return VisionLanguageModel.from_pretrained(m.pretrained)
+        return VisionLanguageModel(m.model_config())
 
 
 def model_structure(config: RunConfig) -> Any:

@@ -42,6 +42,8 @@ from torch import nn
 
 from mmadapt import sharded_checkpoint
 from mmadapt.atomic import CheckpointWriteError, StagedDirectory, is_write_error
+from mmadapt.qlora import state_without_4bit
+from mmadapt.quantize import four_bit_parameters
 from mmadapt.run_directory import COMPLETE as MARKER
 from mmadapt.run_directory import CONFIG
 from mmadapt.train import distributed as dist_utils
@@ -114,7 +116,7 @@ class CheckpointWriter:
         final = checkpoint_dir(self.out, step)
         stage = self._stage(final, snapshot)
         _write_rng(stage.path if isinstance(stage, StagedDirectory) else stage, snapshot.rng)
-        state = self._state(wrapped, optimizer)
+        state = self._state(wrapped, optimizer, model)
         if not self.asynchronous or synchronous:
             try:
                 self._write(state, stage, group=None)
@@ -162,7 +164,7 @@ class CheckpointWriter:
     # ---- the gathered format (mmadapt < 0.26) ----------------------------------------------------------------
     def _save_gathered(self, step: int, wrapped: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer,
                        snapshot: Snapshot) -> Path:
-        model_state = dist_utils.full_model_state(wrapped, model)
+        model_state = state_without_4bit(model, dist_utils.full_model_state(wrapped, model))
         optimizer_state = {"optimizer": dist_utils.full_optimizer_state(wrapped, optimizer),
                            "scheduler": snapshot.scheduler}
         path = checkpoint_dir(self.out, step)
@@ -197,11 +199,14 @@ class CheckpointWriter:
         return stage if stage is not None else path
 
     @staticmethod
-    def _state(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _state(wrapped: nn.Module, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+        """This rank's part of the model's and the optimizer's state; a QLoRA base's 4-bit weights left out (the
+        source holds them: `mmadapt.qlora`)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(wrapped, optimizer)
-        return {sharded_checkpoint.MODEL: model_state, sharded_checkpoint.OPTIMIZER: optimizer_state}
+        return {sharded_checkpoint.MODEL: state_without_4bit(model, model_state),
+                sharded_checkpoint.OPTIMIZER: optimizer_state}
 
     def _write(self, state: dict[str, Any], stage: StagedDirectory | Path, *, group: Any) -> None:
         import torch.distributed.checkpoint as dcp
@@ -396,16 +401,21 @@ def load_state(path: Path, *, wrapped: nn.Module, model: nn.Module, optimizer: t
     ranks; returns {"scheduler": its state, "trainer": the trainer state's dict}."""
     if not sharded_checkpoint.is_sharded(path):
         state = load_checkpoint(path)
-        dist_utils.load_full_model_state(wrapped, model, state["model"])
+        dist_utils.load_full_model_state(wrapped, model, state["model"], absent=four_bit_parameters(model))
         dist_utils.load_full_optimizer_state(wrapped, optimizer, state["optimizer"]["optimizer"])
         set_rng_state(state["rng"])
         return {"scheduler": state["optimizer"]["scheduler"], "trainer": state["trainer"]}
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = CheckpointWriter._state(wrapped, optimizer)
+    state = CheckpointWriter._state(wrapped, optimizer, model)
     sharded_checkpoint.load(state, path)
-    set_state_dict(wrapped, optimizer, model_state_dict=state[sharded_checkpoint.MODEL],
-                   optim_state_dict=state[sharded_checkpoint.OPTIMIZER])
+    four_bit = four_bit_parameters(model)  # not in the checkpoint: quantised from the source again, bit for bit
+    result = set_state_dict(wrapped, optimizer, model_state_dict=state[sharded_checkpoint.MODEL],
+                            optim_state_dict=state[sharded_checkpoint.OPTIMIZER],
+                            options=StateDictOptions(strict=not four_bit))
+    if four_bit and (missing := sorted(set(result.missing_keys) - set(four_bit))):
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights of the model (e.g. {missing[:3]}): was it "
+                         "written with other components or stages?")
     mine = path / rng_file(_rank())
     set_rng_state(torch.load(mine if mine.is_file() else path / rng_file(0), weights_only=True))
     return {"scheduler": torch.load(path / SCHEDULER, weights_only=True),

@@ -18,6 +18,7 @@ from mmadapt.lora import (  # noqa: F401  (LoRA's names, where callers have foun
     ADAPTER_STAGES,
     COMPONENT_MODES,
     COMPONENTS,
+    LORA_MODES,
     LoraSection,
     StagesSection,
     adapter_components,
@@ -30,13 +31,17 @@ from mmadapt.lora import (  # noqa: F401  (LoRA's names, where callers have foun
     merge_lora,
     save_adapters,
 )
+from mmadapt.qlora import quantize_base
+from mmadapt.quantize import QuantizationSection
 
 log = logging.getLogger(__name__)
 
 
-def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = None) -> dict[str, dict[str, int]]:
+def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = None,
+                 quantization: QuantizationSection | None = None) -> dict[str, dict[str, int]]:
     """Freeze / unfreeze / add LoRA per component as the run's `stages` say, LoRA layers as its `lora` section says
-    (its defaults when None); returns and logs {component: {trainable, total}}.
+    (its defaults when None); returns and logs {component: {trainable, total}}. A `qlora` backbone is stored in NF4
+    first, as its `quantization` section says (`mmadapt.qlora.quantize_base`), then gets its LoRA layers.
 
     MoE routers (the backbone's `moe.router_parameters`) are never LoRA targets and stay frozen when the backbone trains
     fully, unless `stages.router` is "full"."""
@@ -47,10 +52,13 @@ def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = N
     for component in COMPONENTS:
         mode = modes[component]
         if mode not in COMPONENT_MODES:
-            raise ValueError(f"stages.{component} must be 'frozen', 'full' or 'lora', got {mode!r}")
+            raise ValueError(f"stages.{component} must be 'frozen', 'full' or 'lora' (the backbone also 'qlora'), got "
+                             f"{mode!r}")
         module = getattr(model, component)
         module.requires_grad_(mode == "full")
-        if mode == "lora":
+        if mode == "qlora":
+            quantize_base(model, QuantizationSection() if quantization is None else quantization)
+        if mode in LORA_MODES:
             add_lora(model, component, lora)
             for name, p in module.named_parameters():
                 p.requires_grad_("lora_" in name)

@@ -75,7 +75,7 @@ from mmadapt.train.optim import upcast_trainable as upcast_trainable  # moved; i
 from mmadapt.train.plots import plot_history
 from mmadapt.train.records import learning_rates, step_speed
 from mmadapt.train.saving import CheckpointWriter, Snapshot, adapter_state, describe_format, load_state
-from mmadapt.train.stages import apply_stages, save_adapters
+from mmadapt.train.stages import LORA_MODES, apply_stages, save_adapters
 from mmadapt.train.state import TrainerState, state_field
 from mmadapt.train.steps import accumulate, evaluate
 from mmadapt.train.tracking import PartClock, Tracker, peak_tflops, speed_summary
@@ -109,7 +109,7 @@ class Trainer:
         self.out = self.run.path
         torch.manual_seed(config.train.seed)
         if apply_stage_modes:
-            self.param_counts = apply_stages(model, config.stages, config.lora)
+            self.param_counts = apply_stages(model, config.stages, config.lora, config.quantization)
         upcast_trainable(model)
         if config.train.activation_checkpointing:
             log.info("activation checkpointing: %s", ", ".join(enable_activation_checkpointing(
@@ -422,7 +422,7 @@ class Trainer:
 
     def write_adapters(self, checkpoint: Path) -> None:
         """This run's own adapters (OUT/adapters), replaced whole at each checkpoint, read from the checkpoint."""
-        if "lora" in self.cfg.stages.modes().values():
+        if set(LORA_MODES) & set(self.cfg.stages.modes().values()):
             save_adapters(self.model, self.run.adapters_dir, self.cfg.stages.modes(),
                           state=adapter_state(checkpoint, self.model), overwrite=True)
 
