@@ -413,7 +413,8 @@ def load_state(path: Path, *, wrapped: nn.Module, model: nn.Module, optimizer: t
     result = set_state_dict(wrapped, optimizer, model_state_dict=state[sharded_checkpoint.MODEL],
                             optim_state_dict=state[sharded_checkpoint.OPTIMIZER],
                             options=StateDictOptions(strict=not four_bit))
-    if four_bit and (missing := sorted(set(result.missing_keys) - set(four_bit))):
+    missing_keys = {k.removeprefix("module.") for k in result.missing_keys}  # DDP's names: the model's under module.
+    if four_bit and (missing := sorted(missing_keys - set(four_bit))):
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights of the model (e.g. {missing[:3]}): was it "
                          "written with other components or stages?")
     mine = path / rng_file(_rank())
