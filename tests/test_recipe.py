@@ -307,3 +307,55 @@ def test_stage1_on_an_untied_checkpoint_as_qwen3_5_9b_ships(sources, tmp_path):
     state = checkpoint_state(train(config))
     assert not torch.equal(state["backbone.lm_head.weight"], state["backbone.model.embed_tokens.weight"])
     assert_frozen_parts_unchanged(state, "qwen_vit", src)
+
+
+# ---- stage 2 as QLoRA: the LLM in 4 bits while it trains, exported merged into the hub checkpoint's weights ----------
+@pytest.fixture(scope="module")
+def qlora_stage2(stage1, tmp_path_factory) -> Stage:
+    root = tmp_path_factory.mktemp(f"{stage1.variant}-qlora")
+    model = model_section(stage1.variant, stage1.src, projector_from=stage1.checkpoint)
+    config = write_run(root / "stage2.yaml", model, stage1.src, root / "out", {"preset": "qlora"},
+                       lora={"r": 4, "alpha": 8}, quantization={"scaler_block_size": 8})
+    return Stage(stage1.variant, stage1.src, config, train(config))
+
+
+@pytest.mark.slow
+def test_stage2_qlora_exports_the_adapters_merged_into_the_hub_checkpoints_weights(qlora_stage2, tmp_path):
+    """The run read the LLM from the Qwen3.5 directory straight to NF4: its checkpoints hold every tensor but the NF4
+    ones, and every kept one bitwise the source's; the transformers export holds source + B @ A x alpha / r (1e-6) for
+    each NF4 layer and (Qwen's ViT + merger: an architecture transformers has) loads in transformers with logits equal
+    to mmadapt's merged model (1e-5); CLIP + mlp2x_gelu + Qwen3.5 exports in mmadapt's format."""
+    from test_commands import transformers_export_equals_mmadapt
+
+    from mmadapt.lora import LoraSection
+    from mmadapt.quantize import QuantizationSection, nf4_layout
+
+    stage = qlora_stage2
+    state = checkpoint_state(stage.checkpoint)
+    record = json.loads((stage.checkpoint / "config.json").read_text())["quantized_base"]
+    assert Path(record["source"]) == stage.src.qwen.resolve() and record["format"] == "nf4"
+    llm = load_file(stage.src.qwen / "model.safetensors")
+    llm.setdefault("lm_head.weight", llm["model.language_model.embed_tokens.weight"])  # tied, as Qwen3.5-0.8B
+    lm, _ = BACKBONES.get("qwen3_5").build("tiny")
+    layout = nf4_layout(lm, BACKBONES.get("qwen3_5").keep_precision, QuantizationSection(scaler_block_size=8))
+    assert set(record["keys"]) == {f"backbone.{k}" for k in layout.quantized}
+    assert {v for v in record["keys"].values()} == {source_key(k, stage.variant) for k in record["keys"]}
+    assert not any(k.replace(".base_layer", "") in record["keys"] for k in state)  # no 4-bit weight stored
+    kept = {k: v for k, v in state.items() if k.startswith("backbone.") and "lora_" not in k}
+    assert kept and all(torch.equal(v, llm[source_key(k, stage.variant)]) for k, v in kept.items())
+
+    out = Path(RunConfig.load(stage.config).train.out)
+    export = tmp_path / "exported"  # transformers' format where an architecture is equivalent (Qwen's ViT + merger)
+    hf = stage.variant == "qwen_vit"
+    assert main(["export", str(out), str(export), "--format", "transformers" if hf else "mmadapt"]) == 0
+    exported = load_file(export / "model.safetensors")
+    if not hf:  # mmadapt's names
+        exported = {source_key(k, stage.variant): v for k, v in exported.items() if k.startswith("backbone.")}
+    scale = LoraSection(r=4, alpha=8).alpha / 4
+    for key, source in record["keys"].items():
+        module = key.removesuffix(".weight")
+        delta = state[f"{module}.lora_B.default.weight"] @ state[f"{module}.lora_A.default.weight"] * scale
+        assert delta.abs().max() > 1e-4, key  # LoRA trained: the merge is not a no-op
+        torch.testing.assert_close(exported[source], llm[source] + delta, rtol=0, atol=1e-6)
+    if hf:
+        transformers_export_equals_mmadapt(export, out / "model", next(stage.src.data.rglob("*.png")))
