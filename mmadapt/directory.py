@@ -49,7 +49,7 @@ from typing import Any
 from mmadapt.atomic import StagedDirectory, recover
 from mmadapt.carried import CARRIED_KEY, Carried, carried_of
 from mmadapt.config import ModelConfig
-from mmadapt.quantize import QUANTIZED_BASE_KEY, nf4_targets
+from mmadapt.quantize import QUANTIZED_BASE_KEY, four_bit_parameters, nf4_targets
 from mmadapt.remote_code import drop_from_directory, warn_dropped, without_auto_map
 from mmadapt.run_directory import COMPLETE
 from mmadapt.weights import (
@@ -236,6 +236,11 @@ def save(model: Any, directory: str | os.PathLike, *, format: str = "mmadapt", t
     never written into (`TargetExistsError`). A storage error (a full disk) is a `CheckpointWriteError`."""
     if format not in ("mmadapt", "transformers"):
         raise ValueError(f"unknown format {format!r}; use 'mmadapt' or 'transformers'")
+    if four_bit := four_bit_parameters(model):
+        raise ValueError(f"the model's backbone holds {len(four_bit)} 4-bit (QLoRA) weights, which a model directory "
+                         "never stores: dequantised, they would not be the weights the adapters were trained on. Fix: "
+                         "export its run or checkpoint (mmadapt export OUT DIR: the adapters merged into the "
+                         "source's full-precision weights), or save its adapters (mmadapt.lora.save_adapters)")
     exporting = format == "transformers"
     if exporting:
         from mmadapt.convert import export_architecture

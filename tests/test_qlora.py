@@ -218,6 +218,9 @@ def test_the_chat_and_serving_loader_opens_a_qlora_run_with_its_adapters_merged(
         model, tokenizer = load_for_inference(source)
         assert tokenizer is not None and not lora_modules(model)
         assert not any(is_nf4(p) for p in model.parameters())
+    trainer, _ = qlora_run(base, tmp_path / "again", "train.steps=1", stages=ADAPTERS_ALONE)
+    with pytest.raises(ValueError, match=r"4-bit \(QLoRA\) weights, which a model directory never stores.*Fix"):
+        trainer.model.save_pretrained(tmp_path / "saved")
     plain = VisionLanguageModel.from_pretrained(base)
     load_adapters(plain, tmp_path / "run" / "adapters", merge=False)
     merge_lora(plain)
