@@ -103,6 +103,21 @@ def quantized_layers(keys: list[str]) -> dict[str, str]:
     return out
 
 
+def refuse_4bit_outside(checkpoint: Checkpoint, rules: Rules, what: str) -> dict[str, str]:
+    """`quantized_layers` of `checkpoint`, once all of them are the language model's (those `rules` rename): the
+    vision tower and projector are read as plain weights."""
+    quantized = quantized_layers(checkpoint.keys())
+    lm = renamed_keys(quantized, rules)
+    outside = sorted(k for k in quantized if k not in lm)
+    if outside:
+        raise ValueError(f"{what}: {checkpoint.path} stores {len(outside)} layers outside the language model in 4 bits "
+                         f"(e.g. {outside[:3]}); mmadapt reads only the language model of a bnb-4bit checkpoint in 4 "
+                         "bits. Fix: start from one whose vision tower and projector are kept in precision "
+                         "(quantization_config.llm_int8_skip_modules), or from the full-precision checkpoint with "
+                         "stages.backbone: qlora")
+    return quantized
+
+
 def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rules, *, what: str,
               dtype: Any = None, tied: Callable[[nn.Module], dict[str, str]] | None = None,
               layouts: tuple[Any, ...] = ()) -> nn.Module:
@@ -112,13 +127,7 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
     bnb = bnb_module()
     qc = quantization_config(checkpoint.config) or {}
     sources = {target: source for source, target in renamed_keys(checkpoint.keys(), rules).items()}
-    quantized = quantized_layers(checkpoint.keys())
-    outside = sorted(k for k in quantized if k not in sources.values())
-    if outside:
-        raise ValueError(f"{what}: {checkpoint.path} stores {len(outside)} layers outside the language model in 4 bits "
-                         f"(e.g. {outside[:3]}); mmadapt reads only the language model of a bnb-4bit checkpoint. Fix: "
-                         "start from a checkpoint whose vision tower is kept in precision (llm_int8_skip_modules), or "
-                         "from the full-precision one with stages.backbone: qlora")
+    quantized = refuse_4bit_outside(checkpoint, rules, what)
     compute = dtype if dtype is not None else qc.get("bnb_4bit_compute_dtype")
     compute = getattr(torch, compute) if isinstance(compute, str) else compute
 

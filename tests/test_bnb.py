@@ -171,3 +171,34 @@ def test_fsdp_is_refused_before_any_weight_is_read(bnb_dir, tmp_path, monkeypatc
     two = distributed.DistContext(rank=0, world=2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"cannot shard a bitsandbytes 4-bit backbone.*quant_state is required"):
         distributed.wrap(model, two, "fsdp", "fp32")
+
+
+def _quantized_llava(source, target, skip):
+    from transformers import BitsAndBytesConfig, LlavaForConditionalGeneration
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip)
+    LlavaForConditionalGeneration.from_pretrained(source, quantization_config=quantization,
+                                                  device_map="cpu").save_pretrained(target)
+    return target
+
+
+def test_a_whole_llava_directory_loads_its_language_model_in_4bits(hf_llava_dir, tmp_path):
+    """A llava-hf bnb-4bit directory (the vision tower and projector kept in precision, as the hub's are) loads
+    through mmadapt.convert: the language model's linear layers are Linear4bit and its text logits equal
+    transformers'. One whose vision tower is 4-bit too is refused in one line before any part is read."""
+    from transformers import LlavaForConditionalGeneration
+
+    kept = _quantized_llava(hf_llava_dir, tmp_path / "kept",
+                            ["model.vision_tower", "model.multi_modal_projector", "lm_head"])
+    model = mmadapt.VisionLanguageModel.from_pretrained(kept)
+    assert sum(isinstance(m, bitsandbytes.nn.Linear4bit) for m in model.modules()) == 14
+    assert not any(bnb.is_params4bit(p) for p in [*model.encoder.parameters(), *model.projector.parameters()])
+    reference = LlavaForConditionalGeneration.from_pretrained(kept, device_map="cpu")
+    model.backbone.train(), reference.train()
+    torch.testing.assert_close(model.backbone(IDS).logits, reference(input_ids=IDS).logits, rtol=0, atol=0)
+
+    everything = _quantized_llava(hf_llava_dir, tmp_path / "all", ["lm_head"])
+    with pytest.raises(ValueError, match=r"stores \d+ layers outside the language model in 4 bits.*"
+                                         r"llm_int8_skip_modules"):
+        mmadapt.VisionLanguageModel.from_pretrained(everything)
