@@ -202,3 +202,38 @@ def test_a_whole_llava_directory_loads_its_language_model_in_4bits(hf_llava_dir,
     with pytest.raises(ValueError, match=r"stores \d+ layers outside the language model in 4 bits.*"
                                          r"llm_int8_skip_modules"):
         mmadapt.VisionLanguageModel.from_pretrained(everything)
+
+
+@pytest.fixture(scope="module")
+def bnb_run(tmp_path_factory, bnb_dir):
+    """A LLaVA run over the bnb-4bit Llama (QLoRA) on scikit-image's photos, as `mmadapt train` reads it."""
+    from test_distributed import PHOTOS, write_photos
+
+    root = tmp_path_factory.mktemp("bnb_run")
+    write_photos(root)
+    records = [{"id": f"s{i}", "image": f"{list(PHOTOS)[i % 4]}.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?" + " please" * (i % 3)},
+        {"from": "gpt", "value": list(PHOTOS)[i % 4]}]} for i in range(16)]
+    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (root / "base.yaml").write_text(
+        f"model: {{encoder: clip, projector: mlp2x_gelu, backbone: {{name: llama, pretrained: {bnb_dir}}}}}\n"
+        f"data: {{train: {root / 'train.jsonl'}, image_root: {root / 'images'}, max_length: 256}}\n"
+        "train: {steps: 3, lr: 1.0e-3, progress: false}\nstages: {backbone: qlora}\nlora: {r: 4}\n")
+    return root
+
+
+@pytest.mark.slow
+def test_ddp_equals_one_process_and_fsdp_is_refused_with_two_processes(bnb_run):
+    """torchrun, 2 gloo processes: DDP's losses equal one process's (the global batch the same) within 1e-5, the
+    4-bit weights not broadcast; FSDP2 stops on every rank with the one line, before any weight is read."""
+    from test_distributed import launch, records
+
+    one = records(bnb_run, "one", "data.batch_size=2", "train.grad_accum=2", "train.full_logits=true")
+    ddp = records(bnb_run, "ddp", "data.batch_size=2", "distributed.strategy=ddp", procs=2)
+    assert len(one) == len(ddp) == 3
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(one, ddp, strict=True)), (one, ddp)
+    refused = launch(bnb_run, "fsdp", "data.batch_size=2", "distributed.strategy=fsdp", procs=2)
+    assert refused.returncode != 0
+    assert "quant_state is required" in refused.stderr and "distributed.strategy: ddp" in refused.stderr, \
+        refused.stderr[-3000:]
+    assert not (bnb_run / "fsdp" / "checkpoints").exists()
