@@ -225,13 +225,16 @@ def bnb_run(tmp_path_factory, bnb_dir):
 @pytest.mark.slow
 def test_ddp_equals_one_process_and_fsdp_is_refused_with_two_processes(bnb_run):
     """torchrun, 2 gloo processes: DDP's losses equal one process's (the global batch the same) within 1e-5, the
-    4-bit weights not broadcast; FSDP2 stops on every rank with the one line, before any weight is read."""
+    4-bit weights not broadcast, and its checkpoint resumes in one process; FSDP2 stops on every rank with the one line, before any weight is read."""
     from test_distributed import launch, records
 
     one = records(bnb_run, "one", "data.batch_size=2", "train.grad_accum=2", "train.full_logits=true")
-    ddp = records(bnb_run, "ddp", "data.batch_size=2", "distributed.strategy=ddp", procs=2)
+    ddp = records(bnb_run, "ddp", "data.batch_size=2", "distributed.strategy=ddp", "checkpoint.every=2", procs=2)
     assert len(one) == len(ddp) == 3
     assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(one, ddp, strict=True)), (one, ddp)
+    # its step-2 checkpoint (no 4-bit weights in it) resumes in one process: the base read again from the source
+    resumed = records(bnb_run, "ddp", "data.batch_size=2", "train.grad_accum=2", "--resume")
+    assert abs(resumed[2]["loss"] - one[2]["loss"]) <= 1e-5, (resumed, one)
     refused = launch(bnb_run, "fsdp", "data.batch_size=2", "distributed.strategy=fsdp", procs=2)
     assert refused.returncode != 0
     assert "quant_state is required" in refused.stderr and "distributed.strategy: ddp" in refused.stderr, \
