@@ -139,6 +139,21 @@ def test_qlora_trains_over_the_4bit_layers_and_exports_merged_into_them(bnb_dir,
         torch.testing.assert_close(merged(**batch).logits, model(**batch).logits, rtol=0, atol=1e-4)
 
 
+def test_a_frozen_4bit_base_is_recorded_and_exported_dequantised(bnb_dir, tmp_path):
+    """Stage 1 (the projector alone) over a bnb-4bit base: the base stays as read, its record written, and the export
+    is the dequantised base with the trained projector: equal logits within 1e-4."""
+    from mmadapt.train.export import export
+
+    model, _, _, samples = _trained(bnb_dir, tmp_path / "run", "stages.backbone=frozen")
+    assert model.quantized_base.format == "bnb-4bit" and bnb.quant_settings(model.backbone)[0] == 64
+    export(tmp_path / "run", tmp_path / "merged")
+    merged = mmadapt.VisionLanguageModel.from_pretrained(tmp_path / "merged")
+    batch = Collator.for_model(model, 0)(samples)
+    model.train()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, model(**batch).logits, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_full_and_lora_are_refused_on_a_4bit_base(bnb_dir, mode):
     model = _model(bnb_dir)
@@ -225,7 +240,8 @@ def bnb_run(tmp_path_factory, bnb_dir):
 @pytest.mark.slow
 def test_ddp_equals_one_process_and_fsdp_is_refused_with_two_processes(bnb_run):
     """torchrun, 2 gloo processes: DDP's losses equal one process's (the global batch the same) within 1e-5, the
-    4-bit weights not broadcast, and its checkpoint resumes in one process; FSDP2 stops on every rank with the one line, before any weight is read."""
+    4-bit weights not broadcast, and its checkpoint resumes in one process; FSDP2 stops on every rank with the one
+    line, before any weight is read."""
     from test_distributed import launch, records
 
     one = records(bnb_run, "one", "data.batch_size=2", "train.grad_accum=2", "train.full_logits=true")
