@@ -130,12 +130,13 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
     quantized = refuse_4bit_outside(checkpoint, rules, what)
     compute = dtype if dtype is not None else qc.get("bnb_4bit_compute_dtype")
     compute = getattr(torch, compute) if isinstance(compute, str) else compute
+    storage = getattr(torch, str(qc.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch."))
 
     def built() -> nn.Module:
         lm = build()
         for target, source in sources.items():
             if source in quantized:
-                _to_linear4bit(bnb, lm, target.removesuffix(".weight"), quantized[source], compute)
+                _to_linear4bit(bnb, lm, target.removesuffix(".weight"), quantized[source], compute, storage)
         lm.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its bitsandbytes LoRA layer
         return lm
 
@@ -157,22 +158,27 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
     return lm
 
 
-def _to_linear4bit(bnb: Any, lm: nn.Module, name: str, quant_type: str, compute: torch.dtype | None) -> None:
-    """Replace the (meta) `nn.Linear` `name` of `lm` by a `Linear4bit` whose weight has the packed codes' shape."""
+def _to_linear4bit(bnb: Any, lm: nn.Module, name: str, quant_type: str, compute: torch.dtype | None,
+                   storage: torch.dtype) -> None:
+    """Replace the (meta) `nn.Linear` `name` of `lm` by a `Linear4bit` whose weight has the packed codes' shape
+    (two codes a byte, in elements of `storage`: bitsandbytes' `quantize_4bit`)."""
     parent, _, child = name.rpartition(".")
-    owner = lm.get_submodule(parent) if parent else lm
-    linear = getattr(owner, child)
+    try:
+        linear = lm.get_submodule(name)
+    except AttributeError:
+        linear = None
     if type(linear) is not nn.Linear:
-        raise ValueError(f"the bnb-4bit checkpoint stores {name} in 4 bits, but the model's {name} is a "
-                         f"{type(linear).__name__}, not a linear layer")
+        raise ValueError(f"the bnb-4bit checkpoint stores {name} in 4 bits, but this model's {name} is "
+                         f"{'absent' if linear is None else f'a {type(linear).__name__}'}, not a linear layer: the "
+                         "checkpoint is not of this architecture")
     layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=compute, quant_type=quant_type, device="meta")
-    packed = torch.empty(((linear.in_features * linear.out_features + 1) // 2, 1), dtype=torch.uint8, device="meta")
-    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_type=quant_type, module=layer,
-                                     bnb_quantized=True)
+                              compute_dtype=compute, quant_type=quant_type, quant_storage=storage, device="meta")
+    rows = (linear.in_features * linear.out_features + 1) // (storage.itemsize * 2)
+    layer.weight = bnb.nn.Params4bit(torch.empty((rows, 1), dtype=storage, device="meta"), requires_grad=False,
+                                     quant_type=quant_type, quant_storage=storage, module=layer, bnb_quantized=True)
     if linear.bias is not None:
         layer.bias = linear.bias
-    setattr(owner, child, layer)
+    setattr(lm.get_submodule(parent) if parent else lm, child, layer)
 
 
 def _reader(bnb: Any, module: nn.Module, checkpoint: Checkpoint, target: str,

@@ -69,16 +69,27 @@ def test_the_checkpoint_is_the_hub_layout(bnb_dir):
     assert len(bnb.quantized_layers(keys)) == 14 and "lm_head.weight" not in bnb.quantized_layers(keys)
 
 
-def test_backbone_logits_equal_transformers(bnb_dir):
+FP4_BF16 = dict(bnb_4bit_quant_type="fp4", bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_use_double_quant=False)
+
+
+@pytest.mark.parametrize("variant", ["nf4, double quantisation", "fp4, bfloat16 storage"])
+def test_backbone_logits_equal_transformers(bnb_dir, tmp_path, variant):
     """mmadapt's backbone read from the bnb checkpoint holds the modules transformers builds from it: its logits equal
     `AutoModelForCausalLM.from_pretrained(dir)`'s exactly, through both of bitsandbytes' CPU paths (training:
     dequantise then matmul; inference without gradients: its fused 4-bit kernel where the CPU has one)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    if variant.startswith("fp4"):
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, **FP4_BF16)
+        AutoModelForCausalLM.from_pretrained(bnb_dir.parent / "fp", quantization_config=quantization,
+                                             device_map="cpu").save_pretrained(tmp_path / "fp4")
+        bnb_dir = tmp_path / "fp4"
     lm, _ = _llama().from_pretrained(str(bnb_dir))
     reference = AutoModelForCausalLM.from_pretrained(bnb_dir, device_map="cpu")
     ours = [m for m in lm.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
     assert len(ours) == 14 and type(lm.lm_head) is torch.nn.Linear
+    storage = torch.bfloat16 if variant.startswith("fp4") else torch.uint8
+    assert all(m.weight.dtype == storage and m.weight.quant_type == variant[:3] for m in ours)
     assert "quantization_config" not in lm.config.to_dict()  # how it was stored is no part of the architecture
     lm.train(), reference.train()
     torch.testing.assert_close(lm(IDS).logits, reference(IDS).logits, rtol=0, atol=0)
