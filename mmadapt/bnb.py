@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmadapt.weights import Checkpoint, Rules, load_pretrained, renamed_keys
+from mmadapt.weights import Checkpoint, Rules, is_architecture_only, load_pretrained, renamed_keys
 
 log = logging.getLogger(__name__)
 FORMAT = "bnb-4bit"  # a QuantizedBase record's format for such a base (`mmadapt.qlora`)
@@ -124,6 +124,8 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
     """The causal LM `build()` from the bitsandbytes 4-bit `checkpoint` (module docstring): built on the meta device,
     its 4-bit layers as `Linear4bit`, read tensor by tensor (`mmadapt.weights.load_pretrained`, `rules` as for a
     plain checkpoint). `dtype` casts the weights stored in precision (and is the 4-bit layers' compute dtype)."""
+    if is_architecture_only():  # `mmadapt plan`: planned as its full-precision twin (qlora plans that in 4 bits)
+        return load_pretrained(build, checkpoint, rules, what=what, dtype=dtype, tied=tied, layouts=layouts)
     bnb = bnb_module()
     qc = quantization_config(checkpoint.config) or {}
     sources = {target: source for source, target in renamed_keys(checkpoint.keys(), rules).items()}
