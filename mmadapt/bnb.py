@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmadapt.weights import Checkpoint, Rules, is_architecture_only, load_pretrained, renamed_keys
+from mmadapt.weights import Checkpoint, Rules, load_pretrained, renamed_keys
 
 log = logging.getLogger(__name__)
 FORMAT = "bnb-4bit"  # a QuantizedBase record's format for such a base (`mmadapt.qlora`)
@@ -123,9 +123,8 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
               layouts: tuple[Any, ...] = ()) -> nn.Module:
     """The causal LM `build()` from the bitsandbytes 4-bit `checkpoint` (module docstring): built on the meta device,
     its 4-bit layers as `Linear4bit`, read tensor by tensor (`mmadapt.weights.load_pretrained`, `rules` as for a
-    plain checkpoint). `dtype` casts the weights stored in precision (and is the 4-bit layers' compute dtype)."""
-    if is_architecture_only():  # `mmadapt plan`: planned as its full-precision twin (qlora plans that in 4 bits)
-        return load_pretrained(build, checkpoint, rules, what=what, dtype=dtype, tied=tied, layouts=layouts)
+    plain checkpoint). `dtype` casts the weights stored in precision (and is the 4-bit layers' compute dtype). Under
+    `mmadapt.weights.architecture_only` (`mmadapt plan`) it stays the full-precision twin: no weight is read."""
     bnb = bnb_module()
     qc = quantization_config(checkpoint.config) or {}
     sources = {target: source for source, target in renamed_keys(checkpoint.keys(), rules).items()}
@@ -134,25 +133,23 @@ def load_4bit(build: Callable[[], nn.Module], checkpoint: Checkpoint, rules: Rul
     compute = getattr(torch, compute) if isinstance(compute, str) else compute
     storage = getattr(torch, str(qc.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch."))
 
-    def built() -> nn.Module:
-        lm = build()
-        for target, source in sources.items():
-            if source in quantized:
-                _to_linear4bit(bnb, lm, target.removesuffix(".weight"), quantized[source], compute, storage)
-        lm.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its bitsandbytes LoRA layer
-        return lm
-
     stats: dict[str, list[str]] = {source: [] for source in quantized}  # a 4-bit weight's quant state tensors
     for key in checkpoint.keys():
         weight, _, _ = key.partition(".weight.")
         if f"{weight}.weight" in stats:
             stats[f"{weight}.weight"].append(key)
 
-    def prequantized(module: nn.Module) -> dict[str, Callable[[torch.Tensor], Any]]:
-        return {target: _reader(bnb, module, checkpoint, target, stats[source])
+    def prequantized(lm: nn.Module) -> dict[str, Callable[[torch.Tensor], Any]]:
+        # called as the weights are about to be read, so a plan (`architecture_only`: nothing read) builds the
+        # full-precision twin; the 4-bit layers go in before the checkpoint's keys are matched to the module's
+        for target, source in sources.items():
+            if source in quantized:
+                _to_linear4bit(bnb, lm, target.removesuffix(".weight"), quantized[source], compute, storage)
+        lm.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its bitsandbytes LoRA layer
+        return {target: _reader(bnb, lm, checkpoint, target, stats[source])
                 for target, source in sources.items() if source in quantized}
 
-    lm = load_pretrained(built, checkpoint, rules, what=what, dtype=dtype, tied=tied, layouts=layouts,
+    lm = load_pretrained(build, checkpoint, rules, what=what, dtype=dtype, tied=tied, layouts=layouts,
                          quantize=prequantized)
     log.info("%s: %d linear layers read in 4 bits (bitsandbytes %s) from %s", what,
              sum(isinstance(m, bnb.nn.Linear4bit) for m in lm.modules()), ", ".join(sorted(set(quantized.values()))),

@@ -251,11 +251,6 @@ def architecture_only() -> Iterator[None]:
         _ARCHITECTURE_ONLY.reset(token)
 
 
-def is_architecture_only() -> bool:
-    """Inside `architecture_only`: parts are built from their checkpoints' configs, and no weight is read."""
-    return _ARCHITECTURE_ONLY.get()
-
-
 def meta_parameters(module: nn.Module) -> list[str]:
     return [name for name, p in module.named_parameters(remove_duplicate=False) if p.is_meta]
 
