@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 
+from mmadapt import bnb
 from mmadapt.backbones import BACKBONES
+from mmadapt.backbones.base import VLM_TEXT_RULES
 from mmadapt.config import ComponentConfig, ModelConfig
 from mmadapt.options import hf_options
 from mmadapt.projectors import MLPProjector, QwenMergerProjector
+from mmadapt.weights import Checkpoint
 
 # transformers runtime parameter prefix -> mmadapt prefix; first match wins.
 LLAVA_KEYS = (("model.vision_tower.", "encoder.tower."), ("model.multi_modal_projector.", "projector."),
@@ -102,6 +105,8 @@ def component_names(directory: str | os.PathLike, saved: dict[str, Any]) -> tupl
 def load_transformers(cls: type, directory: str | os.PathLike, saved: dict[str, Any]) -> Any:
     """A transformers LLaVA / Qwen VLM directory as three pretrained parts (keys no part reads are ignored)."""
     names = component_names(directory, saved)
+    if bnb.quantization_config(saved) is not None:  # before any part reads a 4-bit tower as plain weights
+        bnb.refuse_4bit_outside(Checkpoint.open(directory, what="model"), VLM_TEXT_RULES, what=f"model {directory}")
     parts = {part: ComponentConfig(name=name, pretrained=str(directory))
              for part, name in zip(("encoder", "projector", "backbone"), names, strict=True)}
     return cls(ModelConfig(**parts))

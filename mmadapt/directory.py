@@ -280,7 +280,8 @@ def _save_transformers(model: Any, stage: StagedDirectory, architecture: str, pr
     parts = {part: getattr(model.config, part).name for part in ("encoder", "projector", "backbone")}
     record = {**processor.record, "format": "transformers", "architecture": architecture, "components": parts,
               "loaded_from": source_record(model), CARRIED_KEY: carried.record(),
-              "notes": [*processor.record.get("notes", []), carried.note()], "files": stage.settle()}
+              "notes": [*processor.record.get("notes", []), carried.note(), *getattr(model, "base_notes", [])],
+              "files": stage.settle()}
     stage.write_bytes(EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
 
 

@@ -122,6 +122,7 @@ def load_checkpoint_model(path: Path, run: TrainedWith | Any) -> VisionLanguageM
     if lora_modules(model):
         merge_lora(model)
     model.requires_grad_(False)
+    model.base_notes = getattr(weights, "notes", [])  # a bnb-4bit base: merged into its dequantised weights
     return with_origin(model, path, saved, run, checkpoint).eval()
 
 

@@ -33,5 +33,7 @@ def deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 def hf_options(config: Any) -> dict[str, Any]:
     """A transformers config as plain options that rebuild it (bookkeeping keys dropped, and `auto_map`s, which no
     directory mmadapt writes holds: `mmadapt.remote_code`)."""
-    drop = {"transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "model_type"}
+    # quantization_config: how a checkpoint stores its weights (bitsandbytes' 4 bits), not the architecture
+    drop = {"transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype", "model_type",
+            "quantization_config"}
     return without_auto_map({k: v for k, v in config.to_dict().items() if k not in drop})

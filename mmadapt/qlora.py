@@ -10,7 +10,9 @@ quantised from, and for each NF4 weight the checkpoint and key it was read from 
 A QLoRA checkpoint stores everything but those weights (`mmadapt.quantize.four_bit_parameters`: a resume quantises
 the source again, bit for bit the same), and its config.json the record (`QUANTIZED_BASE_KEY`). Loading it for an
 export, chat or serving reads them from the source in full precision (`WithBase`), after checking that the source's
-files are the ones read when training started, then merges the adapters into them.
+files are the ones read when training started, then merges the adapters into them. A backbone read from a
+pre-quantised bitsandbytes checkpoint (`mmadapt.bnb`) stays as read (record format "bnb-4bit"): having no
+full-precision weights, its adapters are merged into its 4-bit weights dequantised by bitsandbytes, and said so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt import bnb
 from mmadapt.quantize import QUANTIZED_BASE_KEY, QuantizationSection, four_bit_parameters, is_nf4, nf4_layout, to_nf4
 from mmadapt.run_directory import is_complete
 from mmadapt.weights import Checkpoint
@@ -73,6 +76,9 @@ class QuantizedBase:
 
 def quantize_base(model: Any, section: QuantizationSection) -> QuantizedBase:
     """Store `model`'s backbone NF4 layers in NF4 (frozen) and attach and return their `QuantizedBase` record."""
+    four_bit = [name for name, p in model.backbone.named_parameters() if bnb.is_params4bit(p)]
+    if four_bit:  # read from a pre-quantised bitsandbytes checkpoint: already 4-bit, nothing to quantise
+        return prequantized_base(model, four_bit)
     spec = model.backbone_spec
     layout = nf4_layout(model.backbone, tuple(spec.keep_precision) + tuple(section.keep), section)
     if not layout.quantized:
@@ -92,6 +98,19 @@ def quantize_base(model: Any, section: QuantizationSection) -> QuantizedBase:
                            source=str(source.path.resolve()), stamps=source.stamps(), keys=keys)
     model.quantized_base = record
     log.info("backbone in NF4 (QLoRA): %s; base weights read from %s", layout.summary(), record.source)
+    return record
+
+
+def prequantized_base(model: Any, names: list[str]) -> QuantizedBase:
+    """Attach and return the record of a backbone read from a bitsandbytes 4-bit checkpoint (`mmadapt.bnb`): its
+    4-bit weights `names` stay as read; what a run leaves is merged into their dequantised values (`WithBase`)."""
+    source, keys = base_source(model, names)
+    block, nested, dtype = bnb.quant_settings(model.backbone)
+    record = QuantizedBase(bnb.FORMAT, block, nested, dtype=dtype, source=str(source.path.resolve()),
+                           stamps=source.stamps(), keys=keys)
+    model.quantized_base = record
+    log.info("backbone read in 4 bits from the bitsandbytes checkpoint %s: %d linear layers (QLoRA over them)",
+             record.source, len(names))
     return record
 
 
@@ -127,7 +146,8 @@ def quantized_base(saved: dict[str, Any]) -> QuantizedBase | None:
 def state_without_4bit(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """`state` (the model's state dict, any of its forms) less the 4-bit weights, which the source holds."""
     drop = set(four_bit_parameters(model))
-    return {k: v for k, v in state.items() if k not in drop} if drop else state
+    states = tuple(f"{name}." for name in drop)  # bitsandbytes' quant state beside its weight (`weight.absmax`, ...)
+    return {k: v for k, v in state.items() if k not in drop and not k.startswith(states)} if drop else state
 
 
 class WithBase:
@@ -139,7 +159,10 @@ class WithBase:
         self.checkpoint, self.record = checkpoint, record
         self.path, self.config = checkpoint.path, checkpoint.config
         self.source = record.open_source(what)
-        self.base = {}
+        self.base, self.notes = {}, []
+        if record.format == bnb.FORMAT:  # no full-precision weights exist: bitsandbytes decodes the 4-bit ones
+            self.notes.append(bnb.DEQUANTIZED_NOTE)
+            log.warning("%s: %s (%s)", what, bnb.DEQUANTIZED_NOTE, record.source)
         for key, source_key in record.keys.items():
             module, _, leaf = key.rpartition(".")
             self.base[key] = self.base[f"{module}.base_layer.{leaf}"] = source_key
@@ -151,6 +174,8 @@ class WithBase:
         return [*self.checkpoint.keys(), *self.base]
 
     def tensor(self, key: str) -> torch.Tensor:
+        if key in self.base and self.record.format == bnb.FORMAT:
+            return bnb.dequantized(self.source, self.base[key]).to(getattr(torch, self.record.dtype))
         if key in self.base:
             return self.source.tensor(self.base[key]).to(getattr(torch, self.record.dtype))
         return self.checkpoint.tensor(key)

@@ -9,7 +9,8 @@ transformers config fields plus the three mmadapt token-id fields.
 of the causal LM itself (`model_type == hf_model_type`, e.g. Vicuna's `LlamaForCausalLM`, sharded
 `.bin` files included), a VLM directory whose `text_config` is that model type (llava-hf,
 Qwen3.5-VL: the language model and `lm_head`, both key layouts transformers has used), or an
-mmadapt model directory. Span token ids come from the VLM config when it has them. Tied embeddings
+mmadapt model directory; a pre-quantised bitsandbytes 4-bit one (`*-bnb-4bit`) keeps its 4-bit layers
+(`mmadapt.bnb`). Span token ids come from the VLM config when it has them. Tied embeddings
 follow the top-level `tie_word_embeddings` of a VLM config (text configs often lack it).
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from mmadapt import bnb
 from mmadapt.options import hf_options, resolve_preset
 from mmadapt.quantize import nf4_targets
 from mmadapt.registry import Registry, import_object
@@ -153,8 +155,12 @@ class BackboneSpec:
         checkpoint = Checkpoint.open(path, what=what)
         options, rules = self.checkpoint_layout(checkpoint, what)
         config, tokens = self.build_config(merge_options(options, overrides, what=what, path=checkpoint.path))
-        lm = load_pretrained(lambda: import_object(self.model_class)(config), checkpoint, rules, what=what, dtype=dtype,
-                             tied=tied_keys, layouts=self.weight_layouts, quantize=nf4_targets(self.keep_precision))
+        build = lambda: import_object(self.model_class)(config)  # noqa: E731
+        if bnb.is_bnb_4bit(checkpoint):  # a pre-quantised (*-bnb-4bit) checkpoint: its layers stay 4-bit
+            return bnb.load_4bit(build, checkpoint, rules, what=what, dtype=dtype, tied=tied_keys,
+                                 layouts=self.weight_layouts), tokens
+        lm = load_pretrained(build, checkpoint, rules, what=what, dtype=dtype, tied=tied_keys,
+                             layouts=self.weight_layouts, quantize=nf4_targets(self.keep_precision))
         return lm, tokens
 
     def checkpoint_layout(self, checkpoint: Checkpoint, what: str) -> tuple[dict[str, Any], Rules]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmadapt.bnb import FSDP_REFUSAL, is_params4bit
 from mmadapt.precision import Precision, as_precision
 from mmadapt.quantize import four_bit_parameters
 
@@ -104,6 +105,9 @@ def wrap(model: nn.Module, ctx: DistContext, strategy: str, precision: Precision
     if not ctx.active:
         return model
     if strategy in ("auto", "fsdp"):
+        if any(is_params4bit(p) for p in model.parameters()):  # normally refused before loading (mmadapt.bnb)
+            raise ValueError(f"distributed.strategy: {strategy} cannot shard a bitsandbytes 4-bit backbone: "
+                             f"{FSDP_REFUSAL}")
         return shard(model, ctx, as_precision(precision))
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel

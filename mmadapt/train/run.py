@@ -8,6 +8,7 @@ summary. Works the same under torchrun.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,14 @@ def build_model_from(config: RunConfig) -> Any:
     """The run's model; a `qlora` backbone's NF4 layers stored in NF4 as they are read (`mmadapt.quantize`)."""
     from contextlib import nullcontext
 
+    from mmadapt import bnb
     from mmadapt.model import VisionLanguageModel
     from mmadapt.quantize import nf4_loading
 
     m = config.model
+    # a bnb-4bit checkpoint cannot be sharded (FSDP2): said before any weight is read
+    bnb.refuse_fsdp([m.pretrained, m.model_config().backbone.pretrained], config.distributed.strategy,
+                    int(os.environ.get("WORLD_SIZE", "1")))
     qlora = config.stages.modes()["backbone"] == "qlora"
     with nf4_loading(config.quantization) if qlora else nullcontext():
         if m.pretrained:

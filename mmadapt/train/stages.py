@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt import bnb
 from mmadapt.lora import (  # noqa: F401  (LoRA's names, where callers have found them: mmadapt.lora)
     ADAPTER_STAGES,
     COMPONENT_MODES,
@@ -41,7 +42,8 @@ def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = N
                  quantization: QuantizationSection | None = None) -> dict[str, dict[str, int]]:
     """Freeze / unfreeze / add LoRA per component as the run's `stages` say, LoRA layers as its `lora` section says
     (its defaults when None); returns and logs {component: {trainable, total}}. A `qlora` backbone is stored in NF4
-    first, as its `quantization` section says (`mmadapt.qlora.quantize_base`), then gets its LoRA layers.
+    first, as its `quantization` section says (`mmadapt.qlora.quantize_base`), then gets its LoRA layers; a backbone
+    read from a bitsandbytes 4-bit checkpoint (`mmadapt.bnb`) trains with `qlora` or stays `frozen` (both recorded).
 
     MoE routers (the backbone's `moe.router_parameters`) are never LoRA targets and stay frozen when the backbone trains
     fully, unless `stages.router` is "full"."""
@@ -49,6 +51,7 @@ def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = N
         raise ValueError(f"stages.router must be 'frozen' or 'full', got {stages.router!r}")
     lora = LoraSection() if lora is None else lora
     modes = stages.modes()
+    prequantized = bnb.check_stage(model.backbone, modes["backbone"])  # a bnb-4bit base: qlora or frozen only
     for component in COMPONENTS:
         mode = modes[component]
         if mode not in COMPONENT_MODES:
@@ -56,7 +59,7 @@ def apply_stages(model: Any, stages: StagesSection, lora: LoraSection | None = N
                              f"{mode!r}")
         module = getattr(model, component)
         module.requires_grad_(mode == "full")
-        if mode == "qlora":
+        if mode == "qlora" or (component == "backbone" and prequantized):
             quantize_base(model, QuantizationSection() if quantization is None else quantization)
         if mode in LORA_MODES:
             add_lora(model, component, lora)
