@@ -24,7 +24,15 @@ def _quiet_enum_notices(record: logging.LogRecord) -> bool:
     return "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
 
 
+def _quiet_kernel_fetch(record: logging.LogRecord) -> bool:
+    """bitsandbytes (imported by peft whenever it is installed) tries, on a CPU with AVX512-BF16, to fetch a matmul
+    kernel from the Hugging Face hub as code, and falls back to its own exact CPU kernels when it cannot (it cannot
+    here: mmadapt runs no code from a hub); the notice of that fallback is dropped."""
+    return "Failed to load CPU gemm_4bit_forward" not in record.getMessage()
+
+
 logging.getLogger("torch.utils._pytree").addFilter(_quiet_enum_notices)
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_quiet_kernel_fetch)
 
 if TYPE_CHECKING:
     from mmadapt.backbones import BACKBONES, BackboneSpec, SpanTokens

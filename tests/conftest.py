@@ -7,11 +7,15 @@ import os
 import shutil
 import tempfile
 
-import pytest
-import torch
+# Tests never reach a hub: set before huggingface_hub is first imported (it reads this at import), and inherited by the
+# processes tests start. bitsandbytes' import otherwise asks the hub for a CPU kernel (tests/test_bnb.py).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mmadapt.backbones import BACKBONES
-from mmadapt.encoders import ENCODERS
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mmadapt.backbones import BACKBONES  # noqa: E402
+from mmadapt.encoders import ENCODERS  # noqa: E402
 
 
 def pytest_configure(config):
