@@ -11,11 +11,11 @@ import tempfile
 # processes tests start. bitsandbytes' import otherwise asks the hub for a CPU kernel (tests/test_bnb.py).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from mmadapt.backbones import BACKBONES  # noqa: E402
-from mmadapt.encoders import ENCODERS  # noqa: E402
+from mmadapt.backbones import BACKBONES
+from mmadapt.encoders import ENCODERS
 
 
 def pytest_configure(config):
