@@ -10,8 +10,11 @@ its own).
 from __future__ import annotations
 
 import ast
+import logging
 import re
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grimp
@@ -77,7 +80,23 @@ def import_free_package(module: str, path: Path, contract: dict) -> bool:
 
 def test_the_contract_is_kept():
     """`lint-imports` (as .ci/run runs it) passes: no module imports from a layer above its own."""
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    with logging_kept():
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+@contextmanager
+def logging_kept() -> Iterator[None]:
+    """import-linter's command configures logging (`dictConfig`), which disables every logger that exists (every
+    mmadapt module the session has imported, so a later test's `caplog` sees nothing of them) and sets the root's
+    level: put them back as they were."""
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.disabled, lg.level, lg.propagate, list(lg.handlers)) for lg in [logging.root, *loggers]]
+    try:
+        yield
+    finally:
+        for lg, disabled, level, propagate, handlers in saved:
+            lg.disabled, lg.propagate, lg.handlers = disabled, propagate, handlers
+            lg.setLevel(level)
 
 
 @pytest.fixture(scope="module")
