@@ -141,9 +141,11 @@ def test_qlora_trains_the_adapters_alone_and_leaves_checkpoints_without_the_4bit
         torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=0, atol=1e-5)
 
 
-def test_qlora_resumes_bitwise(tmp_path, monkeypatch):
+@pytest.mark.parametrize("format", ["sharded", "gathered"])
+def test_qlora_resumes_bitwise(tmp_path, monkeypatch, format):
     base = save_base(QWEN, tmp_path / "base")
-    _, full = qlora_run(base, tmp_path / "full", "train.steps=4", "checkpoint.every=2")
+    run = ("train.steps=4", "checkpoint.every=2", f"checkpoint.format={format}")
+    _, full = qlora_run(base, tmp_path / "full", *run)
     original = Trainer.save
 
     def save_then_stop(self, **kwargs):
@@ -153,9 +155,9 @@ def test_qlora_resumes_bitwise(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        qlora_run(base, tmp_path / "cut", "train.steps=4", "checkpoint.every=2")
+        qlora_run(base, tmp_path / "cut", *run)
     monkeypatch.setattr(Trainer, "save", original)
-    _, resumed = qlora_run(base, tmp_path / "cut", "train.steps=4", "checkpoint.every=2", "checkpoint.resume=true")
+    _, resumed = qlora_run(base, tmp_path / "cut", *run, "checkpoint.resume=true")
     assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in full["history"]]
     assert [r["grad_norm"] for r in resumed["history"]] == [r["grad_norm"] for r in full["history"]]
 
