@@ -207,7 +207,8 @@ def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, 
     """FSDP2: the root unit (the LLM's modules outside its blocks, the head) stays unsharded through the step, two
     units are gathered at a time (the current one and the prefetched next: blocks, and the encoder's and the
     projector's own modules, `distributed.vision_units`), and one unit's gradients are unsharded before their
-    reduce-scatter; in the compute dtype (NF4 weights as stored). DDP: its gradient buckets, one more copy of the gradients."""
+    reduce-scatter; in the compute dtype (NF4 weights as stored). DDP: its gradient buckets, one more copy of the
+    gradients."""
     if strategy == "ddp":
         return trained_bytes
     if strategy != "fsdp2":

@@ -1,5 +1,6 @@
 """The plan as a result: `Plan` (per-GPU bytes by kind, fits or not, the changes that would fit; a QLoRA base's
-weights in 4 bits, `QuantizedParameters`) formats its own table and JSON; sizes in GiB both ways (`gib`, `parse_size`)."""
+weights in 4 bits, `QuantizedParameters`) formats its own table and JSON; sizes in GiB both ways (`gib`,
+`parse_size`)."""
 
 from __future__ import annotations
 
