@@ -116,11 +116,15 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                         f"video temporal patches: each encodes {1 / split:.0%} of the patches, as if evenly spread, "
                         "and the visual tokens are gathered)" if sharded else
                         "replicated (every rank of a group encodes the sample's pictures)"))
+    quantized = quantized_parameters(model, config)
+    if quantized is not None and not quantized.parameters:
+        notes.append(f"stages.backbone: qlora stores no layer of this backbone in NF4 ({quantized.layout}), which "
+                     "the run refuses: lower quantization.scaler_block_size, or train with stages.backbone: lora")
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
                 gpu_memory=gpu_memory, notes=notes, attention=attention_paths(model, forward, load),
-                quantized=quantized_parameters(model, config))
+                quantized=quantized)
     if config.data.train is not None:
         from mmadapt.data.memory import data_memory
 
