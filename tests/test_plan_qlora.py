@@ -16,7 +16,8 @@ from test_plan import QWEN, built, measured_peak, unique_bytes
 from mmadapt.data.tokenizer import char_tokenizer
 from mmadapt.quantize import is_nf4
 from mmadapt.train.config import RunConfig
-from mmadapt.train.plan import predict
+from mmadapt.train.plan import gib, predict
+from mmadapt.train.plan.report import cuda_margin
 
 SMALL_BLOCKS = {"scaler_block_size": 2}
 LLAVA = {"encoder": "clip", "projector": "mlp2x_gelu", "backbone": "llama"}
@@ -105,13 +106,13 @@ def test_fsdp2_gathers_a_unit_s_nf4_weights_as_stored_and_the_rest_in_the_comput
 
 def test_qlora_is_suggested_and_said_to_fit_when_it_is_what_fits(saved):
     config = config_of(saved, "lora")
-    lora, qlora = (predict(config_of(saved, mode), gpus=1, device="cpu").per_gpu["total"] for mode in ("lora", "qlora"))
+    lora, qlora = (predict(config_of(saved, mode), gpus=1).per_gpu["total"] for mode in ("lora", "qlora"))
     assert qlora < lora
-    between = (lora + qlora) // 2  # QLoRA fits, LoRA does not
-    plan = predict(config, gpus=1, device="cpu", gpu_memory=between)
-    assert plan.fits is False
-    assert ("stages.backbone: qlora", qlora) in plan.suggestions
-    assert "would fit: stages.backbone: qlora" in plan.table()
+    need = qlora + cuda_margin(qlora)  # on CUDA a change fits with its own margin (1 GiB + 5% of its total)
+    plan = predict(config, gpus=1, gpu_memory=need)
+    assert plan.fits is False and ("stages.backbone: qlora", qlora) in plan.suggestions
+    assert f"would fit: stages.backbone: qlora ({gib(need)})" in plan.table()
+    assert not predict(config, gpus=1, gpu_memory=need - 1).table().count("would fit: stages.backbone: qlora")
     # random init: nothing to quantise from, so not suggested
     fresh = RunConfig.from_dict({"model": QWEN, "data": {"max_length": 128, "batch_size": 2},
                                  "stages": {"backbone": "lora"}})

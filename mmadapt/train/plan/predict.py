@@ -21,7 +21,7 @@ from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives import objective_for
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
-from mmadapt.train.plan.report import GIB, Plan, QuantizedParameters, gib
+from mmadapt.train.plan.report import Plan, QuantizedParameters, cuda_margin, gib
 from mmadapt.train.plan.saving import saving_memory
 from mmadapt.train.plan.segments import (
     LOSS,
@@ -35,9 +35,6 @@ from mmadapt.train.plan.segments import (
     sweep,
 )
 from mmadapt.train.plan.workloads import workload
-
-CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
-FRAGMENTATION = 0.05
 
 
 def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, device: str = "cuda",
@@ -107,7 +104,7 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
                **({"exchange": exchange} if split > 1 else {}),
                **resident, **between, "total": total}
-    margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
+    margin = cuda_margin(total) if device == "cuda" else 0
     if split > 1:
         per_row = work.tokens / work.rows
         notes.append(f"sequence parallelism: {split} ranks share each sample ({gpus // split} data-parallel groups), "
@@ -316,7 +313,7 @@ def smallest_sequence_parallel(config: RunConfig, *, gpus: int, device: str, pro
         total = predict(RunConfig.from_dict(_merge(base, {"distributed": {"sequence_parallel": size}})), gpus=gpus,
                         device=device, probe=probe).per_gpu["total"]
         tried = (f"distributed.sequence_parallel: {size}", total)
-        margin = CONTEXT_BYTES + FRAGMENTATION * total if device == "cuda" else 0
+        margin = cuda_margin(total) if device == "cuda" else 0
         if gpu_memory is not None and total + margin <= gpu_memory:
             return tried  # the smallest that fits
     return tried

@@ -10,6 +10,13 @@ from typing import Any
 from mmadapt.train.plan.workloads import Workload
 
 GIB = 1024**3
+CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
+FRAGMENTATION = 0.05  # the caching allocator's
+
+
+def cuda_margin(total: float) -> int:
+    """What a CUDA device needs beside a step's `total`: its context and NCCL buffers, and fragmentation."""
+    return int(CONTEXT_BYTES + FRAGMENTATION * total)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,10 @@ class Plan:
     def fits(self) -> bool | None:
         return None if self.gpu_memory is None else self.per_gpu["total"] + self.margin <= self.gpu_memory
 
+    def margin_of(self, total: float) -> int:
+        """The margin a step of `total` bytes needs on this plan's device (a suggested change's, for one)."""
+        return cuda_margin(total) if self.device == "cuda" else 0
+
     def to_json(self) -> dict[str, Any]:
         return {"fits": self.fits, "per_gpu": dict(self.per_gpu), "margin": self.margin, "gpus": self.gpus,
                 "gpu_memory": self.gpu_memory, "device": self.device, "strategy": self.strategy,
@@ -93,9 +104,9 @@ class Plan:
             need = gib(self.per_gpu["total"] + self.margin)
             lines.append(f"fits: {'yes' if self.fits else 'NO'} ({need} needed of {gib(self.gpu_memory)})")
             if not self.fits:
-                lines += [f"  would fit: {change} ({gib(total + self.margin)})" for change, total in self.suggestions
-                          if total + self.margin <= self.gpu_memory] or ["  none of: " + ", ".join(
-                              c for c, _ in self.suggestions)]
+                lines += [f"  would fit: {change} ({gib(total + self.margin_of(total))})"
+                          for change, total in self.suggestions if total + self.margin_of(total) <= self.gpu_memory
+                          ] or ["  none of: " + ", ".join(c for c, _ in self.suggestions)]
         if self.host is not None:
             lines.append(f"host, per rank (data loading): {gib(self.host.private)} private; {gib(self.host.mapped)} "
                          "of records mapped from the records cache (shared page cache)")
