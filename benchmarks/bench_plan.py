@@ -128,7 +128,8 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
 
 
 def stepped(spec: dict, quick: bool, side: int | None) -> tuple:
-    """(the model, the peak of two training steps above the idle process in MiB), in this (fresh) process."""
+    """(the model, the peak of two training steps above the idle process in MiB, the file-backed pages the build left
+    resident in MiB: weights read from a memory-mapped checkpoint and not copied), in this (fresh) process."""
     from mmadapt.synthetic import synthetic_batch
     from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
     from mmadapt.train.run import build_model_from
@@ -139,9 +140,11 @@ def stepped(spec: dict, quick: bool, side: int | None) -> tuple:
     warm_up(config)
     idle = _status_kib("VmRSS")
     torch.manual_seed(0)
+    idle_files = _status_kib("RssFile")
     model = build_model_from(config)
     apply_stages(model, config.stages, config.lora, config.quantization)
     upcast_trainable(model)
+    built_files = _status_kib("RssFile") - idle_files
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, config.train.activation_checkpointing)
     model.train()
@@ -166,7 +169,7 @@ def stepped(spec: dict, quick: bool, side: int | None) -> tuple:
         loss.backward()
         del loss
         optimizer.step()
-    return model, (_status_kib("VmHWM") - idle) / 1024
+    return model, (_status_kib("VmHWM") - idle) / 1024, built_files / 1024
 
 
 def warm_up(config) -> None:

@@ -62,10 +62,11 @@ def _save_child(spec: dict, quick: bool, side: Any, queue) -> None:
 
 
 def measured_with_nf4(spec: dict, quick: bool, side: int | None, queue) -> None:
-    """In a fresh process: (the peak of two training steps above the idle process in MiB, NF4 weights, their bytes)."""
+    """In a fresh process: (the peak of two training steps above the idle process in MiB, the checkpoint's pages the
+    build left resident in MiB, NF4 weights, their bytes)."""
     from mmadapt.quantize import is_nf4
 
-    model, peak = stepped(spec, quick, side)
+    model, peak, mapped = stepped(spec, quick, side)
     weights, storages = 0, {}
     for p in model.parameters():
         if is_nf4(p):
@@ -73,7 +74,7 @@ def measured_with_nf4(spec: dict, quick: bool, side: int | None, queue) -> None:
             names, _ = p.__tensor_flatten__()
             storages.update({getattr(p, n).untyped_storage().data_ptr(): getattr(p, n).untyped_storage().nbytes()
                              for n in names})
-    queue.put((peak, weights, sum(storages.values())))
+    queue.put((peak, mapped, weights, sum(storages.values())))
 
 
 def spec_for(path: Path, parts: dict, mode: str, quick: bool) -> dict:
@@ -97,8 +98,8 @@ def main() -> None:
     print(f"# QLoRA vs LoRA, bf16 base, bf16 autocast, CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads), torch {torch.__version__}, {MMAP}")
     print("| model | depth (of real) | backbone | micro-batch | weights in NF4 | NF4 bytes per weight (of bf16's 2) | "
-          "predicted MiB | VmHWM MiB | error |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+          "predicted MiB | VmHWM MiB | error | source pages mapped MiB | VmHWM less those | error |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         parts, depth = (QUICK, "tiny") if args.quick else (MODELS[name]["model"], MODELS[name]["depth"])
         with tempfile.TemporaryDirectory() as root:
@@ -107,11 +108,13 @@ def main() -> None:
             for mode in ("lora", "qlora"):
                 spec = spec_for(path, parts, mode, args.quick)
                 plan = predict(run_config(spec, False), gpus=1, device="cpu")
-                peak, weights, stored = in_child(spec, False, plan.workload.image_side, env, target=measured_with_nf4)
+                peak, mapped, weights, stored = in_child(spec, False, plan.workload.image_side, env,
+                                                         target=measured_with_nf4)
                 predicted = plan.per_gpu["total"] / MIB
                 per_weight = f"{stored / weights:.4f} ({stored / weights / 2:.1%})" if weights else "-"
                 print(f"| {name} | {depth} | {mode} | {plan.workload.describe()} | {weights:,} | {per_weight} | "
-                      f"{predicted:,.0f} | {peak:,.0f} | {100 * (predicted / peak - 1):+.1f}% |", flush=True)
+                      f"{predicted:,.0f} | {peak:,.0f} | {100 * (predicted / peak - 1):+.1f}% | {mapped:,.0f} | "
+                      f"{peak - mapped:,.0f} | {100 * (predicted / (peak - mapped) - 1):+.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

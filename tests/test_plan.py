@@ -3,8 +3,8 @@
 The counted parts (parameters, gradients, AdamW state, sharding) equal the model's own; the whole prediction equals
 the measured tensor peak of a real training step (live tensor bytes, `LiveBytes`, deterministic) for tiny models of
 every kind of run. The real-width validations are measurements, in `benchmarks/bench_plan.py`: against `VmHWM` (its
-table in benchmarks/README.md), and the examples' plans on 8 x 80 GiB against docs/training.md's table (`--examples`;
-tests/test_benchmarks.py runs both in their quick form).
+table in benchmarks/README.md), and the examples' plans on the GPUs their headers name against docs/training.md's
+table (`--examples`; tests/test_benchmarks.py runs both in their quick form). QLoRA: tests/test_plan_qlora.py.
 """
 
 from __future__ import annotations
