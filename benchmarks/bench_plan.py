@@ -110,7 +110,7 @@ def run_config(spec: dict, quick: bool):
 
     data = {"max_length": 128, "batch_size": 2} if quick else spec["data"]
     stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **spec.get("stages", {})}
-    return RunConfig.from_dict({"model": spec.get("quick_model", QUICK) if quick else spec["model"], "data": data,
+    return RunConfig.from_dict({"model": QUICK if quick else spec["model"], "data": data,
                                 "stages": stages, "train": spec.get("train", {}),
                                 **{k: spec[k] for k in ("precision", "quantization") if k in spec}})
 
