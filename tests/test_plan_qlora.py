@@ -74,6 +74,8 @@ def test_a_qlora_plan_counts_the_nf4_bytes_the_quantised_model_holds(saved):
     lora = predict(config_of(saved, "lora"), gpus=1, device="cpu")
     assert lora.per_gpu["gradients"] == plan.per_gpu["gradients"]
     assert lora.per_gpu["parameters"] - plan.per_gpu["parameters"] == 4 * weights - stored
+    # a QLoRA checkpoint leaves the 4-bit weights out (its source holds them): the save's host memory too
+    assert lora.saving.model - plan.saving.model == 4 * weights
     assert "4-bit (NF4, QLoRA)" in plan.table() and plan.to_json()["quantized"]["parameters"] == weights
 
 
