@@ -16,9 +16,10 @@ tells the allocator's retention apart from the plan's error.
 vendored Mistral / Qwen3 tokenizers, PNG images, LLaVA-format records filling 88-95% of `max_length`, so rows are
 padded) in a fresh process, VmHWM when the trainer first saves (after its first step) above the RSS of the same
 process after importing the libraries; the plan is `mmadapt plan --gpus 1 --device cpu` on the same run.yaml.
-`--examples`: every examples/*.yaml planned on 8 x 80 GiB (real widths, bf16 autocast, no checkpoint read), its
-table checked against docs/training.md's (each total within 5%, else exit 1). The probes at real widths take a few
-minutes each, which is why this is a benchmark and not a test.
+`--examples`: every examples/*.yaml planned on the GPUs its header's `mmadapt plan` line names (8 x 80 GiB, or
+1 x 24 GiB for the QLoRA recipe; real widths, bf16 autocast, no checkpoint read), its table checked against
+docs/training.md's (each total within 5%, else exit 1). The probes at real widths take a few minutes each, which is
+why this is a benchmark and not a test.
 `--quick` runs tiny configs (smoke run for the test suite; its numbers mean nothing); with `--examples`, each
 example's parts at their `tiny` presets: the same parsing, stages, precision and planning from presets, no docs check.
 """
@@ -30,6 +31,7 @@ import multiprocessing
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,8 +110,9 @@ def run_config(spec: dict, quick: bool):
 
     data = {"max_length": 128, "batch_size": 2} if quick else spec["data"]
     stages = {"encoder": "frozen", "projector": "full", "backbone": "full", **spec.get("stages", {})}
-    return RunConfig.from_dict({"model": QUICK if quick else spec["model"], "data": data, "stages": stages,
-                                "train": spec.get("train", {})})
+    return RunConfig.from_dict({"model": QUICK if quick else spec["model"], "data": data,
+                                "stages": stages, "train": spec.get("train", {}),
+                                **{k: spec[k] for k in ("precision", "quantization") if k in spec}})
 
 
 def _status_kib(field: str) -> int:
@@ -121,6 +124,12 @@ def _status_kib(field: str) -> int:
 
 def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     """In a fresh process: the peak of two training steps above the idle process (MiB)."""
+    queue.put(stepped(spec, quick, side)[1])
+
+
+def stepped(spec: dict, quick: bool, side: int | None) -> tuple:
+    """(the model, the peak of two training steps above the idle process in MiB, the file-backed pages the build left
+    resident in MiB: weights read from a memory-mapped checkpoint and not copied), in this (fresh) process."""
     from mmadapt.synthetic import synthetic_batch
     from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
     from mmadapt.train.run import build_model_from
@@ -131,9 +140,11 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     warm_up(config)
     idle = _status_kib("VmRSS")
     torch.manual_seed(0)
+    idle_files = _status_kib("RssFile")
     model = build_model_from(config)
-    apply_stages(model, config.stages, config.lora)
+    apply_stages(model, config.stages, config.lora, config.quantization)
     upcast_trainable(model)
+    built_files = _status_kib("RssFile") - idle_files
     if config.train.activation_checkpointing:
         enable_activation_checkpointing(model, config.train.activation_checkpointing)
     model.train()
@@ -153,9 +164,12 @@ def measure(spec: dict, quick: bool, side: int | None, queue) -> None:
     Path("/proc/self/clear_refs").write_text("5")
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+        with config.precision.mode.autocast("cpu"):
+            loss = model(**batch).loss
+        loss.backward()
+        del loss
         optimizer.step()
-    queue.put((_status_kib("VmHWM") - idle) / 1024)
+    return model, (_status_kib("VmHWM") - idle) / 1024, built_files / 1024
 
 
 def warm_up(config) -> None:
@@ -291,8 +305,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--long", action="store_true", help="the long-sample configs through `mmadapt train` "
                         "(issue 33) instead")
-    parser.add_argument("--examples", action="store_true", help="plan every examples/*.yaml on 8 x 80 GiB and check "
-                        "the table in docs/training.md instead")
+    parser.add_argument("--examples", action="store_true", help="plan every examples/*.yaml on the GPUs its header "
+                        "names and check the table in docs/training.md instead")
     args = parser.parse_args()
     from mmadapt.train.plan import predict
 
@@ -324,7 +338,7 @@ TRAINING_DOCS = Path(__file__).parent.parent / "docs" / "training.md"
 
 def tiny_example(config):
     """The example with each part at its `tiny` preset and no options (its pretrained paths, stages, precision, data
-    and sharding kept): the quick form's config."""
+    and sharding kept; a QLoRA base's NF4 blocks small enough for the tiny layers): the quick form's config."""
     from mmadapt.train.config import RunConfig
 
     spec = config.to_dict()
@@ -332,6 +346,8 @@ def tiny_example(config):
         value = spec["model"][part]
         named = {"name": value} if isinstance(value, str) else {k: v for k, v in value.items() if k != "options"}
         spec["model"][part] = {**named, "preset": "tiny"} if "preset" in named else named
+    if spec["stages"].get("preset") == "qlora" or spec["stages"].get("backbone") == "qlora":
+        spec["quantization"]["scaler_block_size"] = 2  # NF4 blocks of 64 x 2 weights: the tiny layers quantise
     return RunConfig.from_dict(spec)
 
 
@@ -344,12 +360,26 @@ def documented_total(name: str) -> float:
     return float(row.split("|")[-3].replace(",", "").split()[0])
 
 
+def planned_on(path: Path) -> tuple[int, str]:
+    """(GPUs, memory of one) of the `mmadapt plan examples/NAME --gpus N --gpu-memory SIZE` line in an example's
+    header: the command it documents is the one planned here."""
+    for line in path.read_text().splitlines():
+        words = line.lstrip("# ").split()
+        if words[:3] == ["mmadapt", "plan", f"examples/{path.name}"] and "--gpus" in words and "--gpu-memory" in words:
+            return int(words[words.index("--gpus") + 1]), words[words.index("--gpu-memory") + 1]
+    raise SystemExit(f"examples/{path.name}: its header has no line '#   mmadapt plan examples/{path.name} --gpus N "
+                     "--gpu-memory SIZE' saying what it is planned on")
+
+
 def example_problems(path: Path, plan, quick: bool) -> list[str]:
-    """What is wrong with an example's plan: it must fit on 8 x 80 GiB with FSDP2, plan every absent checkpoint from
-    its part's preset or options (its absent data: no host plan), and (real widths) total what docs/training.md says,
-    within 5%."""
-    problems = [] if plan.fits else ["does not fit 80 GiB"]
-    problems += [] if plan.strategy == "fsdp2" else [f"strategy {plan.strategy}, not fsdp2"]
+    """What is wrong with an example's plan: it must fit on the GPUs its header names (several: with FSDP2), plan
+    every absent checkpoint from its part's preset or options (its absent data: no host plan), and (real widths)
+    total what docs/training.md says, within 5%."""
+    from mmadapt.train.plan import gib
+
+    problems = [] if plan.fits else [f"does not fit {gib(plan.gpu_memory)}"]
+    wanted = "fsdp2" if plan.gpus > 1 else "single"
+    problems += [] if plan.strategy == wanted else [f"strategy {plan.strategy}, not {wanted}"]
     problems += [f"note {note!r}" for note in plan.notes
                  if not (note.endswith("is not here: planned from preset " + note.rsplit("preset ", 1)[-1])
                          or "planned from its options" in note
@@ -364,32 +394,36 @@ def example_problems(path: Path, plan, quick: bool) -> list[str]:
 
 
 def examples_table(quick: bool) -> None:
-    """Plan every example on 8 x 80 GiB and print docs/training.md's table; exit 1 when a plan is not as documented."""
+    """Plan every example on the GPUs its header names and print docs/training.md's table; exit 1 when a plan is not
+    as documented."""
     from mmadapt.train.config import RunConfig
     from mmadapt.train.plan import parse_size, predict
 
     print("| example | stages | micro-batch per GPU | parameters | gradients + AdamW | activations "
-          "(checkpointing) | total GiB per GPU | fits 80 GiB |")
+          "(checkpointing) | total GiB per GPU | planned on: fits |")
     print("|---|---|---|---:|---:|---:|---:|---|")
     failed = []
     for path in sorted(EXAMPLES.glob("*.yaml")):
         config = RunConfig.load(str(path))
         config = tiny_example(config) if quick else config
-        plan = predict(config, gpus=8, gpu_memory=parse_size("80GiB"))
+        gpus, memory = planned_on(path)
+        plan = predict(config, gpus=gpus, gpu_memory=parse_size(memory))
         g = plan.per_gpu
         stages = ", ".join(f"{part} {mode}" for part, mode in config.stages.modes().items())
         print(f"| `examples/{path.name}` | {stages} | {plan.workload.describe()} | {g['parameters'] / GIB:.1f} | "
               f"{(g['gradients'] + g['optimizer']) / GIB:.1f} | {g['activations'] / GIB:.1f} "
-              f"({'+'.join(plan.checkpointing) or 'off'}) | {g['total'] / GIB:.1f} | "
+              f"({'+'.join(plan.checkpointing) or 'off'}) | {g['total'] / GIB:.1f} | {gpus} x {memory}: "
               f"{'yes' if plan.fits else 'no'} ({(g['total'] + plan.margin) / GIB:.1f} with the margin) |", flush=True)
         failed += [f"examples/{path.name}: {problem}" for problem in example_problems(path, plan, quick)]
     if failed:
         raise SystemExit("\n".join(failed))
-    print(f"# every example plans on 8 x 80 GiB with FSDP2{'' if quick else ', as docs/training.md says (5%)'}")
+    print("# every example fits the GPUs its header names (several: with FSDP2)"
+          f"{'' if quick else ', as docs/training.md says (5%)'}")
 
 
-def in_child(spec: dict, quick: bool, side: int | None, env: dict[str, str]) -> float:
-    """`measure` in a fresh process started with `env` added (glibc reads its malloc settings at start)."""
+def in_child(spec: dict, quick: bool, side: int | None, env: dict[str, str], target=None) -> Any:
+    """`target` (default `measure`) in a fresh process started with `env` added (glibc reads its malloc settings at
+    start): what it puts in its queue."""
     import os
 
     ctx = multiprocessing.get_context("spawn")
@@ -397,7 +431,7 @@ def in_child(spec: dict, quick: bool, side: int | None, env: dict[str, str]) -> 
     os.environ.update(env)
     try:
         queue = ctx.Queue()
-        process = ctx.Process(target=measure, args=(spec, quick, side, queue))
+        process = ctx.Process(target=target or measure, args=(spec, quick, side, queue))
         process.start()
     finally:
         for k, v in saved.items():

@@ -107,15 +107,27 @@ def test_bench_plan_long_quick_run_trains_through_mmadapt_train(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_bench_plan_examples_quick_plans_every_example_on_8_gpus_without_its_checkpoints(tmp_path, monkeypatch):
-    """The examples at their parts' tiny presets (parsing, stages, precision, planning from presets); the real-width
-    run (`--examples`) also checks docs/training.md's totals within 5%."""
+def test_bench_plan_examples_quick_plans_every_example_on_its_gpus_without_its_checkpoints(tmp_path, monkeypatch):
+    """The examples at their parts' tiny presets (parsing, stages, precision, planning from presets), each on the
+    GPUs its header names; the real-width run (`--examples`) also checks docs/training.md's totals within 5%."""
     monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
-    out = run("bench_plan.py", "--examples", "--quick")  # check=True: exit 0, every example fits with FSDP2
+    out = run("bench_plan.py", "--examples", "--quick")  # check=True: exit 0, every example fits its GPUs
     for example in sorted(p.name for p in (BENCHMARKS.parent / "examples").glob("*.yaml")):
         row = next(line for line in out.splitlines() if line.startswith(f"| `examples/{example}` |"))
-        assert row.endswith("with the margin) |") and "| yes (" in row, row
-    assert "# every example plans on 8 x 80 GiB with FSDP2" in out
+        assert row.endswith("with the margin) |") and ": yes (" in row, row
+    assert "| 8 x 80GiB: yes (" in out and "| 1 x 24GiB: yes (" in out  # the QLoRA recipe: one 24 GiB GPU
+    assert "# every example fits the GPUs its header names (several: with FSDP2)" in out
+
+
+@pytest.mark.slow
+def test_bench_qlora_quick_measures_a_lora_and_a_qlora_step_and_the_nf4_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMADAPT_CACHE", str(tmp_path))
+    out = run("bench_qlora.py", "--quick")
+    lora, qlora = (next(line for line in out.splitlines() if line.startswith(f"| tiny | tiny | {mode} |"))
+                   for mode in ("lora", "qlora"))
+    assert lora.split("|")[5].strip() == "0" and int(qlora.split("|")[5].replace(",", "")) > 0
+    assert 0.5 < float(qlora.split("|")[6].split()[0]) < 0.6  # 4-bit codes + scales (tiny blocks: more scales)
+    assert all(float(row.split("|")[8].replace(",", "")) > 0 for row in (lora, qlora))  # a VmHWM was read
 
 
 @pytest.mark.slow

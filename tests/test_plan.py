@@ -3,8 +3,8 @@
 The counted parts (parameters, gradients, AdamW state, sharding) equal the model's own; the whole prediction equals
 the measured tensor peak of a real training step (live tensor bytes, `LiveBytes`, deterministic) for tiny models of
 every kind of run. The real-width validations are measurements, in `benchmarks/bench_plan.py`: against `VmHWM` (its
-table in benchmarks/README.md), and the examples' plans on 8 x 80 GiB against docs/training.md's table (`--examples`;
-tests/test_benchmarks.py runs both in their quick form).
+table in benchmarks/README.md), and the examples' plans on the GPUs their headers name against docs/training.md's
+table (`--examples`; tests/test_benchmarks.py runs both in their quick form). QLoRA: tests/test_plan_qlora.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from helpers import write_run
 
 from mmadapt.cli import main
+from mmadapt.quantize import is_nf4
 from mmadapt.synthetic import synthetic_batch
 from mmadapt.train.config import RunConfig
 from mmadapt.train.optim import enable_activation_checkpointing, parameter_groups
@@ -71,13 +72,21 @@ def run_config(spec: dict) -> RunConfig:
 def built(config: RunConfig):
     torch.manual_seed(0)
     model = build_model_from(config)
-    apply_stages(model, config.stages, config.lora)
+    apply_stages(model, config.stages, config.lora, config.quantization)
     upcast_trainable(model)
     return model
 
 
 def unique_bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+    """Bytes of the parameters, each once; an NF4 weight's as its storages hold them (codes, scales, table)."""
+    counted = {}
+    for p in params:
+        if is_nf4(p):
+            inner = [getattr(p, name).untyped_storage() for name in p.__tensor_flatten__()[0]]
+            counted.update({s.data_ptr(): s.nbytes() for s in inner})
+        else:
+            counted[id(p)] = p.numel() * p.element_size()
+    return sum(counted.values())
 
 
 def measured_peak(config: RunConfig, plan, spread: int = 0) -> int:

@@ -1,9 +1,10 @@
 """`mmadapt plan run.yaml --gpus N`: the per-GPU memory of a run's training step, known before anything loads.
 
 **Counted** on the meta device (no weight is read: a pretrained part is built from its checkpoint's config, or
-from the `preset` it declares when the checkpoint is not here yet): parameters by dtype; fp32 gradients and
-AdamW's two fp32 moments for what the stages train (LoRA: the adapters); sharded by the strategy (FSDP2: / N,
-plus the unsharded units it gathers; DDP: full, plus its gradient buckets).
+from the `preset` it declares when the checkpoint is not here yet): parameters by dtype (a QLoRA base's NF4 weights
+quantised there too, counted as torchao stores them); fp32 gradients and AdamW's two fp32 moments for what the
+stages train (LoRA: the adapters); sharded by the strategy (FSDP2: / N, plus the unsharded units it gathers; DDP:
+full, plus its gradient buckets).
 
 **Measured**: activations. A probe (the run's model at its real widths, the first block of each kind of every block
 list, a 1,024-row vocabulary, fewer experts where they would pass 4 GiB) runs a training step on the CPU at three

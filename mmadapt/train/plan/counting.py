@@ -16,13 +16,22 @@ from torch.utils._pytree import tree_leaves, tree_map
 from mmadapt.train.plan.segments import LOSS, SegmentKey
 
 
+def plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s data: a wrapper subclass's inner tensors (an NF4 weight's codes and scales,
+    whose wrapper has no storage of its own), else `t`."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in plain(getattr(t, name))]
+
+
 class SavedBytes:
     """Bytes autograd saves for the backward, by the tracked module the forward is in (storages counted once;
     parameters and buffers are not activations); what no tracked module holds counts under `LOSS`. Blocks also count
     the bytes of their first input (what activation checkpointing keeps)."""
 
     def __init__(self, model: nn.Module, tracked: dict[nn.Module, SegmentKey]) -> None:
-        self.skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.skip = {t.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()] for t in plain(p)}
         self.seen: set[int] = set()
         self.bytes: dict[SegmentKey, int] = defaultdict(int)
         self.inputs: dict[SegmentKey, int] = defaultdict(int)
@@ -45,11 +54,12 @@ class SavedBytes:
         self.stack.pop()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.skip and ptr not in self.seen and storage.device.type != "meta":
-            self.seen.add(ptr)
-            self.bytes[self.stack[-1]] += storage.nbytes()
+        for inner in plain(t):
+            storage = inner.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.skip and ptr not in self.seen and storage.device.type != "meta":
+                self.seen.add(ptr)
+                self.bytes[self.stack[-1]] += storage.nbytes()
         return t
 
     def close(self) -> None:
@@ -68,10 +78,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {inner.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                  for inner in plain(t)}
         for t in tree_leaves(out):  # a view or an in-place result shares an input's storage: nothing new
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.untyped_storage()._cdata not in inputs:
-                self._track(t.untyped_storage())
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                for inner in plain(t):
+                    if inner.untyped_storage()._cdata not in inputs:
+                        self._track(inner.untyped_storage())
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.quantize import NF4Layout, nf4_layout, to_nf4
 from mmadapt.train.config import RunConfig
 
 
@@ -23,13 +24,30 @@ def planning_model(config: RunConfig) -> tuple[Any, list[str]]:
 
 
 def trained_as_in_run(model: Any, config: RunConfig) -> Any:
-    """`model` with the run's stages applied and its trained parameters in fp32, as the trainer makes it."""
-    from mmadapt.train.stages import apply_stages
+    """`model` with the run's stages applied and its trained parameters in fp32, as the trainer makes it; a `qlora`
+    backbone's NF4 layers stored in NF4 (`quantized_as_in_run`) under LoRA layers."""
+    from mmadapt.train.stages import StagesSection, apply_stages
     from mmadapt.train.trainer import upcast_trainable
 
-    apply_stages(model, config.stages, config.lora)
+    stages = config.stages
+    if stages.modes()["backbone"] == "qlora":
+        quantized_as_in_run(model, config)
+        stages = StagesSection(**{**stages.modes(), "backbone": "lora"}, router=stages.router)
+    apply_stages(model, stages, config.lora)
     upcast_trainable(model)
     return model
+
+
+def quantized_as_in_run(model: Any, config: RunConfig) -> NF4Layout:
+    """The backbone's NF4 layers (`mmadapt.quantize.nf4_layout`) stored as NF4 tensors, as `mmadapt.qlora.quantize_base`
+    stores them, without its record of the source checkpoint (the plan reads no weights). On the meta device too:
+    torchao's NF4 of a meta weight is its codes and scales on the meta device, their sizes exact."""
+    keep = tuple(model.backbone_spec.keep_precision) + tuple(config.quantization.keep)
+    layout = nf4_layout(model.backbone, keep, config.quantization)
+    for name in layout.quantized:
+        module = model.backbone.get_submodule(name.removesuffix(".weight"))
+        module.weight = nn.Parameter(to_nf4(module.weight, config.quantization), requires_grad=False)
+    return layout
 
 
 def available_parts(config: RunConfig) -> tuple[Any, list[str]]:

@@ -16,17 +16,25 @@ from torch import nn
 
 from mmadapt.loss import chunk_rows
 from mmadapt.precision import Precision
+from mmadapt.quantize import is_nf4, nf4_layout
 from mmadapt.train.config import RunConfig
 from mmadapt.train.objectives import objective_for
 from mmadapt.train.plan.model import planning_model, unique_parameters
 from mmadapt.train.plan.probe import PROBE_VOCAB, cached_probe
-from mmadapt.train.plan.report import GIB, Plan, gib
+from mmadapt.train.plan.report import Plan, QuantizedParameters, cuda_margin, gib
 from mmadapt.train.plan.saving import saving_memory
-from mmadapt.train.plan.segments import LOSS, Line, Segment, at, fit, probe_sweep_segments, segments, sweep
+from mmadapt.train.plan.segments import (
+    LOSS,
+    Line,
+    Segment,
+    at,
+    fit,
+    probe_sweep_segments,
+    segments,
+    stored_bytes,
+    sweep,
+)
 from mmadapt.train.plan.workloads import workload
-
-CONTEXT_BYTES = GIB  # CUDA context + NCCL buffers
-FRAGMENTATION = 0.05
 
 
 def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, device: str = "cuda",
@@ -67,8 +75,8 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
 
     params = list(unique_parameters(model))
     by_dtype: dict[str, int] = defaultdict(int)
-    for p in params:
-        by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel() * p.element_size()
+    for p in params:  # a QLoRA base's NF4 weights under "nf4", as stored (codes and scales)
+        by_dtype["nf4" if is_nf4(p) else str(p.dtype).removeprefix("torch.")] += stored_bytes(p)
     trained = [p for p in params if p.requires_grad]
     trained_bytes = sum(p.numel() * 4 for p in trained)
     width = model.backbone.config.hidden_size
@@ -96,7 +104,7 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                "activations": int(acts + transient + recompute), "loss": int(loss), "sharding": sharding,
                **({"exchange": exchange} if split > 1 else {}),
                **resident, **between, "total": total}
-    margin = int(CONTEXT_BYTES + FRAGMENTATION * total) if device == "cuda" else 0
+    margin = cuda_margin(total) if device == "cuda" else 0
     if split > 1:
         per_row = work.tokens / work.rows
         notes.append(f"sequence parallelism: {split} ranks share each sample ({gpus // split} data-parallel groups), "
@@ -105,10 +113,15 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
                         f"video temporal patches: each encodes {1 / split:.0%} of the patches, as if evenly spread, "
                         "and the visual tokens are gathered)" if sharded else
                         "replicated (every rank of a group encodes the sample's pictures)"))
+    quantized = quantized_parameters(model, config)
+    if quantized is not None and not quantized.parameters:
+        notes.append(f"stages.backbone: qlora stores no layer of this backbone in NF4 ({quantized.layout}), which "
+                     "the run refuses: lower quantization.scaler_block_size, or train with stages.backbone: lora")
     plan = Plan(gpus=gpus, device=device, strategy=strategy, workload=work, per_gpu=per_gpu,
                 activations_without_checkpointing=int(acts_off), activations_with_checkpointing=int(acts_all),
                 checkpointing=sorted(checkpointed), parameters_by_dtype=dict(by_dtype), margin=margin,
-                gpu_memory=gpu_memory, notes=notes, attention=attention_paths(model, forward, load))
+                gpu_memory=gpu_memory, notes=notes, attention=attention_paths(model, forward, load),
+                quantized=quantized)
     if config.data.train is not None:
         from mmadapt.data.memory import data_memory
 
@@ -125,6 +138,18 @@ def predict(config: RunConfig, *, gpus: int = 1, gpu_memory: int | None = None, 
     if plan.fits is False:
         plan.suggestions = suggestions(config, gpus=gpus, device=device, probe=probe, gpu_memory=gpu_memory)
     return plan
+
+
+def quantized_parameters(model: Any, config: RunConfig) -> QuantizedParameters | None:
+    """A `qlora` backbone's NF4 weights: how many, their bytes as stored, what stays in precision; else None."""
+    if config.stages.modes()["backbone"] != "qlora":
+        return None
+    four_bit = [p for p in unique_parameters(model) if is_nf4(p)]
+    keep = tuple(model.backbone_spec.keep_precision) + tuple(config.quantization.keep)
+    return QuantizedParameters(parameters=sum(p.numel() for p in four_bit),
+                               bytes=sum(stored_bytes(p) for p in four_bit),
+                               source_bytes=sum(p.numel() * p.element_size() for p in four_bit),
+                               layout=nf4_layout(model.backbone, keep, config.quantization).summary())
 
 
 ATTENTION = {  # the backbone's; a vision tower attends within each image, without a mask
@@ -183,7 +208,8 @@ def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, 
     """FSDP2: the root unit (the LLM's modules outside its blocks, the head) stays unsharded through the step, two
     units are gathered at a time (the current one and the prefetched next: blocks, and the encoder's and the
     projector's own modules, `distributed.vision_units`), and one unit's gradients are unsharded before their
-    reduce-scatter; in the compute dtype. DDP: its gradient buckets, one more copy of the gradients."""
+    reduce-scatter; in the compute dtype (NF4 weights as stored). DDP: its gradient buckets, one more copy of the
+    gradients."""
     if strategy == "ddp":
         return trained_bytes
     if strategy != "fsdp2":
@@ -193,10 +219,13 @@ def _sharding_bytes(strategy: str, segments: list[Segment], trained_bytes: int, 
     def in_root(s: Segment) -> bool:
         return not s.key.is_block and s.key.part not in ("encoder", "projector")
 
+    def gathered(s: Segment) -> float:  # NF4 weights are gathered as stored (torchao's all-gather hooks), not cast
+        return (s.param_bytes - s.four_bit_bytes) * compute + s.four_bit_bytes
+
     units = [s for s in segments if not in_root(s)]
-    biggest = max((s.param_bytes for s in units), default=0)
-    root = sum(s.param_bytes for s in segments if in_root(s))
-    return int((2 * biggest + root) * compute + max((s.trained_bytes for s in units), default=0))
+    biggest = max((gathered(s) for s in units), default=0)
+    root = sum(gathered(s) for s in segments if in_root(s))
+    return int(2 * biggest + root + max((s.trained_bytes for s in units), default=0))
 
 
 def _chunk_bytes(rows: int, vocab: int, precision: Precision) -> int:
@@ -242,6 +271,8 @@ def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, A
         candidates.insert(0, ("train.activation_checkpointing: all", {"train": {"activation_checkpointing": "all"}}))
     if modes.get("backbone") == "full":
         candidates.append(("stages.backbone: lora", {"stages": {"preset": None, **modes, "backbone": "lora"}}))
+    if modes.get("backbone") in ("full", "lora") and _pretrained_backbone(config):
+        candidates.append(("stages.backbone: qlora", {"stages": {"preset": None, **modes, "backbone": "qlora"}}))
     changes = []
     for change, update in candidates:
         same_probe = "stages" not in update  # other stages save other activations: a probe of their own
@@ -255,6 +286,11 @@ def suggestions(config: RunConfig, *, gpus: int, device: str, probe: dict[str, A
         changes.append((f"--gpus {gpus * 2}", predict(config, gpus=gpus * 2, device=device, probe=probe).per_gpu[
             "total"]))
     return changes
+
+
+def _pretrained_backbone(config: RunConfig) -> bool:
+    """The run's backbone is read from a checkpoint (QLoRA needs one: its adapters merge into the source's weights)."""
+    return bool(config.model.pretrained or config.model.model_config().backbone.pretrained)
 
 
 def smallest_sequence_parallel(config: RunConfig, *, gpus: int, device: str, probe: dict[str, Any],
@@ -277,7 +313,7 @@ def smallest_sequence_parallel(config: RunConfig, *, gpus: int, device: str, pro
         total = predict(RunConfig.from_dict(_merge(base, {"distributed": {"sequence_parallel": size}})), gpus=gpus,
                         device=device, probe=probe).per_gpu["total"]
         tried = (f"distributed.sequence_parallel: {size}", total)
-        margin = CONTEXT_BYTES + FRAGMENTATION * total if device == "cuda" else 0
+        margin = cuda_margin(total) if device == "cuda" else 0
         if gpu_memory is not None and total + margin <= gpu_memory:
             return tried  # the smallest that fits
     return tried

@@ -1,6 +1,7 @@
 """The probe: the run's model at its real widths, cut to the first block of each kind of every block list, with a
 1,024-row vocabulary (and fewer experts where they would pass 4 GiB), runs a training step on the CPU at three short
-lengths with the run's stages, precision and packing, measuring each segment's saved bytes, the blocks' input bytes
+lengths with the run's stages (a QLoRA base's layers in NF4, dequantised in each forward and backward as in the run),
+precision and packing, measuring each segment's saved bytes, the blocks' input bytes
 and the step's peak. Results are cached per shape (`$MMADAPT_CACHE`, default ~/.cache/mmadapt/plan) as JSON, whose
 segments are keyed by `SegmentKey` text."""
 
@@ -201,5 +202,7 @@ def probe_key(config: RunConfig) -> str:
     shape = {"model": model_config.to_dict() if model_config is not None else config.model.pretrained,
              "stages": config.stages.modes(), "router": config.stages.router, "lora": asdict(config.lora),
              "precision": config.precision.mode.name, "packed": config.data.packing, "torch": torch.__version__,
-             "version": PROBE_VERSION, "text": PROBE_TEXT, "sides": PROBE_SIDES}
+             "version": PROBE_VERSION, "text": PROBE_TEXT, "sides": PROBE_SIDES,
+             # a QLoRA base's NF4 layers dequantise in each forward: which layers, by their blocks
+             **({"quantization": asdict(config.quantization)} if config.stages.modes()["backbone"] == "qlora" else {})}
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from mmadapt.quantize import is_4bit
 from mmadapt.train.plan.model import unique_parameters
 from mmadapt.train.plan.report import gib
 
@@ -85,15 +86,20 @@ def _model_tensor(t: Any) -> StateTensor:
     return _tensor(t, sharded=parameter, padded=parameter)
 
 
+def _saved(model: nn.Module) -> list[Any]:
+    """The model's state dict as a checkpoint holds it: a QLoRA base's 4-bit weights left out (its source has them)."""
+    return [t for t in model.state_dict(keep_vars=True).values() if not is_4bit(t)]
+
+
 def model_tensors(model: nn.Module) -> list[StateTensor]:
     """The model's state dict by name (parameters sharded, buffers replicated; a tied tensor under each name)."""
-    return [_model_tensor(t) for t in model.state_dict(keep_vars=True).values()]
+    return [_model_tensor(t) for t in _saved(model)]
 
 
 def unique_model_tensors(model: nn.Module) -> list[StateTensor]:
     """The model's state dict with a tied tensor once (one storage: as a stager copies it and one process gathers
     it)."""
-    return [_model_tensor(t) for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()]
+    return [_model_tensor(t) for t in {id(t): t for t in _saved(model)}.values()]
 
 
 def optimizer_tensors(model: nn.Module) -> list[StateTensor]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from mmadapt.quantize import is_nf4
 from mmadapt.train.plan.model import block_kinds, block_lists, own_parameters
 
 PARTS = ("encoder", "projector", "backbone")
@@ -63,8 +64,22 @@ class SegmentKey:
 HEAD, LOSS = SegmentKey("head"), SegmentKey("loss")
 
 
+def stored_bytes(p: Any) -> int:
+    """A parameter's bytes as stored: an NF4 weight's (`mmadapt.quantize`: its 4-bit codes, int8 block scales and
+    the scales' own scales, its two scalars and 16-entry table), else numel x element size. Meta tensors included."""
+    if is_nf4(p):
+        names, _ = p.__tensor_flatten__()
+        return sum(stored_bytes(getattr(p, name)) for name in names)
+    return p.numel() * p.element_size()
+
+
 def parameter_bytes(params: list[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+    return sum(stored_bytes(p) for p in params)
+
+
+def four_bit_bytes(params: list[nn.Parameter]) -> int:
+    """The bytes of those of `params` stored in NF4 (FSDP2 gathers them as they are: not cast to the compute dtype)."""
+    return sum(stored_bytes(p) for p in params if is_nf4(p))
 
 
 def gradient_bytes(params: list[nn.Parameter]) -> int:
@@ -74,14 +89,15 @@ def gradient_bytes(params: list[nn.Parameter]) -> int:
 
 @dataclass
 class Segment:
-    """One step of the forward pass: its saved activations and block inputs (fit a + b x + c x s), parameter bytes,
-    trained bytes."""
+    """One step of the forward pass: its saved activations and block inputs (fit a + b x + c x s), parameter bytes
+    (of which `four_bit_bytes` in NF4), trained bytes."""
 
     key: SegmentKey
     acts: Line = (0.0, 0.0, 0.0)
     inputs: Line = (0.0, 0.0, 0.0)
     param_bytes: int = 0
     trained_bytes: int = 0
+    four_bit_bytes: int = 0
 
     @property
     def part(self) -> str:
@@ -175,7 +191,7 @@ def segments(model: Any, probe: dict[str, Any]) -> list[Segment]:
         x = x_of.get(part, "patches")
         own = own_parameters(model, getattr(model, part))
         out.append(Segment(key=SegmentKey(part), acts=fitted(part, x), param_bytes=parameter_bytes(own),
-                           trained_bytes=gradient_bytes(own)))
+                           trained_bytes=gradient_bytes(own), four_bit_bytes=four_bit_bytes(own)))
         if part == "projector":
             continue
         kinds = by_kind(part, x)
@@ -186,7 +202,8 @@ def segments(model: Any, probe: dict[str, Any]) -> list[Segment]:
                 acts, inputs = kinds.get(kind, ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)))
                 params = list(block.parameters())
                 out.append(Segment(key=SegmentKey(part, kind, i), acts=acts, inputs=inputs,
-                                   param_bytes=parameter_bytes(params), trained_bytes=gradient_bytes(params)))
+                                   param_bytes=parameter_bytes(params), trained_bytes=gradient_bytes(params),
+                                   four_bit_bytes=four_bit_bytes(params)))
     head = [model.backbone.get_output_embeddings().weight]
     out.append(Segment(key=HEAD, param_bytes=parameter_bytes(head), trained_bytes=gradient_bytes(head)))
     return out
