@@ -19,19 +19,16 @@ with the three pieces here:
   `MissingWeightsError` naming the checkpoint and the first missing keys when any parameter of the
   part is not in it. Keys of the checkpoint that the rules do not map belong to other parts: ignored.
 
-`Provenance` records where a part came from: its path, files and a SHA-256 over the weight files,
+`Provenance` (`mmadapt.provenance`) records where a part came from: its path, files and a SHA-256 over the weight files,
 hashed once per set of files in a background thread while the model is built.
 """
 
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import json
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmadapt.provenance import Provenance as Provenance  # where each part came from: mmadapt.provenance
 from mmadapt.remote_code import warn_dropped, without_auto_map
 from mmadapt.sharded_checkpoint import ModelTensors, is_sharded, state_files
 
@@ -135,6 +133,17 @@ class Checkpoint:
                     state = torch.load(file, map_location="cpu", weights_only=True)
                 self._open[file] = _unwrap_state(state, file)
         return self._open[file]
+
+    def read_once(self, key: str) -> torch.Tensor:
+        """`key`'s tensor through a file mapping of its own, released with the tensor (a weight read to be converted:
+        its pages do not stay in the process with the mapping the kept weights hold)."""
+        self.keys()
+        if self._sharded is not None or self._index[key].suffix != ".safetensors":
+            return self.tensor(key)
+        from safetensors import safe_open
+
+        with safe_open(str(self._index[key]), framework="pt") as f:
+            return f.get_tensor(key)
 
     def stamps(self) -> tuple[tuple[str, int, int], ...]:
         """Each weight file's (name, size, modification time): whether the files are still the ones read."""
@@ -345,7 +354,8 @@ def load_part(module: nn.Module, checkpoint: Checkpoint, rules: Rules, *, what: 
     for source, target, tensor in items:
         if target not in expected:
             continue  # e.g. a persistent buffer of an older transformers version; harmless
-        tensor = checkpoint.tensor(source) if tensor is None else tensor
+        if tensor is None:  # a weight to quantise is read through a mapping of its own, gone with it
+            tensor = checkpoint.read_once(source) if target in quantizers else checkpoint.tensor(source)
         if tuple(tensor.shape) != tuple(expected[target].shape):
             wrong.append(f"{source} {tuple(tensor.shape)} vs {tuple(expected[target].shape)}")
             continue
@@ -489,57 +499,6 @@ def write_shards(planned: dict[str, torch.Tensor], aliases: dict[str, str],
             on_file(SAFETENSORS_INDEX)
         written.append(SAFETENSORS_INDEX)
     return sorted(written)
-
-
-# ---- provenance -----------------------------------------------------------------------------------------
-_DIGESTS: dict[tuple, Future[str]] = {}
-
-
-def _sha256(paths: list[Path], result: Future[str]) -> None:
-    digest = hashlib.sha256()
-    try:
-        for path in paths:
-            with open(path, "rb") as f:
-                buffer = bytearray(1 << 20)  # one small reused buffer: no peak-memory cost
-                view = memoryview(buffer)
-                while n := f.readinto(buffer):
-                    digest.update(view[:n])
-        result.set_result(digest.hexdigest())
-    except OSError as e:
-        result.set_exception(e)
-
-
-class Provenance:
-    """Where a pretrained part came from: path, weight files, and their SHA-256; `claimed`: the checkpoint's keys
-    that the part's key rules claim as its own (None: not recorded), from which `mmadapt.carried` tells the weights of
-    no part of a model.
-
-    The hash runs in a background thread while the model is built (hashlib releases the GIL), once per
-    set of files: the three parts of one VLM directory share it.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, *, claimed: Iterable[str] | Mapping[str, str] | None = None) -> None:
-        self.path = str(checkpoint.path.resolve())
-        self.claimed = None if claimed is None else frozenset(claimed)
-        # {part key: checkpoint key} when the rules' renaming is given ({checkpoint key: part key}): where each of the
-        # part's weights was read (a QLoRA base's full-precision weights, `mmadapt.qlora`)
-        self.read_from = ({target: source for source, target in claimed.items()} if isinstance(claimed, Mapping)
-                          else None)
-        self.files = [str(f.relative_to(checkpoint.path)) if f != checkpoint.path else f.name
-                      for f in checkpoint.files]
-        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in checkpoint.files)
-        if key not in _DIGESTS:  # a daemon thread: a script that loads and exits does not wait for the hash
-            _DIGESTS[key] = Future()
-            threading.Thread(target=_sha256, args=(list(checkpoint.files), _DIGESTS[key]), daemon=True,
-                             name="mmadapt-sha256").start()
-        self._digest = _DIGESTS[key]
-
-    @property
-    def sha256(self) -> str:
-        return self._digest.result()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "files": self.files, "sha256": self.sha256}
 
 
 # ---- what every family's loader shares ------------------------------------------------------------------

@@ -163,23 +163,29 @@ def test_qlora_resumes_bitwise(tmp_path, monkeypatch, format):
 
 
 def test_loading_quantises_each_weight_as_it_is_read(tmp_path, monkeypatch):
-    """Inside `nf4_loading` every NF4 weight is quantised right after it is read, before the next one is: the host
-    holds one full-precision NF4 layer at a time, never the full-precision model."""
+    """Inside `nf4_loading` every NF4 weight is read through a file mapping of its own and quantised right after,
+    before the next one is read: the host holds one full-precision NF4 layer at a time, never the full-precision
+    model, and no mapping keeps the source pages of the NF4 layers (the kept weights' mapping reads none of them)."""
     import mmadapt.quantize as quantize
     from mmadapt.weights import Checkpoint
 
     base = save_base(QWEN, tmp_path / "base")
-    events, read, quantise = [], Checkpoint.tensor, quantize.to_nf4
+    events, read, once, quantise = [], Checkpoint.tensor, Checkpoint.read_once, quantize.to_nf4
 
     def reading(self, key):
-        events.append(("read", key))
+        events.append(("kept", key))
         return read(self, key)
+
+    def reading_once(self, key):  # a mapping of its own: the source's pages go with the tensor
+        events.append(("read", key))
+        return once(self, key)
 
     def quantising(weight, section):
         events.append(("nf4", None))
         return quantise(weight, section)
 
     monkeypatch.setattr(Checkpoint, "tensor", reading)
+    monkeypatch.setattr(Checkpoint, "read_once", reading_once)
     monkeypatch.setattr(quantize, "to_nf4", quantising)
     with nf4_loading(SMALL):
         model = VisionLanguageModel.from_pretrained(base)
@@ -187,6 +193,7 @@ def test_loading_quantises_each_weight_as_it_is_read(tmp_path, monkeypatch):
     assert len(quantised) == sum(is_nf4(p) for p in model.parameters()) > 10
     four_bit = {n for n, p in model.named_parameters() if is_nf4(p)}
     assert sorted(events[i - 1] for i in quantised) == sorted(("read", k) for k in four_bit)
+    assert not {k for kind, k in events if kind == "kept"} & four_bit
     quantize_base(model, SMALL)  # nothing left to quantise: no second pass
     assert sum(kind == "nf4" for kind, _ in events) == len(quantised)
 
