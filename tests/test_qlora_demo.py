@@ -6,8 +6,8 @@ The base is `test_distill_converges`' teacher (`mmadapt demo --steps 200`: its L
 of its own vision side); here the vision side starts from a fresh init (Qwen's tiny ViT and merger), so reading the
 digits again is learnt in this run, through an LLM whose linear layers are NF4 (`quantization.scaler_block_size: 8`:
 the tiny layers quantise) and LoRA. Measured (2 shared cores, QLORA_STEPS steps, lr 2e-3): held-out accuracy 0.964
-with real digits, 0.103 blanked, 0.100 shuffled (seed 0, 2 threads); 0.972, 0.100, 0.094 (seed 1, 1 thread: this test); the
-margin asserted is the demo's (0.2), far inside the distance between them.
+with real digits, 0.103 blanked, 0.100 shuffled (seed 0, 2 threads); 0.972, 0.100, 0.094 (seed 1, 1 thread: this
+test); the margin asserted is the demo's (0.2), far inside the distance between them.
 """
 
 from __future__ import annotations
