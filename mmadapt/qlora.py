@@ -32,6 +32,7 @@ from mmadapt.run_directory import is_complete
 from mmadapt.weights import Checkpoint
 
 log = logging.getLogger(__name__)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a 4-bit base may have been quantised from
 
 
 class BaseSourceError(ValueError):
@@ -54,8 +55,20 @@ class QuantizedBase:
         return {**asdict(self), "stamps": [list(s) for s in self.stamps]}
 
     @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> QuantizedBase:
-        return cls(**{**saved, "stamps": tuple(tuple(s) for s in saved["stamps"])})
+    def from_dict(cls, saved: Any) -> QuantizedBase:
+        """The record as a checkpoint's config.json holds it, checked field by field (a file from outside: a wrong
+        field is an error naming it, never a dtype or key taken on trust)."""
+        try:
+            record = cls(**{**saved, "stamps": tuple(tuple(s) for s in saved["stamps"])})
+            ok = (record.format in ("nf4", bnb.FORMAT) and record.dtype in FLOAT_DTYPES
+                  and isinstance(record.source, str) and isinstance(record.keys, dict)
+                  and all(isinstance(k, str) and isinstance(v, str) for k, v in record.keys.items()))
+        except (TypeError, KeyError) as e:
+            ok, record = False, e
+        if not ok:
+            raise ValueError(f"config.json's {QUANTIZED_BASE_KEY!r} record is not one mmadapt writes "
+                             f"({record!r:.200}): the checkpoint was altered or written by another tool; not loaded")
+        return record
 
     def open_source(self, what: str) -> Checkpoint:
         """The source checkpoint, once its files are the ones read when training started; else `BaseSourceError`."""

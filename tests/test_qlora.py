@@ -235,3 +235,14 @@ def test_the_chat_and_serving_loader_opens_a_qlora_run_with_its_adapters_merged(
     merge_lora(plain)
     assert all(torch.equal(a, b) for a, b in zip(plain.backbone.state_dict().values(),
                                                  model.backbone.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "load"), ("format", "gptq"), ("keys", {"a": 1}), ("stamps", None)])
+def test_an_altered_quantized_base_record_is_refused(field, value):
+    from mmadapt.qlora import QuantizedBase
+
+    record = {"format": "nf4", "block_size": 64, "scaler_block_size": 256, "dtype": "float32", "source": "/x",
+              "stamps": [["model.safetensors", 1, 2]], "keys": {"backbone.a.weight": "a.weight"}}
+    assert QuantizedBase.from_dict(record).dtype == "float32"
+    with pytest.raises(ValueError, match="'quantized_base' record is not one mmadapt writes"):
+        QuantizedBase.from_dict({**record, field: value})
