@@ -39,6 +39,7 @@ on one. `length_grouped_sampler` batches samples of similar length together.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -307,9 +308,9 @@ class SampleEncoder:
             return self.prompt_for(sample.id, sample.turns, images, sample.videos)
 
     def prompt_for(self, sample_id: str, turns: Sequence[Turn], images: Sequence[Any],
-                   videos: Sequence[Any] = ()) -> EncodedSample:
+                   videos: Sequence[Any] = (), *, tools: Sequence[dict] | None = None) -> EncodedSample:
         """A generation prompt from turns, decoded RGB images and videos (files or frame lists, loaded here): the
-        `Processor`'s entry, shared with datasets."""
+        `Processor`'s entry, shared with datasets; `tools`: the function schemas the template lists (its `tools`)."""
         turns = tuple(turns)
         if turns and turns[-1].role == "assistant":
             if IMAGE in turns[-1].text or VIDEO in turns[-1].text:
@@ -321,7 +322,7 @@ class SampleEncoder:
         processed = self.processor(list(images))
         processed_videos = self.process_videos(sample)
         ids, _ = self.render(sample, processed.tokens_per_image, add_generation_prompt=True,
-                                  videos=processed_videos)
+                             videos=processed_videos, tools=tools)
         self.check_span_tokens(sample, ids, processed.tokens_per_image, processed_videos)
         if len(ids) > self.config.max_length:
             raise DataProblem("too_long", f"prompt of {len(ids)} tokens > max_length {self.config.max_length}",
@@ -329,19 +330,20 @@ class SampleEncoder:
         return self.encoded(sample_id, ids, [IGNORE] * len(ids), processed, processed_videos)
 
     def render(self, sample: Sample, tokens_per_image: Sequence[int], *, add_generation_prompt: bool = False,
-               videos: Any = None) -> tuple[list[int], list[int]]:
+               videos: Any = None, tools: Sequence[dict] | None = None) -> tuple[list[int], list[int]]:
         """Token ids and labels of `sample` under the chat template, image and video spans expanded (`videos`: the
         sample's `ProcessedVideos`; see the module docstring for their text)."""
         turns = sample.turns
         if videos is not None:
             texts = iter(self.video_text(videos))
-            turns = tuple(Turn(t.role, _replace_each(t.text, VIDEO, texts)) for t in turns)
+            turns = tuple(dataclasses.replace(t, text=_replace_each(t.text, VIDEO, texts)) for t in turns)
         try:
             ids, labels = self.template.encode(turns, self.tokenizer, image_token_id=self.image_token_id,
                                                image_span=self.image_span, image_text=self.image_text,
                                                tokens_per_image=tokens_per_image,
                                                add_generation_prompt=add_generation_prompt,
-                                               **self.config.template_kwargs)
+                                               **self.config.template_kwargs, **({"tools": list(tools)} if tools
+                                                                                 else {}))
             if videos is None:
                 return ids, labels
             per_frame = [n for n, t in zip(videos.tokens_per_frame, videos.frames, strict=True) for _ in range(t)]
@@ -538,7 +540,7 @@ def _replace_each(text: str, marker: str, replacements: Any) -> str:
 
 def check_answers(sample: Sample) -> None:
     for k, turn in enumerate(sample.turns):
-        if turn.role == "assistant" and not turn.text.strip():
+        if turn.role == "assistant" and not turn.text.strip() and not turn.calls:
             raise DataProblem("empty_answer", f"assistant turn {k} is empty. Fix: remove the turn or give the answer",
                               sample_id=sample.id)
 

@@ -43,7 +43,7 @@ from mmadapt.data.samples import (
 FORMATS = ("trl (prompt + image(s) + columns)", "EasyR1 / verl (problem + answer + images)",
            "ms-swift (messages ending with a user turn + images + solution)")
 PROMPT_KEYS = frozenset({"id", "prompt", "problem", "messages", "conversations", "image", "images", "videos",
-                         "video"})
+                         "video", "tools"})
 """The keys that make the prompt; every other key of a record is a column for the rewards."""
 
 
@@ -54,6 +54,7 @@ class PromptSample:
     id: str
     prompt: Sample
     columns: dict[str, Any] = field(default_factory=dict)
+    tools: tuple[str, ...] | None = None  # the tools this prompt offers (names; None: the run's every tool)
 
 
 def is_prompt_record(record: Any) -> bool:
@@ -102,7 +103,30 @@ def parse_prompt(record: Any, index: int, image_root: str | os.PathLike | None =
     _mark_images(base, sample_id)
     prompt = parse_record(base, index, image_root, allow_outside_root, max_images=max_images, max_frames=max_frames)
     columns = {k: v for k, v in record.items() if k not in PROMPT_KEYS}
-    return PromptSample(sample_id, prompt, columns)
+    return PromptSample(sample_id, prompt, columns, _tool_names(record.get("tools"), sample_id))
+
+
+def _tool_names(value: Any, sample_id: str) -> tuple[str, ...] | None:
+    """A record's `tools`: names, or function schemas as trl / OpenAI write them (`{"type": "function", "function":
+    {"name", ...}}`, or the function object itself), by name; a JSON string of either (a Parquet column)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = [value]
+    names = []
+    for entry in value if isinstance(value, list) else [value]:
+        entry = entry.get("function", entry) if isinstance(entry, dict) else entry
+        name = entry.get("name") if isinstance(entry, dict) else entry
+        if not isinstance(name, str) or not name:
+            raise DataProblem("bad_format", f"'tools' must list tool names or function schemas with a name, got "
+                              f"{entry!r}", sample_id=sample_id)
+        names.append(name)
+    return tuple(names)
 
 
 def _role(message: Any) -> str | None:
@@ -149,6 +173,8 @@ class EncodedPrompt:
 
     sample: EncodedSample
     columns: dict[str, Any]
+    images: tuple[Any, ...] = ()  # its decoded images (RGB), which tools work on (kept when tools are offered)
+    tools: tuple[str, ...] = ()  # the tools it offers
 
     @property
     def id(self) -> str:
@@ -159,10 +185,26 @@ class PromptEncoder(OverSampleEncoder):
     """Encodes RL prompts for one model: the `SampleEncoder`'s template, images and limits, and room for answers of
     `completion_tokens` within its `max_length`."""
 
-    def __init__(self, encoder: SampleEncoder, completion_tokens: int) -> None:
+    def __init__(self, encoder: SampleEncoder, completion_tokens: int, tools: Sequence[Any] = (),
+                 list_tools: bool = True) -> None:
+        """`tools` (`mmadapt.tools.Tool`s): what a prompt may offer (all of them unless its record's `tools` names
+        some), listed in its prompt by the template when `list_tools`; with tools, each prompt keeps its decoded
+        images for them."""
         if completion_tokens < 1:
             raise ValueError(f"completion_tokens must be >= 1, got {completion_tokens}")
         self.encoder, self.completion_tokens = encoder, completion_tokens
+        self.tools, self.list_tools = {t.name: t for t in tools}, list_tools
+
+    def offered(self, parsed: PromptSample) -> tuple[str, ...]:
+        """The tools a prompt offers: its record's, each one the run has (`DataProblem` naming one it lacks)."""
+        if parsed.tools is None:
+            return tuple(self.tools)
+        unknown = [name for name in parsed.tools if name not in self.tools]
+        if unknown:
+            raise DataProblem("bad_format", f"its tools {unknown} are not among the run's grpo.tools "
+                              f"{sorted(self.tools)}. Fix: add them to grpo.tools, or drop them from the record",
+                              sample_id=parsed.id)
+        return parsed.tools
 
     def parse(self, record: Any, index: int) -> PromptSample:
         return self.parse_with(parse_prompt, record, index)
@@ -174,7 +216,9 @@ class PromptEncoder(OverSampleEncoder):
             parsed = self.parse(record, index)
             prompt = parsed.prompt
             images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in prompt.images]
-            sample = self.encoder.prompt_for(parsed.id, prompt.turns, images, prompt.videos)
+            offered = self.offered(parsed) if self.tools else ()
+            schemas = [self.tools[name].schema() for name in offered] if self.list_tools else []
+            sample = self.encoder.prompt_for(parsed.id, prompt.turns, images, prompt.videos, tools=schemas or None)
             room = self.config.max_length - len(sample.input_ids)
             if room < self.completion_tokens:
                 raise DataProblem("too_long", f"its prompt is {len(sample.input_ids)} tokens, leaving {room} of "
@@ -182,7 +226,7 @@ class PromptEncoder(OverSampleEncoder):
                                   "tokens (grpo.max_completion_length): dropped, never cut. Fix: raise max_length or "
                                   "lower max_completion_length", sample_id=parsed.id,
                                   fatal=self.config.truncation == "raise")
-            return EncodedPrompt(sample, parsed.columns)
+            return EncodedPrompt(sample, parsed.columns, tuple(images) if self.tools else (), offered)
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -220,5 +264,8 @@ class PromptCollator:
 
     def __call__(self, items: Sequence[EncodedPrompt | DataProblem]) -> dict[str, Any]:
         batch = self.collator([i.sample if isinstance(i, EncodedPrompt) else i for i in items])
-        batch["columns"] = [i.columns for i in items if isinstance(i, EncodedPrompt)]
+        kept = [i for i in items if isinstance(i, EncodedPrompt)]
+        batch["columns"] = [i.columns for i in kept]
+        if any(i.images or i.tools for i in kept):  # what tools work on, per kept prompt in row order
+            batch["images"], batch["tools"] = [i.images for i in kept], [i.tools for i in kept]
         return batch

@@ -39,7 +39,10 @@ from mmadapt.data.turns import IMAGE, VIDEO, Turn
 from mmadapt.data.video.decode import EmbeddedVideo
 
 VideoSource = str | EmbeddedVideo | tuple[str, ...]  # a video file (or its bytes), or its frames' image files in order
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+         "tool": "tool", "observation": "tool", "function_call": "assistant"}
+"""Record roles -> `Turn` roles (sharegpt's; LLaMA-Factory's tool turns: `function_call` is an assistant's call,
+`observation` a tool's result)."""
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,40 @@ def _llava_turns(conversations: Any, sample_id: str) -> tuple[Turn, ...]:
         value = message.get("value")
         if not isinstance(value, str):
             raise DataProblem("bad_format", f"conversations[{k}].value must be a string", sample_id=sample_id)
+        if message["from"] == "function_call":  # LLaMA-Factory: the call as JSON (or a list of calls)
+            turns.append(Turn("assistant", "", _calls(_json(value, f"conversations[{k}].value", sample_id),
+                                                      f"conversations[{k}]", sample_id)))
+            continue
         turns.append(Turn(ROLES[message["from"]], value))
     return tuple(turns)
+
+
+def _json(text: str, where: str, sample_id: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataProblem("bad_format", f"{where} is not JSON ({e.msg})", sample_id=sample_id) from None
+
+
+def _calls(value: Any, where: str, sample_id: str) -> tuple[tuple[str, str], ...]:
+    """OpenAI `tool_calls` ({"function": {"name", "arguments"}} each; `arguments` an object or its JSON text) or
+    LLaMA-Factory's ({"name", "arguments"}), as `Turn.calls`."""
+    import json
+
+    calls = value if isinstance(value, list) else [value]
+    out = []
+    for n, call in enumerate(calls):
+        call = call.get("function", call) if isinstance(call, dict) else None
+        arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+        if isinstance(arguments, str):
+            arguments = _json(arguments, f"{where} call {n}'s arguments", sample_id)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            raise DataProblem("bad_format", f"{where} call {n} must be {{'name': str, 'arguments': {{...}}}} (OpenAI's "
+                              "tool_calls put it under 'function')", sample_id=sample_id)
+        out.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+    return tuple(out)
 
 
 def _message_turns(messages: Any, sample_id: str, inline: list[Any]) -> tuple[Turn, ...]:
@@ -220,7 +255,13 @@ def _message_turns(messages: Any, sample_id: str, inline: list[Any]) -> tuple[Tu
     for k, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise DataProblem("bad_format", f"messages[{k}] needs 'role' in {sorted(ROLES)}", sample_id=sample_id)
-        turns.append(Turn(ROLES[message["role"]], _content_text(message.get("content"), k, sample_id, inline)))
+        calls = message.get("tool_calls")
+        if calls and ROLES[message["role"]] != "assistant":
+            raise DataProblem("bad_format", f"messages[{k}] has tool_calls but is not an assistant turn",
+                              sample_id=sample_id)
+        content = message.get("content")
+        text = "" if content is None and calls else _content_text(content, k, sample_id, inline)
+        turns.append(Turn(ROLES[message["role"]], text, _calls(calls, f"messages[{k}]", sample_id) if calls else ()))
     return tuple(turns)
 
 

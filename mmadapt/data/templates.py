@@ -32,7 +32,8 @@ labelled when its characters overlap a supervised range (everything else is -100
   a SentencePiece Llama tokenizer (tests/test_templates.py). LLaVA's dataset moves `<image>` to the front of the
   turn; mmadapt keeps the data's placement.
 - `ChatMLTemplate` (`chatml`): Qwen's ChatML, no default system prompt, images as the backbone's span; equal to
-  Qwen3-VL's official template for text and image conversations.
+  Qwen3-VL's official template for text and image conversations, and rendered by it (`qwen3_vl`) for conversations
+  with tools, tool calls or tool results (`mmadapt.data.tool_turns`).
 
 Each built-in exports an equivalent jinja template (`jinja`), written into the tokenizer a model is trained
 with, so `apply_chat_template` of the saved tokenizer gives the training prompt; mmadapt recognises its own
@@ -164,6 +165,9 @@ class VicunaTemplate(ChatTemplate):
     def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str = IMAGE,
                add_generation_prompt: bool = False, **template_kwargs: Any) -> Rendered:
         """`Conversation.get_prompt()` of SeparatorStyle.TWO; supervised: each answer with its `</s>`."""
+        if any(t.role == "tool" or t.calls for t in turns):
+            raise TemplateRenderError(f"template {self.name!r} has no tool calls or tool messages. Fix: a template "
+                                      "with tools (chat_template: qwen3_5, qwen3_vl or chatml)")
         system, turns = split_system(turns, self.default_system)
         text, supervised, eos = (system or "") + " ", [], self.end_of_turn(tokenizer)
         for turn in turns:
@@ -231,6 +235,9 @@ class ChatMLTemplate(ChatTemplate):
 
     def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
                **template_kwargs: Any) -> Rendered:
+        if template_kwargs.get("tools") or any(t.role == "tool" or t.calls for t in turns):  # Qwen3-VL's own, whole
+            return TEMPLATES.get("qwen3_vl").render(turns, tokenizer, image_text=image_text,
+                                                    add_generation_prompt=add_generation_prompt, **template_kwargs)
         system, turns = split_system(turns)
         text = f"<|im_start|>system\n{system.replace(IMAGE, image_text)}<|im_end|>\n" if system else ""
         supervised = []
@@ -244,12 +251,8 @@ class ChatMLTemplate(ChatTemplate):
         return Rendered(text + ("<|im_start|>assistant\n" if add_generation_prompt else ""), supervised)
 
     def jinja(self, tokenizer: Any) -> str:
-        return (JINJA_MARK.format(name=self.name) + "{%- for message in messages %}{{- '<|im_start|>' + message.role "
-                "+ '\\n' }}{%- if message.content is string %}{{- message.content }}{%- else %}{%- for part in "
-                "message.content %}{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-                "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}{%- endif %}"
-                "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-                "{%- endif %}")
+        """Qwen3-VL's official template (tools and tool messages too), marked as this built-in's export."""
+        return JINJA_MARK.format(name=self.name) + shipped_template("qwen3_vl.jinja")
 
 
 # ---- jinja: the tokenizer's own template, or an official one shipped with mmadapt --------------------------------
@@ -330,22 +333,28 @@ class JinjaTemplate(ChatTemplate):
         return _probe(self, tokenizer, self.text(tokenizer), what)
 
     def messages(self, turns: Sequence[Turn], tokenizer: Any, contents: Sequence[str],
-                 image_text: str | None = None) -> list[dict]:
+                 image_text: str | None = None, marks: dict[int, str] | None = None) -> list[dict]:
         """The messages `apply_chat_template` takes: parts when the template places images (`places_images`;
-        without `image_text`, when it reads parts), else strings, `image_text` in place of each `<image>`."""
+        without `image_text`, when it reads parts), else strings, `image_text` in place of each `<image>`; an
+        assistant turn's calls as OpenAI `tool_calls` (`marks` {turn: marker}: the marker as its first call's
+        name)."""
         parts = self.reads_parts(tokenizer) if image_text is None else self.places_images(tokenizer, image_text)
         out = []
-        for turn, content in zip(turns, contents, strict=True):
+        for k, (turn, content) in enumerate(zip(turns, contents, strict=True)):
+            message: dict[str, Any] = {"role": turn.role}
             if not parts:
-                out.append({"role": turn.role, "content": content.replace(IMAGE, image_text or IMAGE)})
-                continue
-            pieces: list[dict] = []
-            for k, chunk in enumerate(content.split(IMAGE)):
-                if k:
-                    pieces.append({"type": "image"})
-                if chunk:
-                    pieces.append({"type": "text", "text": chunk})
-            out.append({"role": turn.role, "content": pieces})
+                message["content"] = content.replace(IMAGE, image_text or IMAGE)
+            else:
+                pieces: list[dict] = []
+                for n, chunk in enumerate(content.split(IMAGE)):
+                    if n:
+                        pieces.append({"type": "image"})
+                    if chunk:
+                        pieces.append({"type": "text", "text": chunk})
+                message["content"] = pieces
+            if turn.calls:
+                message["tool_calls"] = tool_calls(turn.calls, marks.get(k) if marks else None)
+            out.append(message)
         return out
 
     def render(self, turns: Sequence[Turn], tokenizer: Any, *, image_text: str, add_generation_prompt: bool = False,
@@ -353,15 +362,23 @@ class JinjaTemplate(ChatTemplate):
         turns = list(turns)
         real = self.apply(tokenizer, self.messages(turns, tokenizer, [t.text for t in turns], image_text),
                           add_generation_prompt, **template_kwargs)
-        marks = [MARK.format(k) if t.role == "assistant" else t.text for k, t in enumerate(turns)]
-        marked = self.apply(tokenizer, self.messages(turns, tokenizer, marks, image_text), add_generation_prompt,
-                            **template_kwargs)
+        # each assistant turn's content marked; a turn with tool calls keeps its content and has its first call's
+        # name marked instead (a template writes what separates content from calls by whether the content is empty)
+        called = {k: MARK.format(k) for k, t in enumerate(turns) if t.role == "assistant" and t.calls}
+        marks = [MARK.format(k) if t.role == "assistant" and k not in called else t.text for k, t in enumerate(turns)]
+        marked = self.apply(tokenizer, self.messages(turns, tokenizer, marks, image_text, called),
+                            add_generation_prompt, **template_kwargs)
         prompt = self._generation_prompt(tokenizer, template_kwargs)
         end = self.end_of_turn(tokenizer)
         supervised, position = [], 0
-        scaffolds = _split_marks(marked, [k for k, t in enumerate(turns) if t.role == "assistant"])
+        assistants = [k for k, t in enumerate(turns) if t.role == "assistant"]
+        if any(MARK.format(k) not in marked for k in called):
+            raise TemplateRenderError(f"template {self.name!r} does not write an assistant's tool_calls. Fix: a "
+                                      "template with tool calls (chat_template: qwen3_5, qwen3_vl or chatml)")
+        scaffolds = _split_marks(marked, assistants)
         answers = [t.text for t in turns if t.role == "assistant"]
-        for k, scaffold in enumerate(scaffolds[:-1]):
+        for k in range(len(scaffolds) - 1):
+            scaffold = scaffolds[k]  # (a turn with calls trims the next one)
             if not real.startswith(scaffold, position):
                 raise ChatTemplateError(
                     f"template {self.name!r} rewrites the text around assistant turn {k} (e.g. a reasoning block in "
@@ -369,6 +386,16 @@ class JinjaTemplate(ChatTemplate):
                     "or use a built-in template")
             start = position + _answer_start(scaffold, prompt)
             position += len(scaffold)
+            if assistants[k] in called:  # content and calls, supervised through the end of the turn
+                stop = real.find(end, position) if end else -1
+                if stop < 0:
+                    raise ChatTemplateError(f"template {self.name!r}: assistant turn {k}'s tool calls end in no "
+                                            f"{end!r}")
+                position = stop = stop + len(end)
+                supervised.append((start, stop))
+                after = scaffolds[k + 1]
+                scaffolds[k + 1] = after[after.index(end) + len(end):] if end in after else after
+                continue
             stop = _content_end(real, position, answers[k], scaffolds[k + 1], last=k + 2 == len(scaffolds))
             if stop < 0:
                 raise ChatTemplateError(f"template {self.name!r}: the text after assistant turn {k} was not found")
@@ -407,6 +434,18 @@ def _split_marks(marked: str, assistants: list[int]) -> list[str]:
         out.append(marked[position:found])
         position = found + len(mark)
     return [*out, marked[position:]]
+
+
+def tool_calls(calls: Sequence[tuple[str, str]], mark: str | None = None) -> list[dict[str, Any]]:
+    """A turn's calls, (name, arguments as JSON text) each, as OpenAI `tool_calls` (`mark`: the first's name)."""
+    import json
+
+    out = []
+    for k, (name, arguments) in enumerate(calls):
+        parsed = json.loads(arguments)
+        out.append({"type": "function", "function": {"name": mark if k == 0 and mark else name,
+                                                     "arguments": parsed}})
+    return out
 
 
 def _content_end(real: str, position: int, content: str, following: str, *, last: bool) -> int:

@@ -15,5 +15,8 @@ VIDEO = "<video>"
 
 @dataclass(frozen=True)
 class Turn:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result, read by the model, never supervised)
     text: str
+    # an assistant turn's tool calls, (name, arguments as a JSON object's text) each: the template writes them after
+    # `text` in its own format (`mmadapt.data.tool_turns`), and they are supervised with the answer
+    calls: tuple[tuple[str, str], ...] = ()

@@ -40,6 +40,16 @@ class GrpoSettings:
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the std advantages are divided by (none: Dr. GRPO)
     num_iterations: int = 1  # optimizer steps per rollout (trl's mu), the later ones clipped against its log-probs
     mask_truncated_completions: bool = False  # answers cut at max_completion_length add nothing to the loss
+    # multi-turn rollouts (`mmadapt.train.objectives.turns`): the tools the policy may call in its template's format -
+    # built-ins (crop, zoom), {name, ...options}, or a user's `package.module:function` (imported only when named)
+    tools: list[Any] = field(default_factory=list)
+    max_turns: int = 4  # answers per trajectory (with tools): the last one's text is what the rewards score
+    max_trajectory_length: int | None = None  # tokens after the prompt, answers and tool messages (None: what
+    # data.max_length leaves)
+    tool_timeout: float = 10.0  # seconds a call may run; then a counted `timeout` and a tool message saying so
+    tool_max_pixels: int | None = None  # the most pixels of an image a tool returns (None: the processor's max_pixels)
+    tool_max_images: int = 4  # images one call may return
+    tools_in_prompt: bool = True  # the tool list in the prompt as the template writes it (its `tools` argument)
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
@@ -53,6 +63,12 @@ class GrpoSettings:
         if not self.temperature > 0:
             raise ValueError(f"grpo.temperature must be > 0 (GRPO compares a group's sampled answers; greedy ones "
                              f"would be one answer G times), got {self.temperature}")
+        if self.tools and self.max_turns < 2:
+            raise ValueError(f"grpo.max_turns must be >= 2 with grpo.tools (an answer, a tool's result, an answer), got "
+                             f"{self.max_turns}")
+        if not self.tool_timeout > 0 or (self.max_trajectory_length is not None and self.max_trajectory_length < 1):
+            raise ValueError(f"grpo.tool_timeout must be > 0 and grpo.max_trajectory_length >= 1, got "
+                             f"{self.tool_timeout} and {self.max_trajectory_length}")
         if self.num_iterations < 1:
             raise ValueError(f"grpo.num_iterations must be >= 1 (optimizer steps per rollout), got "
                              f"{self.num_iterations}")
