@@ -75,15 +75,21 @@ class OnlineObjective(Objective):
         """`data.train` / `data.eval` as prompts (trl / EasyR1 / ms-swift records, each encoded once), leaving room
         for `answer_length` tokens."""
         from mmadapt.data import Collator
-        from mmadapt.data.prompts import PromptCollator, PromptDataset, PromptEncoder
+        from mmadapt.data.prompts import PromptCollator, PromptDataset
 
         d = self.config.data
         self.require_one_unpacked_file(" of prompts", "lays out each prompt's answers side by side")
         self.bind(encoder, model)
-        prompts = PromptEncoder(encoder, self.answer_length)
+        prompts = self.prompt_encoder(encoder)
         collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
         return ObjectiveData(PromptDataset(d.train, prompts), PromptDataset(d.eval, prompts) if d.eval else None,
                              collate)
+
+    def prompt_encoder(self, encoder: Any) -> Any:
+        """How its prompts are encoded (`PromptEncoder`: room for `answer_length` tokens)."""
+        from mmadapt.data.prompts import PromptEncoder
+
+        return PromptEncoder(encoder, self.answer_length)
 
     def first_forward(self, run: Run) -> None:
         """Under FSDP2, one forward of the root before any of its blocks runs alone (a rollout, an encoding): FSDP2

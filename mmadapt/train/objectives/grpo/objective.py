@@ -63,9 +63,11 @@ from typing import Any
 import torch
 
 from mmadapt.heads import TokenLogps
+from mmadapt.tools import build_tools
 from mmadapt.train import distributed as dist_utils
 from mmadapt.train.batches import inputs_of, to_device
 from mmadapt.train.objectives.base import Run, StepResult, StepTotals, Terms, ViewOptions
+from mmadapt.train.objectives.grpo import agentic
 from mmadapt.train.objectives.grpo.loss import (
     STD_EPSILON,
     PolicyLoss,
@@ -87,6 +89,7 @@ from mmadapt.train.objectives.rollout import (
     row_seeds,
     scored_rows,
 )
+from mmadapt.train.objectives.turns import Trajectories
 from mmadapt.train.rewards import reward_specs
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ class GrpoObjective(OnlineObjective):
         self.specs = reward_specs(s.rewards)
         self.scorer: AnswerScorer | None = None
         self.image_token_id: int | None = None
+        self.tools = build_tools(s.tools) if s.tools else ()  # user tools imported here, as rewards are
+        self.agent: Any = None  # with tools: the template's tool turns and the tools (`agentic.agent_for`, at bind)
 
     # ---- its view of a file of prompts (`mmadapt eval` / `sees`) ----------------------------------------------------
     view_flags = frozenset({"rewards", "max_new_tokens"})
@@ -158,6 +163,15 @@ class GrpoObjective(OnlineObjective):
         self.scorer = AnswerScorer.for_encoder(encoder, self.specs, self.settings.greedy,
                                                collator=Collator.for_model(model, encoder.pad_token_id))
         self.image_token_id = model.tokens.image_token_id
+        if self.tools:
+            self.agent = agentic.agent_for(self.settings, encoder, self.tools)
+
+    def prompt_encoder(self, encoder: Any) -> Any:
+        """Prompts with room for a first answer; with tools, listing those each prompt offers, its images kept for
+        them."""
+        from mmadapt.data.prompts import PromptEncoder
+
+        return PromptEncoder(encoder, self.answer_length, self.tools, self.settings.tools_in_prompt)
 
     def setup(self, model: Any) -> None:
         s = self.settings
@@ -207,11 +221,10 @@ class GrpoObjective(OnlineObjective):
         model.eval()
         try:
             with run.precision_context(), gathered(run.wrapped):
-                done = [rollout(model, self.scorer.processor, batch, s.num_generations, s.sampling,
-                                encoded=None if pictures is None else pictures.detached(),
-                                seeds=row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in batch["meta"][
-                                    "sample_ids"]], s.num_generations)) if batch["input_ids"].shape[0] else None
-                        for batch, pictures in zip(micro, encoded, strict=True)]
+                done = [self.answer(run, batch, pictures, row_seeds(run.cfg.train.seed, run.step, [ids[0] for ids in
+                                                                    batch["meta"]["sample_ids"]], s.num_generations))
+                        if batch["input_ids"].shape[0] else None for batch, pictures in zip(micro, encoded,
+                                                                                              strict=True)]
         finally:
             model.train(was_training)
         rollout_s = time.perf_counter() - started
@@ -230,35 +243,68 @@ class GrpoObjective(OnlineObjective):
                 rows.append({**batch, "logged": {}})
                 continue
             advantages = self.advantages(total, std_over)
-            mask = r.mask & ~r.truncated[:, None] if s.mask_truncated_completions else r.mask
-            scored = scored_rows(batch, r, self.scorer.pad_token_id)
-            check_groups(scored, s.num_generations, self.image_token_id)
+            scored, pictures, again, policy = self.layout(batch, r, pictures)
+            mask = policy.mask & ~policy.truncated[:, None] if s.mask_truncated_completions else policy.mask
             if pictures is not None:  # the policy's forward takes the encoding, with its graph
                 scored[ENCODED] = pictures
             rows.append({**scored, "meta": batch["meta"], ROLLOUT: {
-                "rollouts": r, "advantages": advantages.advantages.to(run.device), "mask": mask, "prompts": batch},
+                "rollouts": policy, "advantages": advantages.advantages.to(run.device), "mask": mask,
+                "prompts": again},
                 "logged": {**sc.logged(), "reward_std": float(advantages.std.nanmean()),
-                           "zero_std_groups": float(advantages.zero_std.float().mean())}})
+                           "zero_std_groups": float(advantages.zero_std.float().mean()),
+                           **(agentic.logged(r) if isinstance(r, Trajectories) else {})}})
         if rows:
             rows[0]["logged"]["rollout_s"] = rollout_s
         return rows
 
-    def masked_out(self, batch: dict[str, Any], done: Rollouts, pictures: Encoded | None,
-                   meta: Any) -> dict[str, Any]:
+    def answer(self, run: Run, batch: dict[str, Any], pictures: Encoded | None, seeds: torch.Tensor) -> Any:
+        """A micro-batch's G answers per prompt (`rollout`), or with tools its trajectories (`agentic.answer`: the
+        images tools return encoded once, as they arrive, with the vision side's graph when it trains)."""
+        s, given = self.settings, None if pictures is None else pictures.detached()
+        if self.agent is None:
+            return rollout(run.model, self.scorer.processor, batch, s.num_generations, s.sampling, encoded=given,
+                           seeds=seeds)
+        return agentic.answer(run.model, self.scorer.processor, batch, s.num_generations, s.sampling, self.agent,
+                              seeds=seeds, pictures=given, encode=lambda pixels: self.encode_pixels(run, pixels))
+
+    def encode_pixels(self, run: Run, pixels: dict[str, Any]) -> Any:
+        """Images tools returned, encoded once by the policy in training mode (with gradients when the vision side
+        trains), inside the rollout (whose FSDP2 gather holds)."""
+        model, was_training = run.model, run.model.training
+        model.train()
+        try:
+            with torch.set_grad_enabled(vision_trains(model)):
+                return model.encode_images(pixels["pixel_values"], pixels.get("image_grid_thw"))
+        finally:
+            model.train(was_training)
+
+    def layout(self, batch: dict[str, Any], done: Any, pictures: Encoded | None) -> tuple[Any, ...]:
+        """The rows the policy scores, the encoding they take, the pictures' inputs (to encode them again) and the
+        policy's tokens (`Rollouts`), for answers or trajectories."""
+        if isinstance(done, Trajectories):
+            rows, pictures, again = agentic.trajectory_rows(batch, done, pictures, self.scorer.pad_token_id,
+                                                           self.scorer.processor)
+            return rows, pictures, again, done.policy
+        scored = scored_rows(batch, done, self.scorer.pad_token_id)
+        check_groups(scored, self.settings.num_generations, self.image_token_id)
+        return scored, pictures, batch, done
+
+    def masked_out(self, batch: dict[str, Any], done: Any, pictures: Encoded | None, meta: Any) -> dict[str, Any]:
         """A stand-in's rows (`stand_in`): scored like any rows, with no token counted (an all-False mask: zero loss,
         zero gradient), no advantage, nothing logged, and the meta of the micro-batch it stands in for (its
         problems)."""
-        scored = scored_rows(batch, done, self.scorer.pad_token_id)
+        scored, pictures, again, policy = self.layout(batch, done, pictures)
         if pictures is not None:
             scored[ENCODED] = pictures
         return {**scored, "meta": meta, "logged": {}, ROLLOUT: {
-            "rollouts": done, "advantages": torch.zeros(done.mask.shape[0], device=done.mask.device),
-            "mask": torch.zeros_like(done.mask), "prompts": batch, "stand_in": True}}
+            "rollouts": policy, "advantages": torch.zeros(policy.mask.shape[0], device=policy.mask.device),
+            "mask": torch.zeros_like(policy.mask), "prompts": again, "stand_in": True}}
 
-    def rewards(self, batch: dict[str, Any], done: Rollouts | None) -> Any:
+    def rewards(self, batch: dict[str, Any], done: Any) -> Any:
         if done is None:
             return None
-        return self.scorer.score(self.scorer.texts(done), batch, self.settings.num_generations)
+        texts = done.texts if isinstance(done, Trajectories) else self.scorer.texts(done)
+        return self.scorer.score(texts, batch, self.settings.num_generations)
 
     def advantages(self, total: torch.Tensor, batch_rewards: torch.Tensor | None) -> Any:
         s = self.settings
@@ -368,14 +414,23 @@ class GrpoObjective(OnlineObjective):
     def eval_stat_names(self, run: Run) -> tuple[str, ...]:
         from mmadapt.controls import IMAGE_CONTROLS
 
-        return tuple(f"{kind}/{c.name}" for c in IMAGE_CONTROLS for kind in ("reward", "answers"))
+        names = (*agentic.TOOL_CONTROLS, "tool_calls") if self.agent is not None else [c.name for c in IMAGE_CONTROLS]
+        return tuple(f"{kind}/{name}" for name in names for kind in ("reward", "answers"))
 
     def eval_batch(self, run: Run, items: list[Any], batch: dict[str, Any]) -> dict[str, float]:
         """Does the reward rest on the image? The rewards of one greedy answer per eval prompt with its real images,
         blanked (the processor's mean colour) and shuffled among the batch's prompts (another prompt's image of the
         same size): `reward_view.control_rewards`, what `mmadapt sees` prints for a file of prompts."""
         out = {}
-        for name, values in control_rewards(run.model, self.scorer, items, run.collate_fn, device=run.device).items():
+        if self.agent is not None:  # with tools: real, blanked, the tools' images blanked (`agentic.tool_controls`)
+            from mmadapt.train.batches import to_device
+
+            shown = to_device(batch, run.device)
+            results = agentic.tool_controls(run.model, self.scorer, self.agent, shown) if shown["input_ids"].shape[
+                0] else {name: [] for name in (*agentic.TOOL_CONTROLS, "tool_calls")}
+        else:
+            results = control_rewards(run.model, self.scorer, items, run.collate_fn, device=run.device)
+        for name, values in results.items():
             out[f"reward/{name}"], out[f"answers/{name}"] = sum(values), len(values)
         return out
 
@@ -384,6 +439,7 @@ class GrpoObjective(OnlineObjective):
         image falls without it)."""
         from mmadapt.controls import IMAGE_CONTROLS
 
-        return {"eval_reward" if c.name == "real" else f"eval_reward_{c.name}":
-                sums[f"reward/{c.name}"] / sums[f"answers/{c.name}"] if sums[f"answers/{c.name}"] else math.nan
-                for c in IMAGE_CONTROLS}
+        names = (*agentic.TOOL_CONTROLS, "tool_calls") if self.agent is not None else [c.name for c in IMAGE_CONTROLS]
+        return {"eval_reward" if name == "real" else "eval_tool_calls" if name == "tool_calls" else
+                f"eval_reward_{name}": sums[f"reward/{name}"] / sums[f"answers/{name}"] if sums[f"answers/{name}"]
+                else math.nan for name in names}

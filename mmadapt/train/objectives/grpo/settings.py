@@ -64,8 +64,8 @@ class GrpoSettings:
             raise ValueError(f"grpo.temperature must be > 0 (GRPO compares a group's sampled answers; greedy ones "
                              f"would be one answer G times), got {self.temperature}")
         if self.tools and self.max_turns < 2:
-            raise ValueError(f"grpo.max_turns must be >= 2 with grpo.tools (an answer, a tool's result, an answer), got "
-                             f"{self.max_turns}")
+            raise ValueError(f"grpo.max_turns must be >= 2 with grpo.tools (an answer, a tool's result, an "
+                             f"answer), got {self.max_turns}")
         if not self.tool_timeout > 0 or (self.max_trajectory_length is not None and self.max_trajectory_length < 1):
             raise ValueError(f"grpo.tool_timeout must be > 0 and grpo.max_trajectory_length >= 1, got "
                              f"{self.tool_timeout} and {self.max_trajectory_length}")

@@ -1,0 +1,243 @@
+"""Multi-turn rollouts with tools that return images (`mmadapt.train.objectives.turns`, `mmadapt.data.tool_turns`):
+the template's own call format and tool messages, a template that drops tool images refused, each image (the
+prompts' and those tools return) encoded once and shared by the rollout and the forward, tool tokens never labelled,
+the rollout's log-probs equal to the forward's over whole trajectories, failing tools counted, never a crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from skimage import data as skdata
+from test_rollout import encoded_pictures, processor_of, scores_and_grads, separate_pictures
+
+import mmadapt
+from mmadapt.data import Collator, SampleEncoder, char_tokenizer
+from mmadapt.data.prompts import PromptCollator, PromptEncoder
+from mmadapt.data.templates import ChatTemplateError
+from mmadapt.data.tool_turns import ToolTurns
+from mmadapt.data.turns import IMAGE, Turn
+from mmadapt.heads import TokenLogps
+from mmadapt.loss import IGNORE_INDEX
+from mmadapt.sampling import Sampling
+from mmadapt.tools import build_tools
+from mmadapt.train.objectives.rollout import completion_logps, encode_prompts
+from mmadapt.train.objectives.turns import Agent, multi_turn_rollout, scored_trajectories
+
+QWEN = ("qwen3_5_vit", "qwen_merger", "qwen3_5")
+
+
+def failing(box: list) -> str:
+    """A tool that always fails.
+
+    Args:
+        box: a box
+    """
+    raise RuntimeError("the tool broke")
+
+
+class Always(ToolTurns):
+    """The template's tool turns, reading every answer as a zoom into the image's top-left quarter (a sampled
+    trajectory that calls tools without a trained policy), or as a call of `name`."""
+
+    name = "zoom"
+
+    @property
+    def marker(self) -> str:
+        return ""
+
+    def parse(self, text):
+        return [(self.name, {"box": [0, 0, 32, 32]})]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("turns")
+    Image.fromarray(skdata.astronaut()).resize((64, 64)).save(root / "0.png")
+    Image.fromarray(skdata.chelsea()).resize((64, 32)).save(root / "1.png")
+    torch.manual_seed(0)
+    model = mmadapt.build_model(*QWEN).eval()
+    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root), max_length=320)
+    tools = build_tools(["zoom", "test_turns:failing"])
+    prompts = PromptEncoder(encoder, completion_tokens=6, tools=tools, list_tools=False)
+    records = [{"id": "a", "problem": "<image>What is it?", "answer": "A", "images": ["0.png"]},
+               {"id": "b", "problem": "<image>And this?", "answer": "B", "images": ["1.png"]}]
+    collate = PromptCollator(Collator.for_model(model, encoder.pad_token_id))
+    batch = collate([prompts.encode(r, k) for k, r in enumerate(records)])
+    turns = ToolTurns.of(encoder)
+    agent = Agent(Always(turns.template, turns.tokenizer, turns.image_text, turns.format),
+                  {t.name: t for t in tools}, encoder.processor, max_turns=3, max_tokens=200, max_pixels=32 * 32)
+    return model, encoder, batch, agent
+
+
+def trajectories(model, encoder, batch, agent, g=2, seed=0, **options):
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "meta", "columns", "images", "tools")}
+    return multi_turn_rollout(model, processor_of(model, encoder), inputs, g,
+                              Sampling(max_new_tokens=5, temperature=0.9), agent,
+                              seeds=torch.arange(2 * g, dtype=torch.int64) * 7919 + seed,
+                              encoded=encode_prompts(model, inputs), images=batch["images"], **options), inputs
+
+
+def test_the_templates_write_and_read_calls_and_tool_messages_in_their_own_format():
+    """Qwen3-VL's format through the built-in chatml (hermes JSON), Qwen3.5's own (XML parameters) with Qwen3's real
+    tokenizer: a call written by the template is read back, and a tool message holds its image span once."""
+    from real_tokenizers import real_tokenizer
+
+    model = mmadapt.build_model(*QWEN)
+    for tokenizer, template, form in ((char_tokenizer(), "auto", "hermes_json"),
+                                      (real_tokenizer("qwen3"), "qwen3_5", "qwen_xml")):
+        encoder = SampleEncoder.for_model(model, tokenizer, chat_template=template, max_length=512)
+        turns = ToolTurns.of(encoder)
+        assert turns.format == form
+        written = turns.answer_text("Looking closer.", [("zoom", json.dumps({"box": [1, 2, 30, 40], "image": 0}))])
+        assert turns.marker in written and turns.parse(written) == [("zoom", {"box": [1, 2, 30, 40], "image": 0})]
+        suffix = turns.suffix([Turn("tool", f"{IMAGE}zoomed")])
+        assert suffix.count(encoder.image_text) == 1 and "zoomed" in suffix and suffix.endswith(
+            tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                          add_generation_prompt=True, chat_template=encoder.tokenizer.chat_template)[
+                -len("assistant\n"):])
+        with pytest.raises(ValueError, match="tool_call"):
+            turns.parse(written.replace("</tool_call>", ""))
+
+
+DROPPING = ("{%- for message in messages %}<|im_start|>{{ message.role }}\n{%- if message.content is string %}"
+            "{{ message.content }}{%- else %}{%- for part in message.content %}{%- if part.type == 'text' %}"
+            "{{ part.text }}{%- elif part.type == 'image' and message.role != 'tool' %}"
+            "<|vision_start|><|image_pad|><|vision_end|>{%- endif %}{%- endfor %}{%- endif %}"
+            "{%- for call in message.tool_calls or [] %}<tool_call>\n{{ call.function | tojson }}\n</tool_call>"
+            "{%- endfor %}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_that_drops_the_images_of_tool_messages_is_refused_at_start_naming_it(tmp_path):
+    """trl #5663: a template that renders a tool message's text and drops its image parts. A GRPO run with tools
+    refuses it when it starts (the objective's bind), naming the template and the fix; the same template without
+    tools is fine."""
+    from mmadapt.train import RunConfig
+    from mmadapt.train.run import build_run
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "0.png")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"problem": "<image>Colour?", "answer": "red", "images": ["0.png"]}))
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = DROPPING
+    common = [f"train.out={tmp_path / 'out'}", "train.objective=grpo", "grpo.rewards=[accuracy]",
+              f"data.train={tmp_path / 'p.jsonl'}", f"data.image_root={tmp_path}", "data.chat_template=tokenizer",
+              "data.chat_template_mismatch=warn"]
+    with pytest.raises(ChatTemplateError, match=r"'tokenizer' drops the image of a tool message.*Fix: a template"):
+        build_run(RunConfig.load(None, [*common, "grpo.tools=[zoom]"]), tokenizer=tokenizer)
+    build_run(RunConfig.load(None, common), tokenizer=tokenizer)  # no tools: nothing to refuse
+
+
+def test_a_template_without_tool_calls_is_refused():
+    from real_tokenizers import real_tokenizer
+
+    model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
+    encoder = SampleEncoder.for_model(model, real_tokenizer("llama2"), chat_template="vicuna_v1", max_length=256)
+    with pytest.raises(ChatTemplateError, match="'vicuna_v1'.*Fix: a template with tools"):
+        ToolTurns.of(encoder)
+
+
+def test_each_image_is_encoded_once_and_tool_tokens_carry_no_label(setup):
+    """Two prompts x G = 2 trajectories of up to 3 answers, each answer read as a zoom: the prompts' 2 images in one
+    encoding, each turn's returned images in one encoding (4 per turn, 2 turns), never again; the scored rows label
+    the policy's answers only (every token of a tool message, its image span included, is -100); the tool messages
+    are the template's, with the zoomed image at its own span."""
+    model, encoder, batch, agent = setup
+    seen, hook = encoded_pictures(model)
+    try:
+        done, inputs = trajectories(model, encoder, batch, agent)
+    finally:
+        hook.remove()
+    assert seen == {"calls": 3, "pictures": 2 + 4 + 4}, seen
+    assert done.pool.num_images == 10 and [len(row) for row in done.images] == [3, 3, 3, 3]
+    assert done.calls.tolist() == [2, 2, 2, 2] and not done.problems
+    rows = scored_trajectories(inputs, done, encoder.pad_token_id, processor_of(model, encoder))
+    for r, segments in enumerate(done.segments):
+        labelled = rows["labels"][r][rows["labels"][r] != IGNORE_INDEX]
+        assert torch.equal(labelled, torch.cat([ids for ids, policy in segments if policy]))
+        assert torch.equal(labelled, done.policy.completions[r][done.policy.mask[r]])
+        tool_ids = torch.cat([ids for ids, policy in segments if not policy])
+        text = encoder.tokenizer.decode(tool_ids)
+        assert text.count("<tool_response>") == 2 and "zoomed" in text
+        assert int((tool_ids == encoder.image_token_id).sum()) == 2 * 4  # two 32x32 zooms: 4 tokens each
+    images = (rows["input_ids"] == encoder.image_token_id) & (rows["labels"] != IGNORE_INDEX)
+    assert not images.any()
+
+
+def test_whole_trajectories_score_as_the_rollout_saw_them_and_as_separate_encodings(setup):
+    """The contract over whole trajectories: the log-probs the rollout saw for each sampled token (a prefill per
+    turn, the images handed over) equal the training forward's over the scored rows (<= 1e-5, fp32); the rows with
+    the pool encoded once give the log-probs and gradients of rows that each encode their own images (<= 1e-6) and
+    exactly those of the step's handed encoding. Blanking the tools' images moves the forward's log-probs."""
+    model, encoder, batch, agent = setup
+    done, inputs = trajectories(model, encoder, batch, agent, seed=3)
+    rows = scored_trajectories(inputs, done, encoder.pad_token_id, processor_of(model, encoder))
+    with torch.no_grad():
+        forward = completion_logps(model(**rows, head=TokenLogps(0.9)).logps, rows["labels"], done.policy)
+    gap = (forward - done.policy.logps).abs()[done.policy.mask]
+    assert gap.max() <= 1e-5, gap.max()
+    ours, our_grads = scores_and_grads(model, rows, done.policy)
+    theirs, their_grads = scores_and_grads(model, separate_pictures(rows, rows), done.policy)
+    pool = model.encode_images(rows["pixel_values"], rows["image_grid_thw"])
+    handed, handed_grads = scores_and_grads(model, rows, done.policy, visual=pool.take(rows["image_index"]))
+    assert torch.allclose(ours, theirs, atol=1e-6, rtol=0) and torch.equal(ours, handed)
+    assert any("encoder" in n for n in our_grads)
+    for name, grad in our_grads.items():
+        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+        assert torch.allclose(grad, handed_grads[name], atol=1e-7, rtol=1e-6), name
+    prompt_images = int(inputs["images_per_sample"].sum())
+    blanked = dict(rows)
+    blanked["pixel_values"] = rows["pixel_values"].clone()
+    patches = rows["image_grid_thw"].prod(dim=1)
+    blanked["pixel_values"][int(patches[:prompt_images].sum()):] = 0
+    with torch.no_grad():
+        moved = completion_logps(model(**blanked, head=TokenLogps(0.9)).logps, rows["labels"], done.policy)
+    assert (moved - done.policy.logps).abs()[done.policy.mask].max() > 1e-3
+
+
+def test_a_failing_tool_and_an_unreadable_call_are_counted_and_answered_by_a_tool_message(setup):
+    """A tool that raises and a call that cannot be read: each a counted problem and a tool message saying so, the
+    trajectory going on (never a crash)."""
+    import dataclasses
+
+    model, encoder, batch, agent = setup
+    broken = Always(agent.turns.template, agent.turns.tokenizer, agent.turns.image_text, agent.turns.format)
+    broken.name = "failing"
+    done, _ = trajectories(model, encoder, batch, dataclasses.replace(agent, turns=broken))
+    assert done.problems == {"tool_error": 8} and done.pool.num_images == 2
+    texts = [encoder.tokenizer.decode(torch.cat([ids for ids, policy in row if not policy])) for row in done.segments]
+    assert all(t.count("the tool broke") == 2 for t in texts), texts[0]
+
+    class Unreadable(Always):
+        def parse(self, text):
+            raise ValueError("a <tool_call> is not closed by </tool_call>")
+
+    unreadable = Unreadable(agent.turns.template, agent.turns.tokenizer, agent.turns.image_text, agent.turns.format)
+    done, _ = trajectories(model, encoder, batch, dataclasses.replace(agent, turns=unreadable))
+    assert done.problems == {"bad_call": 8}
+    assert "could not be read" in encoder.tokenizer.decode(done.segments[0][1][0])
+
+
+def test_a_recorded_trajectory_trains_the_calls_and_answers_never_the_tool_turns(setup, tmp_path):
+    """SFT on a recorded trajectory (OpenAI messages: an assistant's tool_calls, a tool message with an image): the
+    call as the template writes it and the final answer are supervised; the tool message, its image span and the
+    prompt are not; both images reach the sequence at their spans."""
+    model, encoder, _, _ = setup
+    Image.fromarray(skdata.astronaut()).resize((64, 64)).save(tmp_path / "0.png")
+    Image.fromarray(skdata.astronaut()).resize((32, 32)).save(tmp_path / "1.png")
+    record = {"id": "t", "images": ["0.png", "1.png"], "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "zoom", "arguments": {"box": [0, 0, 32, 32]}}}]},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "zoomed"}]},
+        {"role": "assistant", "content": "A"}]}
+    sft = SampleEncoder.for_model(model, encoder.tokenizer, image_root=str(tmp_path), max_length=320)
+    sample = sft.encode(record, 0)
+    tokenizer = encoder.tokenizer
+    supervised = tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])
+    assert supervised == ('<tool_call>\n{"name": "zoom", "arguments": {"box": [0, 0, 32, 32]}}\n</tool_call>'
+                          '<|im_end|>A<|im_end|>'), supervised
+    assert sample.num_images == 2 and int((sample.input_ids == encoder.image_token_id).sum()) == sum(
+        sample.tokens_per_image)
+    assert "<tool_response>" in tokenizer.decode(sample.input_ids)
