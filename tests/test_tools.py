@@ -4,6 +4,7 @@ template."""
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import threading
@@ -221,6 +222,20 @@ def test_an_invalid_return_is_its_problem(astronaut, value, problem, says):
     assert result.text.startswith("error: bad") and "\n" not in result.text
 
 
+def test_an_image_that_cannot_be_decoded_is_an_invalid_result(astronaut):
+    png = io.BytesIO()
+    Image.fromarray(data.astronaut()[:64, :64]).save(png, "PNG")
+    truncated = Image.open(io.BytesIO(png.getvalue()[:200]))  # the header reads, the pixels do not
+    result = call([Returns("broken", value=truncated)], "broken", context(astronaut))
+    assert result.problem == "invalid_result" and "image 0 cannot be read as RGB (OSError" in result.text
+
+
+def test_a_problem_the_tool_reports_itself_is_kept_in_one_line(astronaut):
+    value = ToolResult(text="error: the index is down\nretry later", problem="tool_error")
+    result = call([Returns("search", value=value)], "search", context(astronaut))
+    assert (result.problem, result.text) == ("tool_error", "error: the index is down retry later")
+
+
 def test_every_valid_return_form_becomes_rgb_images_and_text(astronaut):
     grey, rgba = Image.new("L", (4, 3), 200), Image.new("RGBA", (5, 2), (10, 20, 30, 40))
     forms = [
@@ -237,6 +252,15 @@ def test_every_valid_return_form_becomes_rgb_images_and_text(astronaut):
         assert all(image.mode == "RGB" for image in result.images)
     first = call([Returns("ok", value=grey)], "ok", context(astronaut)).images[0]
     assert np.asarray(first)[0, 0].tolist() == [200, 200, 200]
+
+
+def test_a_context_refuses_limits_and_images_it_cannot_hold(astronaut):
+    with pytest.raises(ValueError, match=r"ToolContext.max_pixels must be a positive int, got 0"):
+        ToolContext(images=(astronaut,), max_pixels=0)
+    with pytest.raises(ValueError, match=r"min_pixels \(500\) is over max_pixels \(100\)"):
+        ToolContext(images=(astronaut,), max_pixels=100, min_pixels=500)
+    with pytest.raises(TypeError, match=r"must be PIL images .* got \['ndarray'\]"):
+        ToolContext(images=(np.zeros((4, 4, 3)),), max_pixels=100)
 
 
 def test_problem_kinds_are_the_documented_ones():

@@ -81,6 +81,9 @@ class ToolContext:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "images", tuple(self.images))
+        strays = [type(image).__name__ for image in self.images if not isinstance(image, Image.Image)]
+        if strays:
+            raise TypeError(f"ToolContext.images must be PIL images (the trajectory's, decoded), got {strays}")
         for name in ("max_pixels", "min_pixels", "max_images"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
