@@ -141,8 +141,13 @@ def test_a_box_or_image_the_tool_refuses_is_bad_arguments_with_the_size(tools, a
         assert result.text.startswith(f"error: {name}: ") and message in result.text
 
 
+def test_a_conversation_without_images_has_nothing_to_crop(tools):
+    result = call(tools, "crop", context(), box=[0, 0, 4, 4])
+    assert (result.problem, result.text) == ("bad_arguments", "error: crop: this conversation has no image to look at")
+
+
 def test_called_directly_a_builtin_refuses_a_short_box_in_its_own_words(astronaut):
-    with pytest.raises(ToolArgumentError, match=r"^zoom: box must be 4 numbers \[x0, y0, x1, y1\], got \[1, 2\]$"):
+    with pytest.raises(ToolArgumentError, match=r"^box must be 4 numbers \[x0, y0, x1, y1\], got \[1, 2\]$"):
         TOOLS.get("zoom")()(context(astronaut), {"box": [1, 2]})
 
 
@@ -194,7 +199,9 @@ def test_a_tool_that_raises_is_a_tool_error_in_one_line(astronaut, caplog):
     assert (result.problem, result.text) == ("tool_error", "error: flaky failed: RuntimeError: disk on fire line two")
     assert "Traceback" not in result.text and "disk on fire" in caplog.text  # the traceback goes to the log
     exits = call([Returns("quits", error=SystemExit(3))], "quits", context(astronaut))
-    assert exits.problem == "tool_error" and "SystemExit" in exits.text
+    assert (exits.problem, exits.text) == ("tool_error", "error: quits failed: SystemExit: 3")
+    bare = call([Returns("bare", error=KeyError())], "bare", context(astronaut))
+    assert bare.text == "error: bare failed: KeyError"
 
 
 def test_a_tool_past_its_timeout_is_abandoned_promptly(astronaut):

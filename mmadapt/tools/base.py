@@ -27,7 +27,7 @@ PROBLEMS = (
 
 class ToolArgumentError(ValueError):
     """Raised by a tool for arguments that fit the schema but not the call (a box outside the image): the call's
-    problem is "bad_arguments" and the message is what the policy reads."""
+    problem is "bad_arguments" and the policy reads "error: <tool>: <message>"."""
 
 
 @dataclass(frozen=True)

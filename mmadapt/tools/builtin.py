@@ -3,7 +3,8 @@
 Both take `box` = [x0, y0, x1, y1] in pixel coordinates of trajectory image `image` (0: the prompt's first image, then
 the images tools returned, in order; negative indexes count from the end, -1 the latest). The box's numbers are rounded
 to whole pixels and clipped to the image; a box empty after clipping, or an image index out of range, is refused
-(`ToolArgumentError`, the call's problem "bad_arguments") with the image's size in the message.
+(`ToolArgumentError`, the call's problem "bad_arguments", its message what the policy reads after the tool's name)
+with the image's size in the message.
 
 - `crop` returns the region at its own pixels: scaled down to fit when it has more than `context.max_pixels`, scaled up
   to `context.min_pixels` when it has fewer (as the processor would), the aspect kept.
@@ -67,26 +68,26 @@ class Region:
         return image.crop(self.box)
 
 
-def region(tool: str, context: ToolContext, arguments: dict) -> Region:
+def region(context: ToolContext, arguments: dict) -> Region:
     """The region `arguments` name (`box`, `image`), checked against the trajectory's images."""
     count = len(context.images)
     index = arguments.get("image", 0)
     if count == 0:
-        raise ToolArgumentError(f"{tool}: this conversation has no image to look at")
+        raise ToolArgumentError("this conversation has no image to look at")
     if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
-        raise ToolArgumentError(f"{tool}: image must be an image index from {-count} to {count - 1} (this "
+        raise ToolArgumentError(f"image must be an image index from {-count} to {count - 1} (this "
                                 f"conversation has {count} image{'s' * (count > 1)}), got {index!r}")
     index %= count
     image = context.images[index]
     width, height = image.size
     box = arguments.get("box")
     if not isinstance(box, list | tuple) or len(box) != 4 or not all(map(finite_number, box)):
-        raise ToolArgumentError(f"{tool}: box must be 4 numbers [x0, y0, x1, y1], got {box!r}")
+        raise ToolArgumentError(f"box must be 4 numbers [x0, y0, x1, y1], got {box!r}")
     x0, y0, x1, y1 = (round(v) for v in box)
     x0, x1 = min(max(x0, 0), width), min(max(x1, 0), width)
     y0, y1 = min(max(y0, 0), height), min(max(y1, 0), height)
     if x1 <= x0 or y1 <= y0:
-        raise ToolArgumentError(f"{tool}: box {list(box)} holds no pixel of image {index}, which is {width}x{height} "
+        raise ToolArgumentError(f"box {list(box)} holds no pixel of image {index}, which is {width}x{height} "
                                 f"pixels (x from 0 to {width}, y from 0 to {height}; x0 < x1 and y0 < y1)")
     return Region(index, width, height, (x0, y0, x1, y1), image)
 
@@ -134,7 +135,7 @@ class Crop(Tool):
         return region_parameters()
 
     def __call__(self, context: ToolContext, arguments: dict) -> ToolResult:
-        area = region(self.name, context, arguments)
+        area = region(context, arguments)
         width, height = area.size
         size = (width, height)
         if width * height > context.max_pixels:
@@ -159,7 +160,7 @@ class Zoom(Tool):
         return region_parameters()
 
     def __call__(self, context: ToolContext, arguments: dict) -> ToolResult:
-        area = region(self.name, context, arguments)
+        area = region(context, arguments)
         size = fit_within(*area.size, context.max_pixels)
         return ToolResult(text=described("zoomed", area, context, size), images=(resized(area.cropped(), size),))
 

@@ -67,9 +67,10 @@ def run_call(tools: Mapping[str, Tool] | Sequence[Tool], call: ToolCall, context
         return noted(tool.name, "timeout", f"error: {tool.name}: no result within {timeout:g} s; the call was "
                      "abandoned")
     if isinstance(error, ToolArgumentError):
-        return ToolResult.failed("bad_arguments", f"error: {error}")
+        return ToolResult.failed("bad_arguments", f"error: {tool.name}: {error}")
     if error is not None:
-        return noted(tool.name, "tool_error", f"error: {tool.name} failed: {type(error).__name__}: {error}", error)
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return noted(tool.name, "tool_error", f"error: {tool.name} failed: {said}", error)
     raw = future.result()
     try:
         return checked_result(raw, context)
