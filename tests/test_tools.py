@@ -141,6 +141,23 @@ def test_a_box_or_image_the_tool_refuses_is_bad_arguments_with_the_size(tools, a
         assert result.text.startswith(f"error: {name}: ") and message in result.text
 
 
+def test_relative_coordinates_are_thousandths_of_each_side(astronaut):
+    other = Image.fromarray(data.chelsea())  # 451 x 300
+    relative = build_tools([{"name": "crop", "coordinates": "relative"}, {"name": "zoom", "coordinates": "relative"}])
+    ctx = context(astronaut, other, max_pixels=256 * 256)
+    result = call(relative, "crop", ctx, box=[100, 250, 600, 500.2], image=1)  # x: 45.1 .. 270.6, y: 75 .. 150.06
+    np.testing.assert_array_equal(np.asarray(result.images[0]), data.chelsea()[75:150, 45:271])
+    assert result.text == "cropped [45, 75, 271, 150] of image 1 (451x300) to 226x75: image 2"
+    pixels = call(build_tools(["zoom"]), "zoom", ctx, box=[45, 75, 271, 150], image=1)
+    zoomed = call(relative, "zoom", ctx, box=[100, 250, 600, 500.2], image=1)
+    assert np.array_equal(np.asarray(zoomed.images[0]), np.asarray(pixels.images[0]))
+    assert "0 to 1000" in relative[1].schema()["function"]["parameters"]["properties"]["box"]["description"]
+    empty = call(relative, "zoom", ctx, box=[1000, 0, 1200, 10])
+    assert empty.problem == "bad_arguments" and "x and y from 0 to 1000" in empty.text
+    with pytest.raises(ValueError, match=r"^grpo.tools\[1\]: tool 'zoom': coordinates must be one of \['pixels', "):
+        build_tools(["crop", {"name": "zoom", "coordinates": "normalized"}])
+
+
 def test_a_conversation_without_images_has_nothing_to_crop(tools):
     result = call(tools, "crop", context(), box=[0, 0, 4, 4])
     assert (result.problem, result.text) == ("bad_arguments", "error: crop: this conversation has no image to look at")
@@ -306,7 +323,8 @@ def test_a_user_tool_without_argument_descriptions_is_refused_naming_it():
     (["zoom", "crop", {"name": "zoom"}], r"grpo.tools\[2\]: a tool named 'zoom' is already grpo.tools\[0\]"),
     (["crop", "test_tools:crop"], r"grpo.tools\[1\]: a tool named 'crop' is already grpo.tools\[0\]"),
     (["rotate"], r"grpo.tools\[0\]: unknown tool 'rotate'; known: crop, zoom; or 'package.module:function'"),
-    ([{"name": "zoom", "factor": 2}], r"grpo.tools\[0\]: tool 'zoom' has no option \['factor'\]; its options: none"),
+    ([{"name": "zoom", "factor": 2}], r"grpo.tools\[0\]: tool 'zoom' has no option \['factor'\]; its options: "
+                                      r"\['coordinates'\]"),
     (["test_tools:my_tool", {"name": "test_tools:my_tool", "k": 1}], r"grpo.tools\[1\]: options \['k'\]"),
     (["test_tools:nothing_here"], r"grpo.tools\[0\]: cannot import tool 'test_tools:nothing_here'"),
     (["tools/mine.py:fn"], r"grpo.tools\[0\]: 'tools/mine.py:fn' is not 'package.module:function'"),
