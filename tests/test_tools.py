@@ -169,6 +169,15 @@ def test_called_directly_a_builtin_refuses_a_short_box_in_its_own_words(astronau
 
 
 # ---- run_call's problems ---------------------------------------------------------------------------------------------
+def test_run_call_takes_tools_by_name_and_refuses_a_name_twice(tools, astronaut):
+    by_name = {tool.name: tool for tool in tools}
+    assert call(by_name, "crop", context(astronaut), box=[0, 0, 2, 2]).images[0].size == (2, 2)
+    with pytest.raises(ValueError, match="two tools are named 'zoom'"):
+        call([*tools, tools[1]], "crop", context(astronaut), box=[0, 0, 2, 2])
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        call(tools, "crop", context(astronaut), timeout=0, box=[0, 0, 2, 2])
+
+
 def test_an_unknown_tool_names_the_known_ones(tools, astronaut):
     result = call(tools, "rotate", context(astronaut), angle=90)
     assert (result.problem, result.text) == ("unknown_tool", "error: there is no tool 'rotate'; the tools: crop, zoom")
@@ -342,9 +351,10 @@ def test_build_tools_takes_builtins_by_name_and_no_tools_as_empty():
     assert TOOLS.names() == ["crop", "zoom"]
 
 
-def test_the_schemas_reach_a_real_chat_template(tools):
+@pytest.mark.parametrize("template", ["qwen3_5", "qwen3_vl"])
+def test_the_schemas_reach_a_real_chat_template(tools, template):
     tokenizer = real_tokenizer("qwen3")
-    template = (ROOT / "mmadapt" / "data" / "chat_templates" / "qwen3_5.jinja").read_text()
+    template = (ROOT / "mmadapt" / "data" / "chat_templates" / f"{template}.jinja").read_text()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[t.schema() for t in tools],
                                          tokenize=False, chat_template=template)
     assert '"name": "zoom"' in text and '"name": "crop"' in text and '"box"' in text
