@@ -4,6 +4,7 @@ template."""
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import threading
@@ -140,12 +141,43 @@ def test_a_box_or_image_the_tool_refuses_is_bad_arguments_with_the_size(tools, a
         assert result.text.startswith(f"error: {name}: ") and message in result.text
 
 
+def test_relative_coordinates_are_thousandths_of_each_side(astronaut):
+    other = Image.fromarray(data.chelsea())  # 451 x 300
+    relative = build_tools([{"name": "crop", "coordinates": "relative"}, {"name": "zoom", "coordinates": "relative"}])
+    ctx = context(astronaut, other, max_pixels=256 * 256)
+    result = call(relative, "crop", ctx, box=[100, 250, 600, 500.2], image=1)  # x: 45.1 .. 270.6, y: 75 .. 150.06
+    np.testing.assert_array_equal(np.asarray(result.images[0]), data.chelsea()[75:150, 45:271])
+    assert result.text == "cropped [45, 75, 271, 150] of image 1 (451x300) to 226x75: image 2"
+    pixels = call(build_tools(["zoom"]), "zoom", ctx, box=[45, 75, 271, 150], image=1)
+    zoomed = call(relative, "zoom", ctx, box=[100, 250, 600, 500.2], image=1)
+    assert np.array_equal(np.asarray(zoomed.images[0]), np.asarray(pixels.images[0]))
+    assert "0 to 1000" in relative[1].schema()["function"]["parameters"]["properties"]["box"]["description"]
+    empty = call(relative, "zoom", ctx, box=[1000, 0, 1200, 10])
+    assert empty.problem == "bad_arguments" and "x and y from 0 to 1000" in empty.text
+    with pytest.raises(ValueError, match=r"^grpo.tools\[1\]: tool 'zoom': coordinates must be one of \['pixels', "):
+        build_tools(["crop", {"name": "zoom", "coordinates": "normalized"}])
+
+
+def test_a_conversation_without_images_has_nothing_to_crop(tools):
+    result = call(tools, "crop", context(), box=[0, 0, 4, 4])
+    assert (result.problem, result.text) == ("bad_arguments", "error: crop: this conversation has no image to look at")
+
+
 def test_called_directly_a_builtin_refuses_a_short_box_in_its_own_words(astronaut):
-    with pytest.raises(ToolArgumentError, match=r"^zoom: box must be 4 numbers \[x0, y0, x1, y1\], got \[1, 2\]$"):
+    with pytest.raises(ToolArgumentError, match=r"^box must be 4 numbers \[x0, y0, x1, y1\], got \[1, 2\]$"):
         TOOLS.get("zoom")()(context(astronaut), {"box": [1, 2]})
 
 
 # ---- run_call's problems ---------------------------------------------------------------------------------------------
+def test_run_call_takes_tools_by_name_and_refuses_a_name_twice(tools, astronaut):
+    by_name = {tool.name: tool for tool in tools}
+    assert call(by_name, "crop", context(astronaut), box=[0, 0, 2, 2]).images[0].size == (2, 2)
+    with pytest.raises(ValueError, match="two tools are named 'zoom'"):
+        call([*tools, tools[1]], "crop", context(astronaut), box=[0, 0, 2, 2])
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        call(tools, "crop", context(astronaut), timeout=0, box=[0, 0, 2, 2])
+
+
 def test_an_unknown_tool_names_the_known_ones(tools, astronaut):
     result = call(tools, "rotate", context(astronaut), angle=90)
     assert (result.problem, result.text) == ("unknown_tool", "error: there is no tool 'rotate'; the tools: crop, zoom")
@@ -193,7 +225,9 @@ def test_a_tool_that_raises_is_a_tool_error_in_one_line(astronaut, caplog):
     assert (result.problem, result.text) == ("tool_error", "error: flaky failed: RuntimeError: disk on fire line two")
     assert "Traceback" not in result.text and "disk on fire" in caplog.text  # the traceback goes to the log
     exits = call([Returns("quits", error=SystemExit(3))], "quits", context(astronaut))
-    assert exits.problem == "tool_error" and "SystemExit" in exits.text
+    assert (exits.problem, exits.text) == ("tool_error", "error: quits failed: SystemExit: 3")
+    bare = call([Returns("bare", error=KeyError())], "bare", context(astronaut))
+    assert bare.text == "error: bare failed: KeyError"
 
 
 def test_a_tool_past_its_timeout_is_abandoned_promptly(astronaut):
@@ -221,6 +255,20 @@ def test_an_invalid_return_is_its_problem(astronaut, value, problem, says):
     assert result.text.startswith("error: bad") and "\n" not in result.text
 
 
+def test_an_image_that_cannot_be_decoded_is_an_invalid_result(astronaut):
+    png = io.BytesIO()
+    Image.fromarray(data.astronaut()[:64, :64]).save(png, "PNG")
+    truncated = Image.open(io.BytesIO(png.getvalue()[:200]))  # the header reads, the pixels do not
+    result = call([Returns("broken", value=truncated)], "broken", context(astronaut))
+    assert result.problem == "invalid_result" and "image 0 cannot be read as RGB (OSError" in result.text
+
+
+def test_a_problem_the_tool_reports_itself_is_kept_in_one_line(astronaut):
+    value = ToolResult(text="error: the index is down\nretry later", problem="tool_error")
+    result = call([Returns("search", value=value)], "search", context(astronaut))
+    assert (result.problem, result.text) == ("tool_error", "error: the index is down retry later")
+
+
 def test_every_valid_return_form_becomes_rgb_images_and_text(astronaut):
     grey, rgba = Image.new("L", (4, 3), 200), Image.new("RGBA", (5, 2), (10, 20, 30, 40))
     forms = [
@@ -237,6 +285,15 @@ def test_every_valid_return_form_becomes_rgb_images_and_text(astronaut):
         assert all(image.mode == "RGB" for image in result.images)
     first = call([Returns("ok", value=grey)], "ok", context(astronaut)).images[0]
     assert np.asarray(first)[0, 0].tolist() == [200, 200, 200]
+
+
+def test_a_context_refuses_limits_and_images_it_cannot_hold(astronaut):
+    with pytest.raises(ValueError, match=r"ToolContext.max_pixels must be a positive int, got 0"):
+        ToolContext(images=(astronaut,), max_pixels=0)
+    with pytest.raises(ValueError, match=r"min_pixels \(500\) is over max_pixels \(100\)"):
+        ToolContext(images=(astronaut,), max_pixels=100, min_pixels=500)
+    with pytest.raises(TypeError, match=r"must be PIL images .* got \['ndarray'\]"):
+        ToolContext(images=(np.zeros((4, 4, 3)),), max_pixels=100)
 
 
 def test_problem_kinds_are_the_documented_ones():
@@ -275,7 +332,8 @@ def test_a_user_tool_without_argument_descriptions_is_refused_naming_it():
     (["zoom", "crop", {"name": "zoom"}], r"grpo.tools\[2\]: a tool named 'zoom' is already grpo.tools\[0\]"),
     (["crop", "test_tools:crop"], r"grpo.tools\[1\]: a tool named 'crop' is already grpo.tools\[0\]"),
     (["rotate"], r"grpo.tools\[0\]: unknown tool 'rotate'; known: crop, zoom; or 'package.module:function'"),
-    ([{"name": "zoom", "factor": 2}], r"grpo.tools\[0\]: tool 'zoom' has no option \['factor'\]; its options: none"),
+    ([{"name": "zoom", "factor": 2}], r"grpo.tools\[0\]: tool 'zoom' has no option \['factor'\]; its options: "
+                                      r"\['coordinates'\]"),
     (["test_tools:my_tool", {"name": "test_tools:my_tool", "k": 1}], r"grpo.tools\[1\]: options \['k'\]"),
     (["test_tools:nothing_here"], r"grpo.tools\[0\]: cannot import tool 'test_tools:nothing_here'"),
     (["tools/mine.py:fn"], r"grpo.tools\[0\]: 'tools/mine.py:fn' is not 'package.module:function'"),
@@ -293,9 +351,10 @@ def test_build_tools_takes_builtins_by_name_and_no_tools_as_empty():
     assert TOOLS.names() == ["crop", "zoom"]
 
 
-def test_the_schemas_reach_a_real_chat_template(tools):
+@pytest.mark.parametrize("template", ["qwen3_5", "qwen3_vl"])
+def test_the_schemas_reach_a_real_chat_template(tools, template):
     tokenizer = real_tokenizer("qwen3")
-    template = (ROOT / "mmadapt" / "data" / "chat_templates" / "qwen3_5.jinja").read_text()
+    template = (ROOT / "mmadapt" / "data" / "chat_templates" / f"{template}.jinja").read_text()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[t.schema() for t in tools],
                                          tokenize=False, chat_template=template)
     assert '"name": "zoom"' in text and '"name": "crop"' in text and '"box"' in text

@@ -19,10 +19,10 @@ dict {"text": str, "images": [PIL images]}; or a `ToolResult`. Images are conver
 `max_pixels` is a problem, so a user tool must respect the budget.
 
 `run_call` never raises for what a call or its tool does. Each failure is a `ToolResult` whose `problem` is one of
-`PROBLEMS` and whose `text` says what went wrong in one short line (no traceback; the first of each kind per tool is
-logged with it): "unknown_tool", "bad_arguments" (the arguments against the tool's JSON schema: missing, unknown or
-mistyped keys; or a box the tool refuses), "tool_error" (it raised), "timeout", "invalid_result",
-"image_too_large", "too_many_images".
+`PROBLEMS` and whose `text` says what went wrong in one short line, no traceback (the first problem of each kind per
+tool is logged at WARNING, with the traceback of an exception): "unknown_tool", "bad_arguments" (the arguments
+against the tool's JSON schema: missing, unknown or mistyped keys; or a box the tool refuses), "tool_error" (it
+raised), "timeout", "invalid_result", "image_too_large", "too_many_images".
 
 Time: a call runs in a worker thread and is abandoned after `timeout` seconds (10 by default). A Python thread cannot
 be killed: an abandoned tool keeps running, and holding what it holds, until it returns by itself; the thread is a

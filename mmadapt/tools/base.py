@@ -27,7 +27,7 @@ PROBLEMS = (
 
 class ToolArgumentError(ValueError):
     """Raised by a tool for arguments that fit the schema but not the call (a box outside the image): the call's
-    problem is "bad_arguments" and the message is what the policy reads."""
+    problem is "bad_arguments" and the policy reads "error: <tool>: <message>"."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class ToolContext:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "images", tuple(self.images))
+        strays = [type(image).__name__ for image in self.images if not isinstance(image, Image.Image)]
+        if strays:
+            raise TypeError(f"ToolContext.images must be PIL images (the trajectory's, decoded), got {strays}")
         for name in ("max_pixels", "min_pixels", "max_images"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -65,7 +65,10 @@ def build_tool(entry: Any, where: str) -> Tool:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"{where}: tool {name!r} has no option {unknown}; its options: {known or 'none'}")
-    return kind(**options)
+    try:
+        return kind(**options)
+    except ValueError as error:  # an option's value the tool refuses
+        raise ValueError(f"{where}: {error}") from None
 
 
 def imported_tool(path: str, where: str) -> Any:

@@ -67,9 +67,10 @@ def run_call(tools: Mapping[str, Tool] | Sequence[Tool], call: ToolCall, context
         return noted(tool.name, "timeout", f"error: {tool.name}: no result within {timeout:g} s; the call was "
                      "abandoned")
     if isinstance(error, ToolArgumentError):
-        return ToolResult.failed("bad_arguments", f"error: {error}")
+        return ToolResult.failed("bad_arguments", f"error: {tool.name}: {error}")
     if error is not None:
-        return noted(tool.name, "tool_error", f"error: {tool.name} failed: {type(error).__name__}: {error}", error)
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return noted(tool.name, "tool_error", f"error: {tool.name} failed: {said}", error)
     raw = future.result()
     try:
         return checked_result(raw, context)
@@ -156,8 +157,8 @@ def checked_result(raw: Any, context: ToolContext) -> ToolResult:
     """`raw` as a ToolResult with RGB images within the context's limits, or `InvalidResult` saying why not. Forms:
     str; PIL image; ToolResult; {"text": str, "images": [images]} (either key may be left out); a list / tuple of
     str and images (the texts joined with newlines)."""
-    if isinstance(raw, ToolResult):
-        text, images, problem = raw.text, list(raw.images), raw.problem
+    if isinstance(raw, ToolResult):  # a problem the tool reports itself reads as run_call's own: one short line
+        text, images, problem = raw.text if raw.problem is None else one_line(raw.text), list(raw.images), raw.problem
     elif isinstance(raw, str | Image.Image) or isinstance(raw, list | tuple):
         text, images, problem = parts(raw if isinstance(raw, list | tuple) else [raw])
     elif isinstance(raw, dict):
