@@ -297,8 +297,8 @@ def test_a_context_refuses_limits_and_images_it_cannot_hold(astronaut):
 
 
 def test_problem_kinds_are_the_documented_ones():
-    assert PROBLEMS == ("unknown_tool", "bad_arguments", "tool_error", "timeout", "invalid_result", "image_too_large",
-                        "too_many_images")
+    assert PROBLEMS == ("bad_call", "unknown_tool", "bad_arguments", "tool_error", "timeout", "invalid_result",
+                        "image_too_large", "too_many_images")
     with pytest.raises(ValueError, match="is none of"):
         ToolResult(problem="oops")
 

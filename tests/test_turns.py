@@ -59,7 +59,13 @@ def setup(tmp_path_factory):
     Image.fromarray(skdata.chelsea()).resize((64, 32)).save(root / "1.png")
     torch.manual_seed(0)
     model = mmadapt.build_model(*QWEN).eval()
-    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root), max_length=320)
+    encoder = SampleEncoder.for_model(model, char_tokenizer(), image_root=str(root), max_length=700)
+    end = encoder.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def ending(module, args, output):  # the end of turn made likely at every position, in rollouts and forwards
+        return output.index_add(-1, torch.tensor([end]), torch.full((*output.shape[:-1], 1), 6.0))
+
+    model.backbone.get_output_embeddings().register_forward_hook(ending)
     tools = build_tools(["zoom", "test_turns:failing"])
     prompts = PromptEncoder(encoder, completion_tokens=6, tools=tools, list_tools=False)
     records = [{"id": "a", "problem": "<image>What is it?", "answer": "A", "images": ["0.png"]},
@@ -68,14 +74,14 @@ def setup(tmp_path_factory):
     batch = collate([prompts.encode(r, k) for k, r in enumerate(records)])
     turns = ToolTurns.of(encoder)
     agent = Agent(Always(turns.template, turns.tokenizer, turns.image_text, turns.format),
-                  {t.name: t for t in tools}, encoder.processor, max_turns=3, max_tokens=200, max_pixels=32 * 32)
+                  {t.name: t for t in tools}, encoder.processor, max_turns=3, max_tokens=600, max_pixels=32 * 32)
     return model, encoder, batch, agent
 
 
 def trajectories(model, encoder, batch, agent, g=2, seed=0, **options):
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "meta", "columns", "images", "tools")}
     return multi_turn_rollout(model, processor_of(model, encoder), inputs, g,
-                              Sampling(max_new_tokens=5, temperature=0.9), agent,
+                              Sampling(max_new_tokens=8, temperature=0.9), agent,
                               seeds=torch.arange(2 * g, dtype=torch.int64) * 7919 + seed,
                               encoded=encode_prompts(model, inputs), images=batch["images"], **options), inputs
 
@@ -112,21 +118,19 @@ DROPPING = ("{%- for message in messages %}<|im_start|>{{ message.role }}\n{%- i
 
 def test_a_template_that_drops_the_images_of_tool_messages_is_refused_at_start_naming_it(tmp_path):
     """trl #5663: a template that renders a tool message's text and drops its image parts. A GRPO run with tools
-    refuses it when it starts (the objective's bind), naming the template and the fix; the same template without
-    tools is fine."""
+    refuses it when it starts (the objective's `bind`, which building the run's data calls), naming the template
+    and the fix; the same template passes without tools."""
     from mmadapt.train import RunConfig
-    from mmadapt.train.run import build_run
+    from mmadapt.train.objectives.grpo.objective import GrpoObjective
 
-    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "0.png")
-    (tmp_path / "p.jsonl").write_text(json.dumps({"problem": "<image>Colour?", "answer": "red", "images": ["0.png"]}))
     tokenizer = char_tokenizer()
     tokenizer.chat_template = DROPPING
-    common = [f"train.out={tmp_path / 'out'}", "train.objective=grpo", "grpo.rewards=[accuracy]",
-              f"data.train={tmp_path / 'p.jsonl'}", f"data.image_root={tmp_path}", "data.chat_template=tokenizer",
-              "data.chat_template_mismatch=warn"]
+    model = mmadapt.build_model(*QWEN)
+    encoder = SampleEncoder.for_model(model, tokenizer, chat_template="tokenizer", chat_template_mismatch="warn")
+    common = [f"train.out={tmp_path / 'out'}", "train.objective=grpo", "grpo.rewards=[accuracy]"]
     with pytest.raises(ChatTemplateError, match=r"'tokenizer' drops the image of a tool message.*Fix: a template"):
-        build_run(RunConfig.load(None, [*common, "grpo.tools=[zoom]"]), tokenizer=tokenizer)
-    build_run(RunConfig.load(None, common), tokenizer=tokenizer)  # no tools: nothing to refuse
+        GrpoObjective(RunConfig.load(None, [*common, "grpo.tools=[zoom]"])).bind(encoder, model)
+    GrpoObjective(RunConfig.load(None, common)).bind(encoder, model)  # no tools: nothing to refuse
 
 
 def test_a_template_without_tool_calls_is_refused():
@@ -134,7 +138,7 @@ def test_a_template_without_tool_calls_is_refused():
 
     model = mmadapt.build_model("clip", "mlp2x_gelu", "llama")
     encoder = SampleEncoder.for_model(model, real_tokenizer("llama2"), chat_template="vicuna_v1", max_length=256)
-    with pytest.raises(ChatTemplateError, match="'vicuna_v1'.*Fix: a template with tools"):
+    with pytest.raises(ChatTemplateError, match=r"'vicuna_v1'.*Fix: a template with tools"):
         ToolTurns.of(encoder)
 
 
@@ -149,7 +153,7 @@ def test_each_image_is_encoded_once_and_tool_tokens_carry_no_label(setup):
         done, inputs = trajectories(model, encoder, batch, agent)
     finally:
         hook.remove()
-    assert seen == {"calls": 3, "pictures": 2 + 4 + 4}, seen
+    assert seen == {"calls": 3, "pictures": 2 + 4 + 4}, (seen, done.problems)
     assert done.pool.num_images == 10 and [len(row) for row in done.images] == [3, 3, 3, 3]
     assert done.calls.tolist() == [2, 2, 2, 2] and not done.problems
     rows = scored_trajectories(inputs, done, encoder.pad_token_id, processor_of(model, encoder))
@@ -232,7 +236,7 @@ def test_a_recorded_trajectory_trains_the_calls_and_answers_never_the_tool_turns
             {"type": "function", "function": {"name": "zoom", "arguments": {"box": [0, 0, 32, 32]}}}]},
         {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "zoomed"}]},
         {"role": "assistant", "content": "A"}]}
-    sft = SampleEncoder.for_model(model, encoder.tokenizer, image_root=str(tmp_path), max_length=320)
+    sft = SampleEncoder.for_model(model, encoder.tokenizer, image_root=str(tmp_path), max_length=700)
     sample = sft.encode(record, 0)
     tokenizer = encoder.tokenizer
     supervised = tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])

@@ -20,7 +20,8 @@ dict {"text": str, "images": [PIL images]}; or a `ToolResult`. Images are conver
 
 `run_call` never raises for what a call or its tool does. Each failure is a `ToolResult` whose `problem` is one of
 `PROBLEMS` and whose `text` says what went wrong in one short line, no traceback (the first problem of each kind per
-tool is logged at WARNING, with the traceback of an exception): "unknown_tool", "bad_arguments" (the arguments
+tool is logged at WARNING, with the traceback of an exception): "bad_call" (the rollout's: a call it could not read
+in the template's format), "unknown_tool", "bad_arguments" (the arguments
 against the tool's JSON schema: missing, unknown or mistyped keys; or a box the tool refuses), "tool_error" (it
 raised), "timeout", "invalid_result", "image_too_large", "too_many_images".
 

@@ -15,6 +15,7 @@ from PIL import Image
 
 # what went wrong with a call, one word each: the tool message says it to the policy and the rollout counts it
 PROBLEMS = (
+    "bad_call",  # the policy's call could not be read in its template's format (the rollout's, before any tool runs)
     "unknown_tool",  # no tool of the call's name
     "bad_arguments",  # the arguments do not fit the schema, or the tool refused them (`ToolArgumentError`)
     "tool_error",  # the tool raised
