@@ -245,3 +245,55 @@ def test_a_recorded_trajectory_trains_the_calls_and_answers_never_the_tool_turns
     assert sample.num_images == 2 and int((sample.input_ids == encoder.image_token_id).sum()) == sum(
         sample.tokens_per_image)
     assert "<tool_response>" in tokenizer.decode(sample.input_ids)
+
+
+@pytest.mark.slow  # three launches, two of them torchrun with 2 processes (about 60 s)
+def test_ddp_and_fsdp2_with_two_processes_equal_one_process_with_uneven_turns(tmp_path):
+    """Trajectories of 1 to 3 answers (a call after each answer of odd length), differing on each rank, with images
+    of three sizes: two ranks (DDP, FSDP2: every rank runs as many turns, encodings and decoding steps as the
+    busiest, a stand-in where its own ended) equal one process within 1e-5 in loss, rewards, tool calls, answers and
+    the gradient norm (relative), at both steps; the eval's 3 prompts fall 2 and 1 on the ranks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    records = []
+    for k, size in enumerate(((64, 64), (64, 32), (32, 64), (64, 64))):
+        Image.fromarray(skdata.astronaut()).resize(size).save(tmp_path / f"{k}.png")
+        records.append({"id": f"p{k}", "problem": "<image>What is it?", "answer": "AB"[k % 2], "images": [f"{k}.png"]})
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in records[:3]))
+    (tmp_path / "base.yaml").write_text(
+        f"data: {{train: {tmp_path / 'p.jsonl'}, eval: {tmp_path / 'eval.jsonl'}, image_root: {tmp_path}, "
+        "max_length: 700}\n"
+        "train: {steps: 2, lr: 1.0e-3, progress: false, log_every: 1, objective: grpo, eval_every: 2}\n"
+        "grpo: {num_generations: 2, max_completion_length: 8, rewards: [accuracy, 'test_grpo:length'], tools: [zoom],"
+        " tools_in_prompt: false, max_turns: 3, tool_max_pixels: 1024}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    worker = str(Path(__file__).parent / "turns_worker.py")
+
+    def launch(out, *overrides, procs=1):
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                        str(procs)] if procs > 1 else [])
+        result = subprocess.run([*launcher, worker, str(tmp_path / "base.yaml"), f"train.out={tmp_path / out}",
+                                 *overrides], capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line) for line in (tmp_path / out / "log.jsonl").read_text().splitlines()]
+
+    one = launch("one", "data.batch_size=2")
+    answers = [record["tools/answers"] for record in one if "tools/answers" in record]
+    assert len(answers) == 2 and all(1 < a < 3 for a in answers), answers  # turns differ between trajectories
+    for strategy in ("ddp", "fsdp"):
+        two = launch(strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
+        steps = [(a, b) for a, b in zip(one, two, strict=True) if "loss" in a]
+        assert len(steps) == 2
+        for a, b in steps:
+            for key in ("loss", "reward", "rewards/test_grpo:length/mean", "tools/calls", "tools/answers",
+                        "completion_length/mean", "sampling/sampling_logp_difference/max"):
+                assert abs(a[key] - b[key]) <= 1e-5, (strategy, key, a[key], b[key])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+        evals = [(a, b) for a, b in zip(one, two, strict=True) if "eval_reward" in a]
+        assert evals and all(abs(a[k] - b[k]) <= 1e-6 for a, b in evals
+                             for k in ("eval_reward", "eval_reward_blanked", "eval_tool_calls")), evals

@@ -116,8 +116,12 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     that asks whether the policy uses what tools show it). Module docstring."""
     from mmadapt.answering import decoded
 
+    from mmadapt.generation import any_rank_decoding, ranks_step_together
+
     g, device = num_generations, prompts["input_ids"].device
-    encode = encode or (lambda pixels: model.encode_images(pixels["pixel_values"], pixels.get("image_grid_thw")))
+    encode = encode or (lambda pixels: model.vision_placeholder(device) if pixels is None else model.encode_images(
+        pixels["pixel_values"], pixels.get("image_grid_thw")))
+    in_step = ranks_step_together(model)  # FSDP2: every rank runs as many turns, encodings and decoding steps
     rows = group_rows(prompts, g)
     first = rollout(model, processor, prompts, g, dataclasses.replace(
         sampling, max_new_tokens=min(sampling.max_new_tokens, agent.max_tokens)), seeds=seeds, encoded=encoded)
@@ -126,8 +130,8 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     prompt_ids = [rows["input_ids"][r][valid[r]] for r in range(count)]
     budget = [min(agent.max_tokens, agent_room(processor, len(p))) for p in prompt_ids]
     pool_pixels = {k: prompts[k] for k in ("pixel_values", "image_grid_thw") if prompts.get(k) is not None}
-    pool = encoded.images if encoded is not None and encoded.images is not None and encoded.images.num_images \
-        else None
+    pool = encoded.images if encoded is not None else None  # (the tokens of no picture where the vision side ran
+    # for prompts without: kept in the pool, and so in the loss's graph)
     row_images = [rows["image_index"][int(offset):int(offset + n)].tolist() for offset, n in zip(
         torch.cumsum(rows["images_per_sample"], 0) - rows["images_per_sample"], rows["images_per_sample"],
         strict=True)] if rows.get("image_index") is not None else [[] for _ in range(count)]
@@ -166,9 +170,10 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             tool_images[r] += returned
             going.append((r, shown))
         live = [r for r, _ in going]
-        if not live:
+        if not (any_rank_decoding(bool(live), device) if in_step else live):
             break
         new = [shown for _, shown in going if shown is not None]
+        others = any_rank_decoding(bool(new), device) if in_step else False  # does any rank encode images now?
         if new:
             from mmadapt.data.processors import ProcessedImages
 
@@ -182,9 +187,15 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
                 if shown is not None:
                     row_images[r] += list(range(start, start + len(shown)))
                     start += len(shown)
-        answers = continue_rows(model, processor, sampling, prompt_ids, segments, row_images, pool, live,
-                                [budget[r] for r in live], turn_seeds(seeds[live] if seeds is not None else None,
-                                                                      turn + 1), prompts, device)
+        elif others:  # another rank encodes: the vision side's run on no picture, here too, its exact 0 in the pool
+            pool = cat_tokens([pool, encode(None)])
+        # a rank whose trajectories all ended answers a stand-in (its first row, one token) while others go on
+        rows_now = live or [0]
+        answers = continue_rows(model, processor, sampling, prompt_ids, segments, row_images, pool, rows_now,
+                                [budget[r] if live else 1 for r in rows_now],
+                                turn_seeds(seeds[rows_now] if seeds is not None else None, turn + 1), prompts, device)
+        if not live:
+            answers, live = None, []
     policy = policy_rollouts(policy_ids, policy_logps, truncated, g, processor, device)
     return Trajectories(policy, segments, pool_pixels, pool, row_images, texts, calls, problems, tool_images)
 
@@ -289,9 +300,10 @@ def continue_rows(model: Any, processor: Any, sampling: Sampling, prompt_ids: li
     if prompts.get("mm_token_type_ids") is not None:
         inputs["mm_token_type_ids"] = type_ids(ids, processor) * attention
     shown = [row_images[r] for r in live]
-    if pool is not None and any(shown):
+    if pool is not None:  # handed over, never encoded again (the tokens of no picture included: no second run)
         inputs["visual"] = pool.take(torch.tensor([i for row in shown for i in row], dtype=torch.long))
-        inputs["images_per_sample"] = torch.tensor([len(row) for row in shown], device=device)
+        if any(shown):
+            inputs["images_per_sample"] = torch.tensor([len(row) for row in shown], device=device)
     length = max(1, min(sampling.max_new_tokens, max(budgets)))
     settings = generate_settings(processor, dataclasses.replace(sampling, max_new_tokens=length))
     scores: list[torch.Tensor] = []

@@ -274,6 +274,8 @@ class GrpoObjective(OnlineObjective):
         model.train()
         try:
             with torch.set_grad_enabled(vision_trains(model)):
+                if pixels is None:  # under FSDP2, another rank's images: the vision side's run on no picture
+                    return model.vision_placeholder(run.device)
                 return model.encode_images(pixels["pixel_values"], pixels.get("image_grid_thw"))
         finally:
             model.train(was_training)
