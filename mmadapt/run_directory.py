@@ -148,6 +148,11 @@ class RunDirectory:
     def lmms_eval_dir(self) -> Path:
         return self.path / "lmms_eval"
 
+    def trajectories(self, step: int) -> Path:
+        """A GRPO run's recorded trajectories at the eval of `step` (`grpo.record_trajectories`): records in the
+        messages format, their images beside them."""
+        return self.path / "trajectories" / f"step-{step:08d}"
+
     # ---- what `mmadapt demo` adds -----------------------------------------------------------------------------------
     @property
     def report_file(self) -> Path:

@@ -79,7 +79,7 @@ def setup(tmp_path_factory):
 
 
 def trajectories(model, encoder, batch, agent, g=2, seed=0, **options):
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "meta", "columns", "images", "tools")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "meta", "columns", "images", "tools", "turns")}
     return multi_turn_rollout(model, processor_of(model, encoder), inputs, g,
                               Sampling(max_new_tokens=8, temperature=0.9), agent,
                               seeds=torch.arange(2 * g, dtype=torch.int64) * 7919 + seed,
@@ -297,3 +297,56 @@ def test_ddp_and_fsdp2_with_two_processes_equal_one_process_with_uneven_turns(tm
         evals = [(a, b) for a, b in zip(one, two, strict=True) if "eval_reward" in a]
         assert evals and all(abs(a[k] - b[k]) <= 1e-6 for a, b in evals
                              for k in ("eval_reward", "eval_reward_blanked", "eval_tool_calls")), evals
+
+
+def test_a_run_with_tools_records_eval_trajectories_that_data_show_renders_and_sft_reads(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A GRPO step with zoom and an eval: the eval's greedy trajectories are written to OUT/trajectories/step-N
+    (messages records, the prompt's and the tools' images beside them, the reward); `mmadapt data show` renders one
+    as the model saw it, the zoomed image at its span inside the tool message, and SFT encodes it with the call
+    supervised and the tool message not. Logged: tool calls and answers per trajectory, and the eval's controls."""
+    from mmadapt.cli import main
+    from mmadapt.train import RunConfig, Trainer
+    from mmadapt.train.run import build_run
+
+    monkeypatch.setattr(ToolTurns, "parse", lambda self, text: [("zoom", {"box": [0, 0, 32, 32]})])
+    monkeypatch.setattr(ToolTurns, "marker", property(lambda self: ""))
+    Image.fromarray(skdata.astronaut()).resize((64, 64)).save(tmp_path / "0.png")
+    records = [{"id": f"p{k}", "problem": "<image>What is it?", "answer": "A", "images": ["0.png"]} for k in range(2)]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
+                                "grpo.rewards=[accuracy]", f"data.train={tmp_path / 'p.jsonl'}",
+                                f"data.eval={tmp_path / 'p.jsonl'}", f"data.image_root={tmp_path}",
+                                "data.batch_size=2", "data.max_length=700", "grpo.num_generations=2",
+                                "grpo.max_completion_length=4", "grpo.tools=[zoom]", "grpo.tools_in_prompt=false",
+                                "grpo.max_turns=2", "grpo.tool_max_pixels=1024", "train.steps=1", "train.log_every=1",
+                                "train.eval_every=1"])
+    parts = build_run(cfg)
+    end = parts.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    parts.model.backbone.get_output_embeddings().register_forward_hook(  # every answer ends at its first token
+        lambda module, args, output: output.index_add(-1, torch.tensor([end]), torch.full((*output.shape[:-1], 1),
+                                                                                          1e3)))
+    history = Trainer(parts.model, cfg, parts.train_data, parts.collate, eval_data=parts.eval_data).fit()["history"]
+    step = next(h for h in history if "loss" in h)
+    assert step["tools/calls"] == 1.0 and step["tools/answers"] == 2.0
+    evals = next(h for h in history if "eval_reward" in h)
+    assert {"eval_reward_blanked", "eval_reward_tool_images_blanked"} <= set(evals) and evals["eval_tool_calls"] == 1
+    folder = tmp_path / "out" / "trajectories" / "step-00000001"
+    recorded = [json.loads(line) for line in (folder / "trajectories.jsonl").read_text().splitlines()]
+    assert len(recorded) == 2 and recorded[0]["tool_calls"] == 1 and recorded[0]["answer"] == "A"
+    assert [m["role"] for m in recorded[0]["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert recorded[0]["messages"][1]["tool_calls"][0]["function"] == {"name": "zoom",
+                                                                      "arguments": {"box": [0, 0, 32, 32]}}
+    assert len(recorded[0]["images"]) == 2 and all((folder / name).is_file() for name in recorded[0]["images"])
+    assert recorded[0]["messages"][-1] == {"role": "assistant", "content": ""}  # the forced policy's empty answer
+    recorded[0]["messages"][-1]["content"] = "A"  # (an empty answer is a counted problem to data show and SFT)
+    (folder / "answered.jsonl").write_text(json.dumps(recorded[0]))
+    assert main(["data", "show", str(folder / "answered.jsonl"), "--image-root", str(folder), "--n", "1",
+                 "--colour", "never"]) == 0
+    shown = capsys.readouterr().out
+    response = shown[shown.index("<tool_response>"):shown.index("</tool_response>")]
+    assert "<image x 4>" in response and "zoomed [0, 0, 32, 32]" in response, shown
+    sample = SampleEncoder.for_model(
+        parts.model, parts.tokenizer, image_root=str(folder), max_length=700).encode(recorded[0], 0)
+    supervised = parts.tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])
+    assert supervised.startswith("<tool_call>") and "tool_response" not in supervised

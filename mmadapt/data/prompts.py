@@ -175,6 +175,7 @@ class EncodedPrompt:
     columns: dict[str, Any]
     images: tuple[Any, ...] = ()  # its decoded images (RGB), which tools work on (kept when tools are offered)
     tools: tuple[str, ...] = ()  # the tools it offers
+    turns: tuple[Any, ...] = ()  # its turns (`Turn`s, kept with tools: a trajectory's record starts with them)
 
     @property
     def id(self) -> str:
@@ -226,7 +227,9 @@ class PromptEncoder(OverSampleEncoder):
                                   "tokens (grpo.max_completion_length): dropped, never cut. Fix: raise max_length or "
                                   "lower max_completion_length", sample_id=parsed.id,
                                   fatal=self.config.truncation == "raise")
-            return EncodedPrompt(sample, parsed.columns, tuple(images) if self.tools else (), offered)
+            kept = bool(self.tools)
+            return EncodedPrompt(sample, parsed.columns, tuple(images) if kept else (), offered,
+                                 tuple(prompt.turns) if kept else ())
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -268,4 +271,5 @@ class PromptCollator:
         batch["columns"] = [i.columns for i in kept]
         if any(i.images or i.tools for i in kept):  # what tools work on, per kept prompt in row order
             batch["images"], batch["tools"] = [i.images for i in kept], [i.tools for i in kept]
+            batch["turns"] = [i.turns for i in kept]
         return batch

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from mmadapt.data.turns import IMAGE
 from mmadapt.encoders import VisualTokens
 from mmadapt.loss import IGNORE_INDEX
 from mmadapt.sampling import Sampling
-from mmadapt.train.objectives.rollout import Encoded, Rollouts, group_rows, rollout
+from mmadapt.train.objectives.rollout import Encoded, Rollouts, encode_prompts, group_rows, rollout
 
 log = logging.getLogger(__name__)
 TURN_SEED = 0x2545F4914F6CDD1D  # mixes a row's seed with its turn (each answer of a trajectory its own draw)
@@ -68,7 +69,8 @@ class Trajectories:
     `pixels`: the pool's pixel values and grids (the prompts' images, then the tools'), `pool`: its encoding (with
     graph where the vision side trains), `images[r]`: row r's indices into the pool, in its order; `texts[r]`: its
     last answer's text (what the rewards score); `calls[r]`: the tool calls it made; `problems`: counted tool problems
-    by kind; `tool_images[r]`: the PIL images tools returned to it (for a record of the trajectory)."""
+    by kind; `tool_images[r]`: the PIL images tools returned to it, `history[r]` its messages (a record of the
+    trajectory: `agentic.record`)."""
 
     policy: Rollouts
     segments: list[list[tuple[torch.Tensor, bool]]]
@@ -79,6 +81,8 @@ class Trajectories:
     calls: torch.Tensor
     problems: Counter
     tool_images: list[list[Any]]
+    history: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)  # per row, its answers and tool
+    # results as messages (`mmadapt.data.samples`' format: an answer's calls as `tool_calls`, `<image>` per image)
 
     @property
     def num_generations(self) -> int:
@@ -115,7 +119,6 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     `encode_images`); `blank_tool_images`: each returned image replaced by the processor's mean colour (the control
     that asks whether the policy uses what tools show it). Module docstring."""
     from mmadapt.answering import decoded
-
     from mmadapt.generation import any_rank_decoding, ranks_step_together
 
     g, device = num_generations, prompts["input_ids"].device
@@ -123,6 +126,8 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
         pixels["pixel_values"], pixels.get("image_grid_thw")))
     in_step = ranks_step_together(model)  # FSDP2: every rank runs as many turns, encodings and decoding steps
     rows = group_rows(prompts, g)
+    if encoded is None:  # the prompts' pictures: the start of the pool every later turn takes its images from
+        encoded = encode_prompts(model, prompts)
     first = rollout(model, processor, prompts, g, dataclasses.replace(
         sampling, max_new_tokens=min(sampling.max_new_tokens, agent.max_tokens)), seeds=seeds, encoded=encoded)
     count = first.completions.shape[0]
@@ -141,6 +146,7 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     policy_logps: list[list[torch.Tensor]] = [[] for _ in range(count)]
     texts, calls, problems = [""] * count, torch.zeros(count, dtype=torch.long), Counter()
     tool_images: list[list[Any]] = [[] for _ in range(count)]
+    history: list[list[dict[str, Any]]] = [[] for _ in range(count)]
     truncated = torch.zeros(count, dtype=torch.bool)
     answers, live = first, list(range(count))
     for turn in range(agent.max_turns):
@@ -153,11 +159,19 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             budget[r] -= len(ids)
             texts[r] = decoded(processor, ids.tolist()).text
             truncated[r] = bool(answers.truncated[k])
+            history[r].append({"role": "assistant", "content": texts[r]})
             if truncated[r] or turn + 1 == agent.max_turns:
                 continue
-            results = call_tools(agent, processor, ids, seen[r], problems)
-            if results is None:
+            called = call_tools(agent, processor, ids, seen[r], problems)
+            if called is None:
                 continue
+            parsed, results = called
+            if parsed:  # the answer as a record writes it: its text before the calls, the calls themselves
+                history[r][-1] = {"role": "assistant", "content": texts[r].split(agent.turns.marker)[0].strip()
+                                  if agent.turns.marker else "", "tool_calls": [
+                                      {"type": "function", "function": {"name": n, "arguments": a}} for n, a in parsed]}
+            history[r] += [{"role": "tool", "content": IMAGE * len(result.images) + result.text}
+                           for result in results]
             calls[r] += len(results)
             suffix, shown = tool_message(agent, processor, results, blank_tool_images)
             if len(suffix) > budget[r] - 1:  # no room for the message and one token of an answer
@@ -197,7 +211,8 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
         if not live:
             answers, live = None, []
     policy = policy_rollouts(policy_ids, policy_logps, truncated, g, processor, device)
-    return Trajectories(policy, segments, pool_pixels, pool, row_images, texts, calls, problems, tool_images)
+    return Trajectories(policy, segments, pool_pixels, pool, row_images, texts, calls, problems, tool_images,
+                        history)
 
 
 def agent_room(processor: Any, prompt_length: int) -> int:
@@ -205,9 +220,10 @@ def agent_room(processor: Any, prompt_length: int) -> int:
     return processor.encoder.config.max_length - prompt_length
 
 
-def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any], problems: Counter) -> list[Any] | None:
-    """The results of the calls an answer ends with (None: it makes none); an answer whose call cannot be read gets
-    one result saying why (a counted `bad_call`)."""
+def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any],
+               problems: Counter) -> tuple[list[Any], list[Any]] | None:
+    """The calls an answer ends with and their results (None: it makes none); an answer whose call cannot be read
+    gets no call and one result saying why (a counted `bad_call`)."""
     from mmadapt.tools import ToolCall, ToolContext, ToolResult, run_call
 
     text = processor.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
@@ -217,7 +233,7 @@ def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any],
         parsed = agent.turns.parse(text)
     except ValueError as e:
         problems["bad_call"] += 1
-        return [ToolResult(text=f"error: the tool call could not be read: {e}", problem="bad_call")]
+        return [], [ToolResult(text=f"error: the tool call could not be read: {e}", problem="bad_call")]
     if not parsed:
         return None
     context = ToolContext(images=tuple(seen), max_pixels=agent.max_pixels, max_images=agent.max_images)
@@ -227,7 +243,7 @@ def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any],
         if result.problem:
             problems[result.problem] += 1
         results.append(result)
-    return results
+    return parsed, results
 
 
 def tool_message(agent: Agent, processor: Any, results: list[Any], blank: bool) -> tuple[torch.Tensor, Any]:

@@ -103,8 +103,10 @@ def logged(done: Trajectories) -> dict[str, float]:
 
 
 @torch.no_grad()
-def tool_controls(model: Any, scorer: Any, agent: Agent, batch: dict[str, Any]) -> dict[str, list[float]]:
-    """{control: the total rewards of one greedy trajectory per prompt} for `TOOL_CONTROLS`, and "tool_calls"."""
+def tool_controls(model: Any, scorer: Any, agent: Agent, batch: dict[str, Any],
+                  keep: Any = None) -> dict[str, list[float]]:
+    """{control: the total rewards of one greedy trajectory per prompt} for `TOOL_CONTROLS`, and "tool_calls";
+    `keep(done, totals)` receives the real images' trajectories and rewards (`record`)."""
     out: dict[str, list[float]] = {}
     for control in TOOL_CONTROLS:
         shown = dict(batch)
@@ -115,4 +117,35 @@ def tool_controls(model: Any, scorer: Any, agent: Agent, batch: dict[str, Any]) 
         out[control] = [t for t in totals if t == t]
         if control == "real":
             out["tool_calls"] = done.calls.float().tolist()
+            if keep is not None:
+                keep(done, totals)
     return out
+
+
+def record(target: Any, batch: dict[str, Any], done: Trajectories, totals: list[float], limit: int) -> int:
+    """Up to `limit` trajectories of `batch` written to the directory `target` (atomically, replacing it): one
+    record each in the messages format (the prompt's turns, each answer with its calls as `tool_calls`, each tool
+    result with `<image>` per image), the prompt's and the tools' images as PNG files beside them, its reward and its
+    prompt's columns; `mmadapt data show TARGET/trajectories.jsonl --image-root TARGET` renders them as the model saw
+    them, and SFT trains on them. Returns how many were written."""
+    import io
+    import json
+
+    from mmadapt.atomic import StagedDirectory
+
+    g, written = done.num_generations, []
+    with StagedDirectory(target, what="recorded trajectories", overwrite=True,
+                         recognise=lambda path: (path / "trajectories.jsonl").is_file()) as stage:
+        for r in range(min(limit, len(done.segments))):
+            b, names = r // g, []
+            for k, image in enumerate([*batch["images"][b], *done.tool_images[r]]):
+                buffer = io.BytesIO()
+                image.save(buffer, "PNG")
+                names.append(stage.write_bytes(f"{r}-{k}.png", buffer.getvalue()).name)
+            sample = batch["meta"]["sample_ids"][b]
+            sample = sample[0] if isinstance(sample, list | tuple) else sample
+            messages = [{"role": t.role, "content": t.text} for t in batch["turns"][b]] + done.history[r]
+            written.append({**batch["columns"][b], "id": f"{sample}/{r % g}", "images": names, "messages": messages,
+                            "reward": totals[r], "tool_calls": int(done.calls[r])})
+        stage.write_bytes("trajectories.jsonl", "\n".join(json.dumps(x, ensure_ascii=False) for x in written).encode())
+    return len(written)

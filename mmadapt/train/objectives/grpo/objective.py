@@ -428,13 +428,34 @@ class GrpoObjective(OnlineObjective):
             from mmadapt.train.batches import to_device
 
             shown = to_device(batch, run.device)
-            results = agentic.tool_controls(run.model, self.scorer, self.agent, shown) if shown["input_ids"].shape[
-                0] else {name: [] for name in (*agentic.TOOL_CONTROLS, "tool_calls")}
+            results = agentic.tool_controls(run.model, self.scorer, self.agent, shown, self.recorder(run, shown)) \
+                if shown["input_ids"].shape[0] else {name: [] for name in (*agentic.TOOL_CONTROLS, "tool_calls")}
         else:
             results = control_rewards(run.model, self.scorer, items, run.collate_fn, device=run.device)
         for name, values in results.items():
             out[f"reward/{name}"], out[f"answers/{name}"] = sum(values), len(values)
         return out
+
+    def recorder(self, run: Run, batch: dict[str, Any]) -> Any:
+        """What records the first eval batch's trajectories of each eval, on the first rank (`agentic.record`, to
+        `OUT/trajectories/step-N`; `grpo.record_trajectories` of them), or None."""
+        from mmadapt.run_directory import RunDirectory
+
+        limit = self.settings.record_trajectories
+        if not limit or not run.is_main or getattr(self, "_recorded", None) == run.step or not batch.get("turns"):
+            return None
+        self._recorded = run.step
+
+        def keep(done: Any, totals: list[float]) -> None:
+            target = RunDirectory(run.out).trajectories(run.step)
+            try:
+                count = agentic.record(target, batch, done, totals, limit)
+                log.info("recorded %d eval trajectories: mmadapt data show %s --image-root %s", count,
+                         target / "trajectories.jsonl", target)
+            except OSError as e:  # a record is a report: it never stops a run
+                log.warning("the eval trajectories could not be recorded in %s (%s); training goes on", target, e)
+
+        return keep
 
     def eval_metrics(self, run: Run, sums: dict[str, float]) -> dict[str, float]:
         """`eval_reward`, `eval_reward_blanked`, `eval_reward_shuffled`: the mean rewards (a reward that rests on the

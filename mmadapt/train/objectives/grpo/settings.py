@@ -50,6 +50,8 @@ class GrpoSettings:
     tool_max_pixels: int | None = None  # the most pixels of an image a tool returns (None: the processor's max_pixels)
     tool_max_images: int = 4  # images one call may return
     tools_in_prompt: bool = True  # the tool list in the prompt as the template writes it (its `tools` argument)
+    record_trajectories: int = 8  # with tools: greedy eval trajectories written per eval (OUT/trajectories/step-N,
+    # messages records with their images: `mmadapt data show` renders them, SFT trains on them); 0: none
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
