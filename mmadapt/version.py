@@ -5,4 +5,4 @@ and the records that name the version (a transformers export's processor record,
 it from here. The bottom layer: it imports nothing, so any module may read it without an arrow that climbs.
 """
 
-__version__ = "0.27.0"
+__version__ = "0.28.0"

@@ -79,3 +79,31 @@ def test_what_is_not_an_rl_prompt_says_why(record, words):
         parse_prompt(record, 7)
     assert refused.value.reason == "bad_format" and words in refused.value.detail
     assert refused.value.sample_id == "7"
+
+
+def test_prompts_offer_tools_as_trl_and_verl_records_name_them(encoder):
+    """With tools, a record's `tools` (names or OpenAI / trl function schemas) or verl's `extra_info.tools_kwargs`
+    says which the prompt offers, listed in its prompt by the template; verl's `reward_model.ground_truth` is the
+    `answer` column; the prompt keeps its images and turns; a tool the run lacks is a counted problem naming it."""
+    from mmadapt.tools import build_tools
+
+    encoder = SampleEncoder.for_model(mmadapt.build_model(*QWEN), char_tokenizer(),
+                                      image_root=encoder.config.image_root, max_length=4096)  # the tool list's room
+    tools = build_tools(["zoom", "crop"])
+    prompts = PromptEncoder(encoder, completion_tokens=16, tools=tools)
+    trl = {"id": "a", "prompt": [{"role": "user", "content": f"{IMAGE}{QUESTION}"}], "images": ["0.png"],
+           "solution": "3", "tools": [tools[0].schema()]}
+    verl = {"id": "b", "prompt": [{"role": "user", "content": f"{IMAGE}{QUESTION}"}], "images": ["0.png"],
+            "data_source": "geo", "reward_model": {"style": "rule", "ground_truth": "3"},
+            "extra_info": {"need_tools_kwargs": True, "tools_kwargs": {"crop": {"create_kwargs": {}}}}}
+    first, second = prompts.encode(trl, 0), prompts.encode(verl, 1)
+    assert first.tools == ("zoom",) and second.tools == ("crop",) and second.columns["answer"] == "3"
+    assert len(first.images) == 1 and first.turns == (Turn("user", f"{IMAGE}{QUESTION}"),)
+    text = encoder.tokenizer.decode(first.sample.input_ids)
+    assert '"name": "zoom"' in text and '"name": "crop"' not in text and "<tools>" in text
+    every = prompts.encode({**trl, "tools": None}, 2)
+    assert every.tools == ("zoom", "crop")
+    with pytest.raises(DataProblem, match=r"its tools \['rotate'\] are not among the run's grpo.tools"):
+        prompts.encode({**trl, "tools": ["rotate"]}, 3)
+    unlisted = PromptEncoder(encoder, completion_tokens=16, tools=tools, list_tools=False).encode(trl, 0)
+    assert "<tools>" not in encoder.tokenizer.decode(unlisted.sample.input_ids)

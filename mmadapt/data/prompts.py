@@ -7,8 +7,14 @@ Three record formats are read, as their tools write them:
   turn; `{"type": "image"}` parts or `<image>` mark the images, in order; a prompt with images and no mark gets
   them before its text);
 - EasyR1 / verl: `{"problem": str, "answer": str, "images": [paths]}` (`<image>` in the problem marks the images);
+  verl's parquet layout too (`prompt` as messages, `reward_model.ground_truth` read as the `answer` column, the
+  tools of `extra_info.tools_kwargs` as the prompt's tools);
 - ms-swift: `{"messages": [...turns ending with a user turn...], "images": [paths], "solution": str}` (sharegpt's
   `conversations` are read too).
+
+With tools (`grpo.tools`), a record's `tools` (names, or trl / OpenAI function schemas) says which of the run's tools
+its prompt offers (default: all); the prompt then keeps its decoded images and turns (what tools work on, and what a
+recorded trajectory starts with).
 
 Every other key of the record is a column the rewards receive (`PromptSample.columns`: EasyR1's `answer`, ms-swift's
 `solution`, trl's extra columns), the prompt's own keys and the images aside. `PromptEncoder` encodes a prompt once
@@ -103,7 +109,14 @@ def parse_prompt(record: Any, index: int, image_root: str | os.PathLike | None =
     _mark_images(base, sample_id)
     prompt = parse_record(base, index, image_root, allow_outside_root, max_images=max_images, max_frames=max_frames)
     columns = {k: v for k, v in record.items() if k not in PROMPT_KEYS}
-    return PromptSample(sample_id, prompt, columns, _tool_names(record.get("tools"), sample_id))
+    truth = record.get("reward_model", {}).get("ground_truth") if isinstance(record.get("reward_model"), dict) else None
+    if truth is not None and "answer" not in columns and "solution" not in columns:  # verl's rule-based reward
+        columns["answer"] = truth
+    tools = record.get("tools")
+    extra = record.get("extra_info")
+    if tools is None and isinstance(extra, dict) and isinstance(extra.get("tools_kwargs"), dict):  # verl's per-sample
+        tools = list(extra["tools_kwargs"])  # tools: their names (their create_kwargs are verl's tool classes')
+    return PromptSample(sample_id, prompt, columns, _tool_names(tools, sample_id))
 
 
 def _tool_names(value: Any, sample_id: str) -> tuple[str, ...] | None:
