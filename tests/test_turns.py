@@ -6,6 +6,7 @@ the rollout's log-probs equal to the forward's over whole trajectories, failing 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -106,6 +107,36 @@ def test_the_templates_write_and_read_calls_and_tool_messages_in_their_own_forma
                 -len("assistant\n"):])
         with pytest.raises(ValueError, match="tool_call"):
             turns.parse(written.replace("</tool_call>", ""))
+
+
+@pytest.mark.parametrize("form, text, calls", [
+    ("llama_json", '{"name": "zoom", "parameters": {"box": [1, 2, 3, 4]}}', [("zoom", {"box": [1, 2, 3, 4]})]),
+    ("llama_json", "It is a cat.", []),
+    ("hermes_json", 'Look.\n<tool_call>\n{"name": "crop", "arguments": "{\\"box\\": [0, 0, 8, 8]}"}\n</tool_call>'
+                    '\n<tool_call>\n{"name": "zoom", "arguments": {}}\n</tool_call>',
+     [("crop", {"box": [0, 0, 8, 8]}), ("zoom", {})]),
+    ("qwen_xml", "<tool_call>\n<function=zoom>\n<parameter=box>\n[1, 2, 3, 4]\n</parameter>\n<parameter=note>\nfine "
+                 "print\n</parameter>\n</function>\n</tool_call>", [("zoom", {"box": [1, 2, 3, 4], "note": "fine print"})]),
+])
+def test_each_call_format_reads_its_calls(form, text, calls):
+    """Llama's JSON calls (`parameters`), Hermes / Qwen3-VL's (arguments as an object or its JSON text, several
+    calls), Qwen3.5's XML parameters (JSON values where they parse, else text)."""
+    from mmadapt.data.tool_turns import parse_calls
+
+    assert parse_calls(text, form) == calls
+
+
+@pytest.mark.parametrize("form, text, words", [
+    ("hermes_json", '<tool_call>\n{"name": "zoom", "arguments": {"box": [1, 2}\n</tool_call>', "not JSON"),
+    ("hermes_json", '<tool_call>\n{"name": "zoom", "arguments": {}}', "not closed"),
+    ("hermes_json", '<tool_call>\n{"tool": "zoom"}\n</tool_call>', 'must be {"name": ..., "arguments"'),
+    ("qwen_xml", "<tool_call>\n<function=zoom>\n</tool_call>", "<function=NAME>"),
+])
+def test_a_call_that_cannot_be_read_says_why(form, text, words):
+    from mmadapt.data.tool_turns import parse_calls
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        parse_calls(text, form)
 
 
 DROPPING = ("{%- for message in messages %}<|im_start|>{{ message.role }}\n{%- if message.content is string %}"
