@@ -116,7 +116,8 @@ def test_the_templates_write_and_read_calls_and_tool_messages_in_their_own_forma
                     '\n<tool_call>\n{"name": "zoom", "arguments": {}}\n</tool_call>',
      [("crop", {"box": [0, 0, 8, 8]}), ("zoom", {})]),
     ("qwen_xml", "<tool_call>\n<function=zoom>\n<parameter=box>\n[1, 2, 3, 4]\n</parameter>\n<parameter=note>\nfine "
-                 "print\n</parameter>\n</function>\n</tool_call>", [("zoom", {"box": [1, 2, 3, 4], "note": "fine print"})]),
+                 "print\n</parameter>\n</function>\n</tool_call>",
+     [("zoom", {"box": [1, 2, 3, 4], "note": "fine print"})]),
 ])
 def test_each_call_format_reads_its_calls(form, text, calls):
     """Llama's JSON calls (`parameters`), Hermes / Qwen3-VL's (arguments as an object or its JSON text, several
