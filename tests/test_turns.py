@@ -382,3 +382,62 @@ def test_a_run_with_tools_records_eval_trajectories_that_data_show_renders_and_s
         parts.model, parts.tokenizer, image_root=str(folder), max_length=700).encode(recorded[0], 0)
     supervised = parts.tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])
     assert supervised.startswith("<tool_call>") and "tool_response" not in supervised
+
+
+def test_a_steps_loss_and_gradients_equal_its_trajectories_encoded_separately(tmp_path, monkeypatch):
+    """The GRPO step with tools (the whole vision side trained): each picture encoded once - the prompts' 2 in one
+    call before the rollout, the 4 zoomed images in one call as they arrive (a hook on the vision tower) - and the
+    step's loss and every gradient equal those of the same trajectories with each row encoding its own copy of its
+    images in the forward (<= 1e-6): the pool of encodings keeps its graph through the rollout. Fixed advantages
+    make the loss non-zero."""
+    from mmadapt.train import RunConfig, Trainer
+    from mmadapt.train.batches import inputs_of
+    from mmadapt.train.run import build_run
+
+    monkeypatch.setattr(ToolTurns, "parse", lambda self, text: [("zoom", {"box": [0, 0, 32, 32]})])
+    monkeypatch.setattr(ToolTurns, "marker", property(lambda self: ""))
+    for k, size in enumerate(((64, 64), (64, 32))):
+        Image.fromarray(skdata.astronaut()).resize(size).save(tmp_path / f"{k}.png")
+    records = [{"id": f"p{k}", "problem": "<image>What is it?", "answer": "A", "images": [f"{k}.png"]}
+               for k in range(2)]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    cfg = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.progress=false", "train.objective=grpo",
+                                "grpo.rewards=[accuracy]", f"data.train={tmp_path / 'p.jsonl'}",
+                                f"data.image_root={tmp_path}", "data.batch_size=2", "data.max_length=700",
+                                "grpo.num_generations=2", "grpo.max_completion_length=6", "grpo.tools=[zoom]",
+                                "grpo.tools_in_prompt=false", "grpo.max_turns=2", "grpo.tool_max_pixels=1024",
+                                "stages.encoder=full", "grpo.loss_type=dr_grpo"])
+    parts = build_run(cfg)
+    end = parts.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    parts.model.backbone.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: output.index_add(-1, torch.tensor([end]), torch.full((*output.shape[:-1], 1),
+                                                                                          6.0)))
+    trainer = Trainer(parts.model, cfg, parts.train_data, parts.collate)
+    objective = trainer.objective
+    objective.prepare(trainer)
+    seen, hook = encoded_pictures(parts.model)
+    try:
+        batch = objective.training_rows(trainer, [parts.collate([parts.train_data[0], parts.train_data[1]])])[0]
+    finally:
+        hook.remove()
+    done = batch["rollout"]["rollouts"]
+    tool_images = int(batch["images_per_sample"].sum()) - 4  # each row shows its prompt's image first
+    assert tool_images >= 2 and seen == {"calls": 2, "pictures": 2 + tool_images}, (seen, tool_images)
+    batch["rollout"]["advantages"] = torch.tensor([1.0, -0.5, 0.25, -0.75])
+
+    def loss_and_grads(rows):
+        parts.model.zero_grad()
+        terms = objective.terms(trainer, rows, 1, int(done.mask.sum()))
+        terms.loss.backward()
+        return terms.loss.detach(), {n: p.grad.clone() for n, p in parts.model.named_parameters()
+                                     if p.grad is not None}
+
+    ours, our_grads = loss_and_grads(batch)
+    rows = {k: v for k, v in inputs_of(batch).items() if k != "encoded"}  # the forward encodes each row's own copy
+    separate = {**separate_pictures(rows, rows), "rollout": batch["rollout"], "meta": batch["meta"]}
+    theirs, their_grads = loss_and_grads(separate)
+    assert abs(float(ours)) > 1e-4 and abs(float(ours - theirs)) <= 1e-6, (ours, theirs)
+    assert our_grads.keys() == their_grads.keys() and any("encoder" in n for n in our_grads)
+    assert any(float(g.abs().max()) > 0 for n, g in our_grads.items() if "encoder" in n)
+    for name, grad in our_grads.items():
+        assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name

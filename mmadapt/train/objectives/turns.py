@@ -98,9 +98,11 @@ def cat_tokens(parts: Sequence[VisualTokens | None]) -> VisualTokens | None:
     kept = [p for p in parts if p is not None]
     if not kept:
         return None
-    levels = tuple(torch.cat(level) for level in zip(*(p.levels for p in kept), strict=True)) if kept[0].levels else ()
-    return VisualTokens(torch.cat([p.features for p in kept]), torch.cat([p.grids.to(kept[0].grids.device)
-                                                                       for p in kept]), kept[0].window, levels)
+    with torch.enable_grad():  # (inside a rollout's no_grad: the pool keeps each encoding's graph for the loss)
+        levels = tuple(torch.cat(level) for level in zip(*(p.levels for p in kept), strict=True)) \
+            if kept[0].levels else ()
+        return VisualTokens(torch.cat([p.features for p in kept]), torch.cat([p.grids.to(kept[0].grids.device)
+                                                                           for p in kept]), kept[0].window, levels)
 
 
 def turn_seeds(seeds: torch.Tensor | None, turn: int) -> torch.Tensor | None:
@@ -115,8 +117,9 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
                        encode: Callable[[dict[str, Any]], VisualTokens | None] | None = None,
                        blank_tool_images: bool = False) -> Trajectories:
     """G trajectories for each prompt of `prompts` (a `Collator` batch of generation prompts; `images[b]`: prompt b's
-    decoded images, which the tools work on); `encode(pixels)` encodes the images tools return (default: the model's
-    `encode_images`); `blank_tool_images`: each returned image replaced by the processor's mean colour (the control
+    decoded images, which the tools work on); `encoded`: the prompts' pictures (with their graph: the pool keeps it);
+    `encode(pixels)` encodes the images tools return (default: the model's `encode_images`; None: the vision side's
+    run on no picture); `blank_tool_images`: each returned image replaced by the processor's mean colour (the control
     that asks whether the policy uses what tools show it). Module docstring."""
     from mmadapt.answering import decoded
     from mmadapt.generation import any_rank_decoding, ranks_step_together
@@ -129,7 +132,8 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     if encoded is None:  # the prompts' pictures: the start of the pool every later turn takes its images from
         encoded = encode_prompts(model, prompts)
     first = rollout(model, processor, prompts, g, dataclasses.replace(
-        sampling, max_new_tokens=min(sampling.max_new_tokens, agent.max_tokens)), seeds=seeds, encoded=encoded)
+        sampling, max_new_tokens=min(sampling.max_new_tokens, agent.max_tokens)), seeds=seeds,
+        encoded=encoded.detached() if encoded is not None else None)
     count = first.completions.shape[0]
     valid = rows["attention_mask"].bool()
     prompt_ids = [rows["input_ids"][r][valid[r]] for r in range(count)]

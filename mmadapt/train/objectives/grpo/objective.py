@@ -265,7 +265,7 @@ class GrpoObjective(OnlineObjective):
             return rollout(run.model, self.scorer.processor, batch, s.num_generations, s.sampling, encoded=given,
                            seeds=seeds)
         return agentic.answer(run.model, self.scorer.processor, batch, s.num_generations, s.sampling, self.agent,
-                              seeds=seeds, pictures=given, encode=lambda pixels: self.encode_pixels(run, pixels))
+                              seeds=seeds, pictures=pictures, encode=lambda pixels: self.encode_pixels(run, pixels))
 
     def encode_pixels(self, run: Run, pixels: dict[str, Any]) -> Any:
         """Images tools returned, encoded once by the policy in training mode (with gradients when the vision side
