@@ -107,3 +107,12 @@ def test_prompts_offer_tools_as_trl_and_verl_records_name_them(encoder):
         prompts.encode({**trl, "tools": ["rotate"]}, 3)
     unlisted = PromptEncoder(encoder, completion_tokens=16, tools=tools, list_tools=False).encode(trl, 0)
     assert "<tools>" not in encoder.tokenizer.decode(unlisted.sample.input_ids)
+
+
+def test_a_prompt_with_a_video_offering_tools_is_a_counted_problem(encoder):
+    from mmadapt.tools import build_tools
+
+    prompts = PromptEncoder(encoder, completion_tokens=16, tools=build_tools(["zoom"]), list_tools=False)
+    record = {"id": "v", "problem": "<video>What happens?", "answer": "1", "videos": ["clip.mp4"]}
+    with pytest.raises(DataProblem, match="video_unsupported.*frames as images"):
+        prompts.encode(record, 0)

@@ -441,3 +441,18 @@ def test_a_steps_loss_and_gradients_equal_its_trajectories_encoded_separately(tm
     assert any(float(g.abs().max()) > 0 for n, g in our_grads.items() if "encoder" in n)
     for name, grad in our_grads.items():
         assert torch.allclose(grad, their_grads[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_a_plan_imports_no_tool_a_config_names_as_code(tmp_path):
+    """`mmadapt plan` builds the objective without importing the run's code: tools named as code are left out (a
+    trajectory is bounded by data.max_length whatever its tools), and said."""
+    from mmadapt.train import RunConfig
+    from mmadapt.train.objectives.grpo.objective import GrpoObjective
+
+    config = RunConfig.load(None, [f"train.out={tmp_path / 'out'}", "train.objective=grpo", "grpo.rewards=[accuracy]",
+                                   "grpo.tools=[zoom, 'never_imported.module:tool']"])
+    planned, note = GrpoObjective.without_code(config)
+    assert planned.sections["grpo"]["tools"] == ["zoom"] and "never_imported.module:tool" in note
+    GrpoObjective(planned)  # builds without importing it
+    with pytest.raises(ValueError, match="never_imported"):
+        GrpoObjective(config)

@@ -231,6 +231,10 @@ class PromptEncoder(OverSampleEncoder):
             prompt = parsed.prompt
             images = [load_image(path, max_pixels=self.config.max_image_pixels) for path in prompt.images]
             offered = self.offered(parsed) if self.tools else ()
+            if offered and prompt.videos:
+                raise DataProblem("video_unsupported", "a prompt with a video cannot offer tools yet (a trajectory's "
+                                  "later turns take images only). Fix: give the video's frames as images, or offer "
+                                  "no tools for it (its record's tools: [])", sample_id=parsed.id)
             schemas = [self.tools[name].schema() for name in offered] if self.list_tools else []
             sample = self.encoder.prompt_for(parsed.id, prompt.turns, images, prompt.videos, tools=schemas or None)
             room = self.config.max_length - len(sample.input_ids)

@@ -115,12 +115,14 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
                        sampling: Sampling, agent: Agent, *, seeds: torch.Tensor | None = None,
                        encoded: Encoded | None = None, images: Sequence[Sequence[Any]] = (),
                        encode: Callable[[dict[str, Any]], VisualTokens | None] | None = None,
-                       blank_tool_images: bool = False) -> Trajectories:
+                       blank_tool_images: bool = False,
+                       offered: Sequence[Sequence[str]] | None = None) -> Trajectories:
     """G trajectories for each prompt of `prompts` (a `Collator` batch of generation prompts; `images[b]`: prompt b's
     decoded images, which the tools work on); `encoded`: the prompts' pictures (with their graph: the pool keeps it);
     `encode(pixels)` encodes the images tools return (default: the model's `encode_images`; None: the vision side's
     run on no picture); `blank_tool_images`: each returned image replaced by the processor's mean colour (the control
-    that asks whether the policy uses what tools show it). Module docstring."""
+    that asks whether the policy uses what tools show it); `offered[b]`: the tools prompt b offers (default: all the
+    agent's; a call of another is an `unknown_tool`). Module docstring."""
     from mmadapt.answering import decoded
     from mmadapt.generation import any_rank_decoding, ranks_step_together
 
@@ -166,7 +168,8 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             history[r].append({"role": "assistant", "content": texts[r]})
             if truncated[r] or turn + 1 == agent.max_turns:
                 continue
-            called = call_tools(agent, processor, ids, seen[r], problems)
+            tools = agent.tools if offered is None else {n: agent.tools[n] for n in offered[r // g]}
+            called = call_tools(agent, tools, processor, ids, seen[r], problems)
             if called is None:
                 continue
             parsed, results = called
@@ -224,7 +227,7 @@ def agent_room(processor: Any, prompt_length: int) -> int:
     return processor.encoder.config.max_length - prompt_length
 
 
-def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any],
+def call_tools(agent: Agent, tools: dict[str, Any], processor: Any, ids: torch.Tensor, seen: list[Any],
                problems: Counter) -> tuple[list[Any], list[Any]] | None:
     """The calls an answer ends with and their results (None: it makes none); an answer whose call cannot be read
     gets no call and one result saying why (a counted `bad_call`)."""
@@ -243,7 +246,7 @@ def call_tools(agent: Agent, processor: Any, ids: torch.Tensor, seen: list[Any],
     context = ToolContext(images=tuple(seen), max_pixels=agent.max_pixels, max_images=agent.max_images)
     results = []
     for name, arguments in parsed:
-        result = run_call(agent.tools, ToolCall(name, arguments), context, timeout=agent.timeout)
+        result = run_call(tools, ToolCall(name, arguments), context, timeout=agent.timeout)
         if result.problem:
             problems[result.problem] += 1
         results.append(result)

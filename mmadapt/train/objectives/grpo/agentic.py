@@ -54,26 +54,14 @@ def agent_for(settings: Any, encoder: Any, tools: tuple[Any, ...]) -> Agent:
                  max_pixels=pixels, max_images=settings.tool_max_images)
 
 
-def offered(agent: Agent, names: tuple[str, ...]) -> Agent:
-    """The agent with the tools one prompt offers."""
-    import dataclasses
-
-    return dataclasses.replace(agent, tools={n: agent.tools[n] for n in names})
-
-
 def answer(model: Any, processor: Any, batch: dict[str, Any], num_generations: int, sampling: Any, agent: Agent, *,
            seeds: torch.Tensor | None = None, pictures: Encoded | None = None, encode: Any = None,
            blank: bool = False) -> Trajectories:
-    """The trajectories of a prompt batch; each prompt is offered its own tools (the batch's `tools`): prompts
-    offering different tools are answered apart, then put back in order."""
+    """The trajectories of a prompt batch, each prompt offered its own tools (the batch's `tools`)."""
     images = batch.get("images") or [() for _ in range(batch["input_ids"].shape[0])]
-    tools = batch.get("tools") or [tuple(agent.tools) for _ in images]
-    if len(set(tools)) > 1:
-        raise ValueError(f"a micro-batch's prompts offer different tools ({sorted(set(tools))}): give each prompt "
-                         "the same tools, or train with data.batch_size 1")
-    return multi_turn_rollout(model, processor, batch, num_generations, sampling, offered(agent, tools[0]),
-                              seeds=seeds, encoded=pictures, images=images, encode=encode,
-                              blank_tool_images=blank)
+    return multi_turn_rollout(model, processor, batch, num_generations, sampling, agent, seeds=seeds,
+                              encoded=pictures, images=images, encode=encode, blank_tool_images=blank,
+                              offered=batch.get("tools"))
 
 
 def trajectory_rows(batch: dict[str, Any], done: Trajectories, pictures: Encoded | None, pad_token_id: int,

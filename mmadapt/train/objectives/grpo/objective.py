@@ -147,13 +147,22 @@ class GrpoObjective(OnlineObjective):
             return dataclasses.replace(config, sections={**config.sections, cls.section: section}), None
         names = [str(entry.get("name") if isinstance(entry, dict) else entry) for entry in section.get("rewards", [])]
         code = [name for name in names if ":" in name]
-        if not code:
+        tools = [str(entry.get("name") if isinstance(entry, dict) else entry) for entry in section.get("tools") or []]
+        tool_code = [name for name in tools if ":" in name]
+        if not code and not tool_code:
             return config, None
-        section["rewards"] = [entry for name, entry in zip(names, section["rewards"], strict=True)
-                              if name not in code] or ["accuracy"]
-        return dataclasses.replace(config, sections={**config.sections, cls.section: section}), (
-            f"grpo.rewards names code {code}, not imported (a reward does not change the memory); to import and check "
-            f"it: --rewards {','.join(names)}")
+        notes = []
+        if code:
+            section["rewards"] = [entry for name, entry in zip(names, section["rewards"], strict=True)
+                                  if name not in code] or ["accuracy"]
+            notes.append(f"grpo.rewards names code {code}, not imported (a reward does not change the memory); to "
+                         f"import and check it: --rewards {','.join(names)}")
+        if tool_code:  # a trajectory is bounded by data.max_length with or without them: the plan is the same
+            section["tools"] = [entry for name, entry in zip(tools, section["tools"], strict=True)
+                                if name not in tool_code] or ["zoom"]
+            notes.append(f"grpo.tools names code {tool_code}, not imported (a trajectory's memory is bounded by "
+                         "data.max_length whatever its tools)")
+        return dataclasses.replace(config, sections={**config.sections, cls.section: section}), "; ".join(notes)
 
     def bind(self, encoder: Any, model: Any) -> None:
         """What answering and scoring need (`AnswerScorer`: answering's processor - its end and pad ids, its
