@@ -114,5 +114,5 @@ def test_a_prompt_with_a_video_offering_tools_is_a_counted_problem(encoder):
 
     prompts = PromptEncoder(encoder, completion_tokens=16, tools=build_tools(["zoom"]), list_tools=False)
     record = {"id": "v", "problem": "<video>What happens?", "answer": "1", "videos": ["clip.mp4"]}
-    with pytest.raises(DataProblem, match="video_unsupported.*frames as images"):
+    with pytest.raises(DataProblem, match=r"video_unsupported.*frames as images"):
         prompts.encode(record, 0)
