@@ -279,12 +279,14 @@ def test_a_recorded_trajectory_trains_the_calls_and_answers_never_the_tool_turns
     assert "<tool_response>" in tokenizer.decode(sample.input_ids)
 
 
-@pytest.mark.slow  # three launches, two of them torchrun with 2 processes (about 60 s)
+@pytest.mark.slow  # five launches, three of them torchrun with 2 processes (about 90 s)
 def test_ddp_and_fsdp2_with_two_processes_equal_one_process_with_uneven_turns(tmp_path):
     """Trajectories of 1 to 3 answers (a call after each answer of odd length), differing on each rank, with images
     of three sizes: two ranks (DDP, FSDP2: every rank runs as many turns, encodings and decoding steps as the
     busiest, a stand-in where its own ended) equal one process within 1e-5 in loss, rewards, tool calls, answers and
-    the gradient norm (relative), at both steps; the eval's 3 prompts fall 2 and 1 on the ranks."""
+    the gradient norm (relative), at both steps; the eval's 3 prompts fall 2 and 1 on the ranks. Under FSDP2 with
+    the whole vision side trained too: every turn's encodings (the vision side on no picture where a rank has none)
+    reach the loss and reduce their gradients with the other ranks'."""
     import os
     import subprocess
     import sys
@@ -317,8 +319,12 @@ def test_ddp_and_fsdp2_with_two_processes_equal_one_process_with_uneven_turns(tm
     one = launch("one", "data.batch_size=2")
     answers = [record["tools/answers"] for record in one if "tools/answers" in record]
     assert len(answers) == 2 and all(1 < a < 3 for a in answers), answers  # turns differ between trajectories
-    for strategy in ("ddp", "fsdp"):
-        two = launch(strategy, "data.batch_size=1", f"distributed.strategy={strategy}", procs=2)
+    vision = ("stages.encoder=full",)  # the whole vision side trained: every turn's encodings reach the loss
+    for strategy, trained in (("ddp", ()), ("fsdp", ()), ("fsdp", vision)):
+        if trained:
+            one = launch("one-vision", "data.batch_size=2", *trained)
+        two = launch(f"{strategy}{'-vision' if trained else ''}", "data.batch_size=1",
+                     f"distributed.strategy={strategy}", *trained, procs=2)
         steps = [(a, b) for a, b in zip(one, two, strict=True) if "loss" in a]
         assert len(steps) == 2
         for a, b in steps:
