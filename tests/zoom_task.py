@@ -88,7 +88,7 @@ def first_views_differ_by(root: Path) -> float:
     return float((a - b).abs().max())
 
 
-def run(root: Path, seed: int, tools: bool = True) -> dict[str, Any]:
+def run(root: Path, seed: int, tools: bool = True, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """SFT then GRPO (module docstring): the held-out eval before and after, and the seconds each took."""
     from mmadapt.train import RunConfig, Trainer
     from mmadapt.train.run import build_run
@@ -109,7 +109,7 @@ def run(root: Path, seed: int, tools: bool = True) -> dict[str, Any]:
     taught = time.perf_counter()
     then = RunConfig.load(None, [*common, f"train.out={root / f'grpo-{name}-{seed}'}",
                                  f"data.train={root / 'train.jsonl'}", f"data.eval={root / 'held.jsonl'}", *GRPO,
-                                 *(TOOLS if tools else ["grpo.max_completion_length=1"])])
+                                 *(TOOLS if tools else ["grpo.max_completion_length=1"]), *overrides])
     parts = build_run(then, model=parts.model)
     trainer = Trainer(parts.model, then, parts.train_data, parts.collate, eval_data=parts.eval_data,
                       tokenizer=parts.tokenizer)

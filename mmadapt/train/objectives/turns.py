@@ -177,13 +177,13 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
                 history[r][-1] = {"role": "assistant", "content": texts[r].split(agent.turns.marker)[0].strip()
                                   if agent.turns.marker else "", "tool_calls": [
                                       {"type": "function", "function": {"name": n, "arguments": a}} for n, a in parsed]}
-            history[r] += [{"role": "tool", "content": IMAGE * len(result.images) + result.text}
-                           for result in results]
-            calls[r] += len(results)
+            calls[r] += len(parsed)
             suffix, shown = tool_message(agent, processor, results, blank_tool_images)
             if len(suffix) > budget[r] - 1:  # no room for the message and one token of an answer
                 problems["budget"] += 1
                 continue
+            history[r] += [{"role": "tool", "content": IMAGE * len(result.images) + result.text}
+                           for result in results]
             segments[r].append((suffix, False))
             budget[r] -= len(suffix)
             returned = [image for result in results for image in result.images]
