@@ -3,14 +3,16 @@
 Each image is 64 x 64 pixels of 1-pixel stripes under a Hann window, vertical (answer A) or horizontal (B). The
 model's processor keeps at most 32 x 32 pixels of an image, and halving 1-pixel stripes averages them away: the
 first view of an A image and of a B image are the same grey (their pixel values differ by at most one grey level,
-`first_views_differ_by`). `zoom` into the centre returns the region at the processor's 32 x 32 pixels: 2-pixel
+`first_views_differ_by`). Zooming on the centre 8 x 8 pixels returns them at the processor's 32 x 32: 4-pixel
 stripes, plainly vertical or horizontal.
 
-`run(root, seed, tools=True)`: SFT on recorded trajectories teaches the call format (the question, a zoom call, the
-zoomed image, then an answer drawn at random: the policy at chance), then GRPO with the accuracy reward alone on 64
-prompts, evaluated on 32 held out before and after (the eval's controls: real, every image blanked, the tools'
-images blanked). `tools=False` is the same policy without tools: SFT on the direct answers (drawn at random), GRPO
-with one-token answers.
+`run(root, seed, tools=True)`: SFT on recorded trajectories teaches the call format (the question, a call of `look`
+- a user tool zooming on the centre -, the zoomed image, then an answer drawn at random: the policy at chance), then
+GRPO on 64 prompts with `looked`, the accuracy reward of an answer given after a look that worked (a policy gains
+nothing by breaking its call while it learns to read what the call shows; a tiny char-level policy's 60-token call
+otherwise drifts and breaks), evaluated on 32 held out before and after (the eval's controls: real, every image
+blanked, the tools' images blanked). `tools=False` is the same policy without tools: SFT on the direct answers
+(drawn at random), GRPO with one-token answers and the accuracy reward.
 
     python tests/zoom_task.py --seeds 0 1 2 --threads 1 2      # the measurement the test's bounds come from
 """
@@ -28,15 +30,39 @@ import numpy as np
 from PIL import Image
 
 QUESTION = "<image>Stripes? A or B."
-BOX = [24, 24, 40, 40]
+BOX = [28, 28, 36, 36]
+SFT_STEPS = 150
+CALL = ("look", {})  # the call SFT teaches (`look`: zoom on the centre; or ("zoom", {"box": BOX}))
 SIDE = 64
 WINDOW = np.outer(*[np.sin(np.pi * (np.arange(SIDE) + 0.5) / SIDE) ** 2] * 2)
 STRIPES = np.where(np.arange(SIDE) % 2, 1.0, -1.0)
 MODEL = ["model.encoder={name: qwen3_5_vit, preset: tiny, options: {max_pixels: 1024}}"]  # first views: 32 x 32
-GRPO = ["train.objective=grpo", "grpo.rewards=[accuracy]", "train.steps=100", "data.batch_size=4", "train.lr=2e-4",
-        "grpo.num_generations=4", "grpo.loss_type=grpo", "grpo.temperature=0.7"]
-TOOLS = ["grpo.tools=[zoom]", "grpo.tools_in_prompt=false", "grpo.max_turns=2", "grpo.tool_max_pixels=1024",
-         "grpo.max_completion_length=90"]
+GRPO = ["train.objective=grpo", "grpo.rewards=[accuracy]", "train.steps=100", "data.batch_size=4", "train.lr=3e-4",
+        "train.schedule=cosine", "train.warmup_steps=5", "train.clip_grad_norm=0.2", "grpo.num_generations=4",
+        "grpo.loss_type=grpo", "grpo.temperature=0.7"]
+TOOLS = ["grpo.tools=[zoom, 'zoom_task:look']", "grpo.rewards=['zoom_task:looked']", "grpo.tools_in_prompt=false",
+         "grpo.max_turns=2", "grpo.tool_max_pixels=1024", "grpo.max_completion_length=90"]
+
+
+def look(context: Any) -> Any:
+    """Look closer: the centre of the image, zoomed to as many pixels as images may have.
+
+    Args:
+        context: the trajectory's images and limits (given by mmadapt)
+    """
+    from mmadapt.tools import TOOLS as BUILT_IN
+
+    return BUILT_IN.get("zoom")()(context, {"box": BOX})
+
+
+def looked(completions: list[str], tool_calls: list[int], tool_problems: list[int], **columns: Any) -> list[float]:
+    """The accuracy reward of an answer given after a look that worked (0 after an unreadable or failing call): a
+    policy gains nothing by breaking its call while it learns to read what the call shows."""
+    from mmadapt.train.rewards import Accuracy
+
+    right = Accuracy()(completions, **columns)
+    return [float(bool(r) and calls > 0 and not problems)
+            for r, calls, problems in zip(right, tool_calls, tool_problems, strict=True)]
 
 
 def picture(answer: str, brightness: int) -> Image.Image:
@@ -65,7 +91,7 @@ def write_data(root: Path) -> None:
         files["sft"].append({"id": f"s{k}", "images": [f"{k}.png", f"{k}-zoom.png"], "messages": [
             {"role": "user", "content": QUESTION},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "zoom", "arguments": {"box": BOX}}}]},
+                {"type": "function", "function": {"name": CALL[0], "arguments": CALL[1]}}]},
             {"role": "tool", "content": "<image>" + zoomed.text},
             {"role": "assistant", "content": said}]})
         files["direct"].append({"id": f"d{k}", "image": f"{k}.png", "conversations": [
@@ -88,7 +114,8 @@ def first_views_differ_by(root: Path) -> float:
     return float((a - b).abs().max())
 
 
-def run(root: Path, seed: int, tools: bool = True, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+def run(root: Path, seed: int, tools: bool = True, overrides: tuple[str, ...] = (),
+        tokenizer: str | None = None) -> dict[str, Any]:
     """SFT then GRPO (module docstring): the held-out eval before and after, and the seconds each took."""
     from mmadapt.train import RunConfig, Trainer
     from mmadapt.train.run import build_run
@@ -100,10 +127,14 @@ def run(root: Path, seed: int, tools: bool = True, overrides: tuple[str, ...] = 
     name = "tools" if tools else "direct"
     common = [*MODEL, f"data.image_root={root}", "train.progress=false", "data.max_length=400",
               "train.log_every=1000", "train.schedule=constant", f"train.seed={seed}"]
+    if tokenizer:  # a real tokenizer (tests/real_tokenizers.py) and Qwen3-VL's template
+        from real_tokenizers import unpacked
+
+        common += [f"data.tokenizer={unpacked(tokenizer)}", "data.chat_template=qwen3_vl"]
     started = time.perf_counter()
     first = RunConfig.load(None, [*common, f"train.out={root / f'sft-{name}-{seed}'}",
                                   f"data.train={root / ('sft.jsonl' if tools else 'direct.jsonl')}",
-                                  "train.steps=150", "data.batch_size=8", "train.lr=1e-3"])
+                                  f"train.steps={SFT_STEPS}", "data.batch_size=8", "train.lr=1e-3"])
     parts = build_run(first)
     Trainer(parts.model, first, parts.train_data, parts.collate).fit()
     taught = time.perf_counter()

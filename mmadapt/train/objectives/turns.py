@@ -83,6 +83,12 @@ class Trajectories:
     tool_images: list[list[Any]]
     history: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)  # per row, its answers and tool
     # results as messages (`mmadapt.data.samples`' format: an answer's calls as `tool_calls`, `<image>` per image)
+    row_problems: list[int] = dataclasses.field(default_factory=list)  # per row, its counted tool problems
+
+    def columns(self) -> dict[str, list[int]]:
+        """What the rewards read of each trajectory besides its last answer's text: `tool_calls` (the calls it made
+        that could be read) and `tool_problems` (its counted problems: unreadable calls, failing tools, budget)."""
+        return {"tool_calls": [int(c) for c in self.calls], "tool_problems": list(self.row_problems)}
 
     @property
     def num_generations(self) -> int:
@@ -153,6 +159,7 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
     texts, calls, problems = [""] * count, torch.zeros(count, dtype=torch.long), Counter()
     tool_images: list[list[Any]] = [[] for _ in range(count)]
     history: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+    row_problems = [0] * count
     truncated = torch.zeros(count, dtype=torch.bool)
     answers, live = first, list(range(count))
     for turn in range(agent.max_turns):
@@ -169,10 +176,12 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             if truncated[r] or turn + 1 == agent.max_turns:
                 continue
             tools = agent.tools if offered is None else {n: agent.tools[n] for n in offered[r // g]}
+            before = sum(problems.values())
             called = call_tools(agent, tools, processor, ids, seen[r], problems)
             if called is None:
                 continue
             parsed, results = called
+            row_problems[r] += sum(problems.values()) - before
             if parsed:  # the answer as a record writes it: its text before the calls, the calls themselves
                 history[r][-1] = {"role": "assistant", "content": texts[r].split(agent.turns.marker)[0].strip()
                                   if agent.turns.marker else "", "tool_calls": [
@@ -181,6 +190,7 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             suffix, shown = tool_message(agent, processor, results, blank_tool_images)
             if len(suffix) > budget[r] - 1:  # no room for the message and one token of an answer
                 problems["budget"] += 1
+                row_problems[r] += 1
                 continue
             history[r] += [{"role": "tool", "content": IMAGE * len(result.images) + result.text}
                            for result in results]
@@ -219,7 +229,7 @@ def multi_turn_rollout(model: Any, processor: Any, prompts: dict[str, Any], num_
             answers, live = None, []
     policy = policy_rollouts(policy_ids, policy_logps, truncated, g, processor, device)
     return Trajectories(policy, segments, pool_pixels, pool, row_images, texts, calls, problems, tool_images,
-                        history)
+                        history, row_problems)
 
 
 def agent_room(processor: Any, prompt_length: int) -> int:

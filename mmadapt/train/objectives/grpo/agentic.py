@@ -101,7 +101,7 @@ def tool_controls(model: Any, scorer: Any, agent: Agent, batch: dict[str, Any],
         if control == "blanked" and batch.get("pixel_values") is not None:
             shown["pixel_values"] = torch.zeros_like(batch["pixel_values"])
         done = answer(model, scorer.processor, shown, 1, scorer.sampling, agent, blank=control != "real")
-        totals = scorer.score(done.texts, batch).total
+        totals = scorer.score(done.texts, batch, 1, done.columns()).total
         out[control] = [t for t in totals if t == t]
         if control == "real":
             out["tool_calls"] = done.calls.float().tolist()

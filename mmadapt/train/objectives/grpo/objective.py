@@ -314,8 +314,9 @@ class GrpoObjective(OnlineObjective):
     def rewards(self, batch: dict[str, Any], done: Any) -> Any:
         if done is None:
             return None
-        texts = done.texts if isinstance(done, Trajectories) else self.scorer.texts(done)
-        return self.scorer.score(texts, batch, self.settings.num_generations)
+        if isinstance(done, Trajectories):  # the last answer's text; its calls and problems as columns
+            return self.scorer.score(done.texts, batch, self.settings.num_generations, done.columns())
+        return self.scorer.score(self.scorer.texts(done), batch, self.settings.num_generations)
 
     def advantages(self, total: torch.Tensor, batch_rewards: torch.Tensor | None) -> Any:
         s = self.settings

@@ -71,11 +71,13 @@ class AnswerScorer:
         """Each answer's text: what answering returns for its ids (`rollout.answer_texts`)."""
         return answer_texts(self.processor, rollouts)
 
-    def score(self, texts: list[str], batch: dict[str, Any], repeats: int = 1) -> Scores:
-        """The rewards of `texts`: `repeats` answers per prompt of `batch`, its `columns` repeated to match."""
+    def score(self, texts: list[str], batch: dict[str, Any], repeats: int = 1,
+              rows: dict[str, list[Any]] | None = None) -> Scores:
+        """The rewards of `texts`: `repeats` answers per prompt of `batch`, its `columns` repeated to match, and
+        `rows`' columns, one value per answer (a trajectory's `tool_calls` and `tool_problems`)."""
         names = sorted({k for row in batch["columns"] for k in row})
         columns = {k: [row.get(k) for row in batch["columns"] for _ in range(repeats)] for k in names}
-        return score(texts, columns, self.specs)
+        return score(texts, {**columns, **(rows or {})}, self.specs)
 
     def greedy(self, model: Any, batch: dict[str, Any]) -> list[float]:
         """The total reward of one answer (`sampling`: greedy) to each prompt of a `PromptCollator` batch (NaN: no
