@@ -8,6 +8,9 @@ name is first read, and the value is then kept as a plain attribute. A public na
 (`mmadapt.numerics.dump`, the function, in `numerics/dump.py`) stays the name's value once the submodule is imported,
 as an eager `from .dump import dump` left it (the package's class is a `types.ModuleType` subclass that says so, as
 Python's data model documents for customising a module's attributes). Imports nothing of mmadapt.
+
+`imported(path, where, what)`: a user's `package.module:function` (a reward, a tool) imported when a run config
+names it, with the one error both give for a name that is no dotted module path or cannot be imported.
 """
 
 from __future__ import annotations
@@ -40,3 +43,16 @@ def lazy_names(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str]
 
     sys.modules[package].__class__ = Package
     return __getattr__, __dir__
+
+
+def imported(path: str, where: str, what: str) -> Any:
+    """`package.module:attribute` from an installed module (this imports, so runs, that module); `ValueError`
+    naming `where` for a file path or a name that cannot be imported (`what`: "reward", "tool")."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
+        raise ValueError(f"{where}: {path!r} is not 'package.module:function' (a dotted module path, not a file)")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{where}: cannot import {what} {path!r} ({error}); install its package in this "
+                         "environment or fix the name") from None

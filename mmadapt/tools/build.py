@@ -10,7 +10,6 @@ hint on each. A parameter named `context` receives the `ToolContext` and is left
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import typing
 from collections.abc import Mapping, Sequence
@@ -73,14 +72,9 @@ def build_tool(entry: Any, where: str) -> Tool:
 
 def imported_tool(path: str, where: str) -> Any:
     """`package.module:function` from an installed module (this imports, so runs, that module)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
-        raise ValueError(f"{where}: {path!r} is not 'package.module:function' (a dotted module path, not a file)")
-    try:
-        function = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{where}: cannot import tool {path!r} ({error}); install its package in this environment "
-                         "or fix the name") from None
+    from mmadapt.lazy import imported
+
+    function = imported(path, where, "tool")
     if not inspect.isfunction(function):
         raise TypeError(f"{where}: {path!r} is a {type(function).__name__}, not a function; a tool is a plain "
                         "function with type hints and a Google-style docstring")

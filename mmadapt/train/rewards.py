@@ -30,7 +30,6 @@ counted in `Scores.failed` and logged once per call with its name, the rows and 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import math
 import numbers
@@ -199,14 +198,9 @@ def build_reward(name: str, options: dict[str, Any], where: str) -> RewardFuncti
 
 def imported_reward(path: str, where: str) -> RewardFunction:
     """`package.module:function` from an installed module (this imports, so runs, that module)."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
-        raise ValueError(f"{where}: {path!r} is not 'package.module:function' (a dotted module path, not a file)")
-    try:
-        function = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{where}: cannot import reward {path!r} ({error}); install its package in this "
-                         "environment or fix the name") from None
+    from mmadapt.lazy import imported
+
+    function = imported(path, where, "reward")
     if not callable(function):
         raise TypeError(f"{where}: {path!r} is a {type(function).__name__}, not a callable "
                         "(completions, **columns) -> list[float | None]")
