@@ -248,6 +248,7 @@ def test_a_tool_past_its_timeout_is_abandoned_promptly(astronaut):
     ([Image.new("RGB", (300, 300))], "image_too_large", "image 0 is 300x300 = 90000 pixels, over the limit of 16384"),
     ([Image.new("RGB", (8, 8))] * 5, "too_many_images", "returned 5 images; a call may return at most 4"),
     (Image.new("RGB", (0, 5)), "invalid_result", "it has no pixels"),
+    ("x" * 20000, "text_too_long", "returned 20000 characters of text; a call may return at most 16384"),
 ])
 def test_an_invalid_return_is_its_problem(astronaut, value, problem, says):
     result = call([Returns("bad", value=value)], "bad", context(astronaut))
@@ -298,7 +299,7 @@ def test_a_context_refuses_limits_and_images_it_cannot_hold(astronaut):
 
 def test_problem_kinds_are_the_documented_ones():
     assert PROBLEMS == ("bad_call", "unknown_tool", "bad_arguments", "tool_error", "timeout", "invalid_result",
-                        "image_too_large", "too_many_images")
+                        "image_too_large", "too_many_images", "text_too_long")
     with pytest.raises(ValueError, match="is none of"):
         ToolResult(problem="oops")
 

@@ -23,7 +23,7 @@ dict {"text": str, "images": [PIL images]}; or a `ToolResult`. Images are conver
 tool is logged at WARNING, with the traceback of an exception): "bad_call" (the rollout's: a call it could not read
 in the template's format), "unknown_tool", "bad_arguments" (the arguments
 against the tool's JSON schema: missing, unknown or mistyped keys; or a box the tool refuses), "tool_error" (it
-raised), "timeout", "invalid_result", "image_too_large", "too_many_images".
+raised), "timeout", "invalid_result", "image_too_large", "too_many_images", "text_too_long".
 
 Time: a call runs in a worker thread and is abandoned after `timeout` seconds (10 by default). A Python thread cannot
 be killed: an abandoned tool keeps running, and holding what it holds, until it returns by itself; the thread is a

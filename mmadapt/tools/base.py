@@ -23,6 +23,7 @@ PROBLEMS = (
     "invalid_result",  # the tool returned something that is no result (an int, bytes, a broken image, ...)
     "image_too_large",  # an image over the context's max_pixels
     "too_many_images",  # more images than the context's max_images
+    "text_too_long",  # a text over the context's max_text characters (checked before it is tokenized)
 )
 
 
@@ -79,13 +80,14 @@ class ToolContext:
     max_pixels: int
     min_pixels: int = 1
     max_images: int = 4
+    max_text: int = 16384  # characters of text one call may return (a trajectory's token budget applies after)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "images", tuple(self.images))
         strays = [type(image).__name__ for image in self.images if not isinstance(image, Image.Image)]
         if strays:
             raise TypeError(f"ToolContext.images must be PIL images (the trajectory's, decoded), got {strays}")
-        for name in ("max_pixels", "min_pixels", "max_images"):
+        for name in ("max_pixels", "min_pixels", "max_images", "max_text"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ToolContext.{name} must be a positive int, got {value!r}")

@@ -166,6 +166,9 @@ def checked_result(raw: Any, context: ToolContext) -> ToolResult:
     else:
         raise InvalidResult("invalid_result", f"returned {kind(raw)}; a tool returns a str, a PIL image, a list of "
                             "them, a dict {'text': str, 'images': [images]} or a ToolResult")
+    if len(text) > context.max_text:
+        raise InvalidResult("text_too_long", f"returned {len(text)} characters of text; a call may return at most "
+                            f"{context.max_text}")
     if len(images) > context.max_images:
         raise InvalidResult("too_many_images", f"returned {len(images)} images; a call may return at most "
                             f"{context.max_images}")
